@@ -1,0 +1,148 @@
+"""The ``diffusion-kv`` command.
+
+Exit codes: 0 success; 1 a selection or run error (message on stderr); 2 usage errors and
+capabilities that are not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from diffusion_kv.core.errors import PlatformError
+from diffusion_kv.platforms.interface import Requirements
+from diffusion_kv.platforms.selection import (
+    ENV_PLATFORM,
+    ENV_PLUGINS,
+    PlatformStatus,
+    available_platforms,
+    discover,
+    select_platform,
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_NOT_BUILT = 2
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _caps_line(status: PlatformStatus) -> str:
+    caps = status.capabilities
+    if caps is None:
+        return "(not loaded)"
+    heads = caps["head_sizes"] if caps["head_sizes"] == "any" else ",".join(map(str, caps["head_sizes"]))
+    flags = [name for name in ("gqa", "ulysses", "dcp", "graph_capture") if caps[name]]
+    if caps["host_lengths"]:
+        flags.append("host_lengths")
+    return (
+        f"dtypes={','.join(caps['dtypes'])} head_sizes={heads} blocks={';'.join(caps['kernel_block_sizes'])} "
+        f"(default {status.default_block_size}) slots={caps['slot_mapping_dtype']} "
+        f"modes={','.join(caps['attention_modes'])} write={status.kv_write_policy} "
+        f"flags={','.join(flags) or '-'}"
+    )
+
+
+def _cmd_platforms(args: argparse.Namespace) -> int:
+    statuses = available_platforms()
+    plugins = discover()
+    error: str | None = None
+    how = ""
+    try:
+        selection = select_platform(warn=lambda _m: None)
+        selected, how = selection.platform.name, selection.how
+    except PlatformError as exc:
+        selected, error = None, str(exc)
+    statuses = [PlatformStatus(**{**s.as_dict(), "selected": s.name == selected}) for s in statuses]
+    if args.json:
+        payload = {
+            "entry_point_group": plugins.namespace,
+            "allowlist": sorted(plugins.allowlist) if plugins.allowlist is not None else None,
+            "allowlisted_not_installed": list(plugins.not_installed),
+            "selected": selected,
+            "selected_how": how,
+            "error": error,
+            "platforms": [s.as_dict() for s in statuses],
+        }
+        print(json.dumps(payload, indent=2, sort_keys=True))
+    else:
+        rows = [["NAME", "SELECTED", "AVAILABLE", "ENTRY POINT", "REASON"]]
+        for s in statuses:
+            rows.append(
+                [
+                    s.name + (" (reference)" if s.is_reference else ""),
+                    "*" if s.selected else "",
+                    "yes" if s.available else "no",
+                    s.entry_point,
+                    s.reason if s.error is None else "failed to load (see below)",
+                ]
+            )
+        print(f"entry-point group: {plugins.namespace}")
+        if plugins.allowlist is not None:
+            print(f"{ENV_PLUGINS}: {','.join(sorted(plugins.allowlist))}")
+            if plugins.not_installed:
+                print(f"  allowlisted but not installed: {', '.join(plugins.not_installed)}")
+        print(_table(rows))
+        print()
+        for s in statuses:
+            print(f"{s.name}: {_caps_line(s)}")
+        broken = [s for s in statuses if s.error is not None]
+        if broken:
+            print()
+            print("plugins that failed to load:")
+            for s in broken:
+                print(f"  {s.name}: {s.error}")
+        print()
+        if selected is not None:
+            print(f"selected: {selected} ({how})")
+        if args.explain and selected is not None:
+            platform = plugins.instance(selected)
+            for line in platform.explain(Requirements()):
+                print(f"  {line}")
+    if error is not None:
+        print(f"diffusion-kv: error: {error}", file=sys.stderr)
+        print(
+            f"  (set {ENV_PLATFORM}=<name> to choose, or {ENV_PLUGINS}=<names> to limit loading)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _not_built(capability: str) -> int:
+    print(f"diffusion-kv: {capability} is not built yet", file=sys.stderr)
+    return EXIT_NOT_BUILT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffusion-kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("platforms", help="list installed platform plugins and the one that would be selected")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--explain", action="store_true", help="show how the selected platform picks its backend")
+    p.set_defaults(func=_cmd_platforms)
+    for name, capability in (
+        ("demo", "the main job (tiny-DiT dense vs paged demo; runner backend and allocator)"),
+        ("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),
+        ("conformance", "the conformance kit (paged vs dense attention cases per platform)"),
+    ):
+        q = sub.add_parser(name, help=f"{capability} [not built yet]")
+        q.set_defaults(func=lambda _a, c=capability: _not_built(c))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
