@@ -10,10 +10,13 @@ vllm-ascend's) fits the same seam through a thin adapter in ``integrations/vllm`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from diffusion_kv.core.errors import ValidationError
 
 
 @runtime_checkable
@@ -41,20 +44,45 @@ class StagedGroupTable(Protocol):
 class BlockTables(Protocol):
     """Worker block tables for all KV-cache groups."""
 
-    block_sizes: Sequence[int]
-    """KV-manager block size per group (what the scheduler allocates)."""
-    kernel_block_sizes: Sequence[int]
-    """Block size the attention kernel addresses, per group (divides ``block_sizes``)."""
-    blocks_per_kv_block: Sequence[int]
-    """``block_sizes[g] // kernel_block_sizes[g]``."""
-    max_num_reqs: int
-    max_num_batched_tokens: int
-    cp_size: int
-    cp_rank: int
-    cp_interleave: int
-    slot_mapping_dtype: torch.dtype
-    num_blocks: HostBlockCounts
-    block_tables: Sequence[StagedGroupTable]
+    # Read-only members: plain attributes of an implementation satisfy them.
+    @property
+    def block_sizes(self) -> Sequence[int]:
+        """KV-manager block size per group (what the scheduler allocates)."""
+        ...
+
+    @property
+    def kernel_block_sizes(self) -> Sequence[int]:
+        """Block size the attention kernel addresses, per group (divides ``block_sizes``)."""
+        ...
+
+    @property
+    def blocks_per_kv_block(self) -> Sequence[int]:
+        """``block_sizes[g] // kernel_block_sizes[g]``."""
+        ...
+
+    @property
+    def max_num_reqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def cp_size(self) -> int: ...
+
+    @property
+    def cp_rank(self) -> int: ...
+
+    @property
+    def cp_interleave(self) -> int: ...
+
+    @property
+    def slot_mapping_dtype(self) -> torch.dtype: ...
+
+    @property
+    def num_blocks(self) -> HostBlockCounts: ...
+
+    @property
+    def block_tables(self) -> Sequence[StagedGroupTable]: ...
 
     def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...], overwrite: bool) -> None:
         """Stage a write of manager block ids for one row (all groups); updates ``num_blocks``."""
@@ -83,3 +111,253 @@ class BlockTables(Protocol):
     def init_block_table_layout_tensors(self) -> None:
         """Rebuild derived layout tensors (after the underlying storage was reallocated)."""
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-torch implementation (any torch device)
+# --------------------------------------------------------------------------------------------
+
+PAD_SLOT_ID = -1
+
+
+def block_table_width(max_num_blocks: int, block_size: int, token_alignment: int | None = 128) -> int:
+    """Table width for ``max_num_blocks`` blocks, rounded up so the row spans a multiple of
+    ``token_alignment`` tokens (vLLM's ``get_block_table_width`` rule)."""
+    if token_alignment is not None:
+        alignment = token_alignment // math.gcd(token_alignment, block_size)
+        max_num_blocks = -(-max_num_blocks // alignment) * alignment
+    return max_num_blocks
+
+
+class HostCounts:
+    """``num_blocks`` host view: ``.cpu`` is the source of truth, ``.gpu`` the device copy."""
+
+    def __init__(self, num_groups: int, max_num_reqs: int, device: torch.device) -> None:
+        self.cpu = torch.zeros((num_groups, max_num_reqs), dtype=torch.int32)
+        self.gpu = torch.zeros((num_groups, max_num_reqs), dtype=torch.int32, device=device)
+
+    def copy_to_uva(self) -> None:
+        self.gpu.copy_(self.cpu, non_blocking=False)
+
+
+class StagedTable:
+    """One group's device table plus its pending (host-side) writes."""
+
+    def __init__(self, max_num_reqs: int, width: int, device: torch.device) -> None:
+        self.gpu = torch.zeros((max_num_reqs, width), dtype=torch.int32, device=device)
+        self.width = width
+        self._staged: list[tuple[int, int, list[int]]] = []
+
+    def stage_write(self, row: int, start: int, ids: list[int]) -> None:
+        self._staged.append((row, start, ids))
+
+    def clear_staged_writes(self) -> None:
+        self._staged.clear()
+
+    def apply_write(self) -> None:
+        """Apply every staged write with one indexed copy, then clear them."""
+        staged = [(row, start, ids) for row, start, ids in self._staged if ids]
+        if staged:
+            rows = [row for row, _, ids in staged for _ in ids]
+            cols = [start + k for _, start, ids in staged for k in range(len(ids))]
+            vals = [v for _, _, ids in staged for v in ids]
+            device = self.gpu.device
+            index = (
+                torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(cols, dtype=torch.long).to(device, non_blocking=True),
+            )
+            self.gpu.index_put_(index, torch.tensor(vals, dtype=torch.int32).to(device, non_blocking=True))
+        self._staged.clear()
+
+
+class TorchBlockTables:
+    """BlockTables in plain torch: the ``cpu`` plugin's, usable on any torch device.
+
+    Semantics follow vLLM's model-runner-V2 ``BlockTables`` with kernel block sizes: a manager
+    block id ``b`` of group ``g`` is stored as the ``blocks_per_kv_block[g]`` kernel ids
+    ``b * r + k``; ``num_blocks`` counts kernel blocks; slot mappings use the decode-context
+    parallel (DCP) interleave when ``cp_size > 1`` and write ``-1`` for padding tokens, for
+    tokens owned by another DCP rank, and for positions beyond a row's installed blocks.
+    Everything per token is vectorised; no host synchronisation happens in gather or slots.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_num_blocks_per_group: Sequence[int],
+        device: torch.device | str,
+        kernel_block_sizes: Sequence[int] | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+        slot_mapping_dtype: torch.dtype = torch.int64,
+    ) -> None:
+        block_sizes = list(block_sizes)
+        kernel = list(kernel_block_sizes) if kernel_block_sizes is not None else list(block_sizes)
+        caps = list(max_num_blocks_per_group)
+        if not block_sizes or len(kernel) != len(block_sizes) or len(caps) != len(block_sizes):
+            raise ValidationError(
+                f"BlockTables needs one block size, kernel block size and capacity per group; got "
+                f"block_sizes={block_sizes}, kernel_block_sizes={kernel}, max_num_blocks_per_group={caps}"
+            )
+        for g, (bs, kbs, cap) in enumerate(zip(block_sizes, kernel, caps, strict=True)):
+            if type(bs) is not int or type(kbs) is not int or bs <= 0 or kbs <= 0 or bs % kbs:
+                raise ValidationError(
+                    f"group {g}: kernel block size {kbs!r} must be a positive divisor of block size {bs!r}"
+                )
+            if type(cap) is not int or cap <= 0:
+                raise ValidationError(f"group {g}: max_num_blocks_per_group must be positive; got {cap!r}")
+        for name, value in (
+            ("max_num_reqs", max_num_reqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if type(value) is not int or value <= 0:
+                raise ValidationError(f"{name} must be a positive integer; got {value!r}")
+        if type(cp_size) is not int or cp_size <= 0 or not (type(cp_rank) is int and 0 <= cp_rank < cp_size):
+            raise ValidationError(
+                f"cp_rank must lie in [0, cp_size); got cp_size={cp_size!r}, cp_rank={cp_rank!r}"
+            )
+        if type(cp_interleave) is not int or cp_interleave <= 0:
+            raise ValidationError(f"cp_interleave must be a positive integer; got {cp_interleave!r}")
+        if cp_size > 1 and any(bs % cp_interleave for bs in block_sizes):
+            raise ValidationError(f"cp_interleave={cp_interleave} must divide every block size {block_sizes}")
+        if slot_mapping_dtype not in (torch.int32, torch.int64):
+            raise ValidationError(
+                f"slot_mapping_dtype must be torch.int32 or torch.int64; got {slot_mapping_dtype}"
+            )
+        self.device = torch.device(device)
+        self.block_sizes = block_sizes
+        self.kernel_block_sizes = kernel
+        self.blocks_per_kv_block = [bs // kbs for bs, kbs in zip(block_sizes, kernel, strict=True)]
+        self.max_num_blocks_per_group = caps
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.cp_interleave = cp_interleave
+        self.slot_mapping_dtype = slot_mapping_dtype
+        self.num_kv_cache_groups = len(block_sizes)
+        self.block_tables = [
+            StagedTable(max_num_reqs, cap * r, self.device)
+            for cap, r in zip(caps, self.blocks_per_kv_block, strict=True)
+        ]
+        self.num_blocks = HostCounts(len(block_sizes), max_num_reqs, self.device)
+        self.init_block_table_layout_tensors()
+
+    # -- staged writes -----------------------------------------------------------------------
+
+    def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+        if type(req_index) is not int or not 0 <= req_index < self.max_num_reqs:
+            raise ValidationError(f"row {req_index!r} is outside [0, {self.max_num_reqs})")
+        if len(new_block_ids) != self.num_kv_cache_groups:
+            raise ValidationError(
+                f"row {req_index}: {len(new_block_ids)} block groups given; expected {self.num_kv_cache_groups}"
+            )
+        plans = []
+        for g, ids in enumerate(new_block_ids):
+            r = self.blocks_per_kv_block[g]
+            start = 0 if overwrite else int(self.num_blocks.cpu[g, req_index])
+            kernel_ids = [b * r + k for b in ids for k in range(r)] if r > 1 else list(ids)
+            end = start + len(kernel_ids)
+            if end > self.block_tables[g].width:
+                raise ValidationError(
+                    f"row {req_index} group {g}: {end} kernel blocks exceed the table width "
+                    f"{self.block_tables[g].width}"
+                )
+            plans.append((start, kernel_ids, end))
+        for g, (start, kernel_ids, end) in enumerate(plans):  # all checks passed: now mutate
+            self.block_tables[g].stage_write(req_index, start, kernel_ids)
+            self.num_blocks.cpu[g, req_index] = end
+
+    def apply_staged_writes(self) -> None:
+        for table in self.block_tables:
+            table.apply_write()
+        self.num_blocks.copy_to_uva()
+
+    def clear_staged_writes(self) -> None:
+        for table in self.block_tables:
+            table.clear_staged_writes()
+
+    def init_block_table_layout_tensors(self) -> None:
+        self._kernel_sizes_t = torch.tensor(self.kernel_block_sizes, dtype=torch.long, device=self.device)
+        self._block_sizes_t = torch.tensor(self.block_sizes, dtype=torch.long, device=self.device)
+
+    # -- per batch ---------------------------------------------------------------------------
+
+    def gather_block_tables(
+        self, idx_mapping: torch.Tensor, num_reqs_padded: int
+    ) -> tuple[torch.Tensor, ...]:
+        idx = idx_mapping.to(device=self.device, dtype=torch.long)
+        num_reqs = idx.shape[0]
+        valid = idx >= 0
+        safe = idx.clamp(min=0)
+        out = []
+        for g, table in enumerate(self.block_tables):
+            rows = table.gpu.index_select(0, safe)
+            counts = self.num_blocks.gpu[g].index_select(0, safe)
+            keep = (torch.arange(table.width, device=self.device)[None, :] < counts[:, None]) & valid[:, None]
+            gathered = torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=self.device))
+            if num_reqs_padded > num_reqs:
+                pad = torch.zeros(
+                    (num_reqs_padded - num_reqs, table.width), dtype=torch.int32, device=self.device
+                )
+                gathered = torch.cat([gathered, pad])
+            out.append(gathered[:num_reqs_padded])
+        return tuple(out)
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+    ) -> torch.Tensor:
+        device = self.device
+        idx = idx_mapping.to(device=device, dtype=torch.long)
+        qsl = query_start_loc.to(device=device, dtype=torch.long)
+        token = torch.arange(num_tokens_padded, device=device)
+        num_real = positions.shape[0]
+        pos = torch.zeros(num_tokens_padded, dtype=torch.long, device=device)
+        n = min(num_real, num_tokens_padded)
+        pos[:n] = positions[:n].to(device=device, dtype=torch.long)
+        # batch row of every token; tokens at or past query_start_loc[-1] are padding
+        batch_row = torch.searchsorted(qsl[1:].contiguous(), token, right=True)
+        in_batch = token < qsl[-1]
+        batch_row = batch_row.clamp(max=max(idx.shape[0] - 1, 0))
+        req = idx.index_select(0, batch_row) if idx.numel() else torch.full_like(token, -1)
+        valid = in_batch & (req >= 0)
+        safe_req = req.clamp(min=0)
+        out = torch.full(
+            (self.num_kv_cache_groups, num_tokens_padded),
+            PAD_SLOT_ID,
+            dtype=self.slot_mapping_dtype,
+            device=device,
+        )
+        for g, table in enumerate(self.block_tables):
+            bs = self.block_sizes[g]
+            kbs = self.kernel_block_sizes[g]
+            if self.cp_size == 1:
+                local_pos = pos
+                local = valid
+            else:
+                virtual = bs * self.cp_size
+                offset = pos % virtual
+                local = valid & ((offset // self.cp_interleave) % self.cp_size == self.cp_rank)
+                local_pos = (
+                    (pos // virtual) * bs
+                    + (offset // (self.cp_interleave * self.cp_size)) * self.cp_interleave
+                    + offset % self.cp_interleave
+                )
+            kernel_block = local_pos // kbs
+            installed = self.num_blocks.gpu[g].index_select(0, safe_req).long()
+            local = local & (kernel_block < installed)
+            column = kernel_block.clamp(max=table.width - 1)
+            block_id = table.gpu[safe_req, column].long()
+            slots = block_id * kbs + local_pos % kbs
+            out[g] = torch.where(local, slots, torch.full_like(slots, PAD_SLOT_ID)).to(
+                self.slot_mapping_dtype
+            )
+        return out

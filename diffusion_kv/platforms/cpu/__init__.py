@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.platforms.interface import (
     AttentionMode,
@@ -47,7 +47,7 @@ class CpuPlatform(Platform):
         return Availability(True, f"pure torch {torch.__version__}; always available")
 
     def block_tables_cls(self) -> type[BlockTables]:
-        raise NotImplementedError("the cpu plugin's BlockTables (core data plane) is not built yet")
+        return TorchBlockTables
 
     def metadata_builder(
         self,
