@@ -116,6 +116,26 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        import pytest
+    except ImportError:
+        print(
+            "diffusion-kv: the conformance kit needs pytest: pip install 'diffusion-kv[test]'",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    try:
+        platform = select_platform(args.platform, warn=lambda _m: None).platform
+    except PlatformError as exc:
+        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"conformance kit on platform {platform.name!r}", flush=True)
+    argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
+    argv += ["-q"] if not args.verbose else ["-v"]
+    return EXIT_OK if int(pytest.main([*argv, *args.pytest_args])) == 0 else EXIT_ERROR
+
+
 def _not_built(capability: str) -> int:
     print(f"diffusion-kv: {capability} is not built yet", file=sys.stderr)
     return EXIT_NOT_BUILT
@@ -128,10 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="show how the selected platform picks its backend")
     p.set_defaults(func=_cmd_platforms)
+    c = sub.add_parser("conformance", help="run the conformance kit (paged vs dense cases) on a platform")
+    c.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    c.set_defaults(func=_cmd_conformance)
     for name, capability in (
         ("demo", "the main job (tiny-DiT dense vs paged demo; runner backend and allocator)"),
         ("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),
-        ("conformance", "the conformance kit (paged vs dense attention cases per platform)"),
     ):
         q = sub.add_parser(name, help=f"{capability} [not built yet]")
         q.set_defaults(func=lambda _a, c=capability: _not_built(c))

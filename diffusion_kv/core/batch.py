@@ -1,15 +1,47 @@
-"""The neutral per-batch record handed to a platform's metadata builder.
+"""Records and protocols shared by the core and the platform plugins.
 
-It plays the role of vLLM's ``CommonAttentionMetadata``: everything a native builder needs to
-describe one paged attention call over several rows, in platform-neutral tensors.
+* :class:`CommonBatchMetadata` plays the role of vLLM's ``CommonAttentionMetadata``: everything
+  a native metadata builder needs to describe one paged attention call over several rows.
+* :class:`LayerGeometry`, :class:`KVWritePolicy`, :class:`MetadataBuilder` and
+  :class:`PagedAttentionBackend` are the parts of the plugin contract the core itself calls;
+  ``platforms.interface`` re-exports them next to the ``Platform`` base class.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+KVCache = torch.Tensor | tuple[torch.Tensor, ...]
+"""A layer's KV cache: one tensor or a tuple (e.g. separate K and V caches)."""
+
+
+class KVWritePolicy(enum.Enum):
+    """Who writes a layer's new K/V into the pages."""
+
+    PREWRITE = "prewrite"
+    """The core writes the whole span once per layer (``backend.write_kv``) before attention;
+    the backend's ``forward`` then reads K/V from the cache only (``key``/``value`` are None)."""
+    BACKEND_WRITES = "backend_writes"
+    """The backend writes the K/V it is given inside ``forward``; under piecewise attention
+    each segment call receives only its own tokens, so every token is written exactly once."""
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Rank-local shape of one paged attention layer, as the backend sees it."""
+
+    layer_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    dtype: torch.dtype
+    causal: bool = True
 
 
 @dataclass(frozen=True)
@@ -45,3 +77,45 @@ class CommonBatchMetadata:
         if isinstance(self.causal, bool):
             return self.causal
         return bool(self.causal.get(group_index, True))
+
+
+@runtime_checkable
+class MetadataBuilder(Protocol):
+    """Turns a :class:`CommonBatchMetadata` into native metadata per layer name.
+
+    ``reorder_batch_threshold``: when not None, the native kernel expects rows whose
+    ``query_len`` is at most the threshold ("decode" rows) before longer rows; the translator
+    enforces this order at preparation time for causal groups.
+    """
+
+    reorder_batch_threshold: int | None
+
+    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class PagedAttentionBackend(Protocol):
+    """One layer's native paged attention.
+
+    ``write_kv`` writes ``key``/``value`` (``[T, Hkv, D]``) into ``kv_cache`` at
+    ``slot_mapping`` (``[T]``; ``-1`` entries are skipped). ``forward`` computes attention for
+    ``query`` (``[T, H, D]``) over the row's pages described by ``metadata`` into ``out`` (or a
+    new tensor) and returns it; with :attr:`KVWritePolicy.PREWRITE` the core passes ``None``
+    for ``key`` and ``value``.
+    """
+
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...

@@ -20,29 +20,41 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata
+from diffusion_kv.core.batch import (
+    CommonBatchMetadata,
+    KVCache,
+    KVWritePolicy,
+    LayerGeometry,
+    MetadataBuilder,
+    PagedAttentionBackend,
+)
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.layout import CacheLayout
 
-KVCache = torch.Tensor | tuple[torch.Tensor, ...]
-"""A layer's KV cache: one tensor or a tuple (e.g. separate K and V caches)."""
-
-
-class KVWritePolicy(enum.Enum):
-    """Who writes a layer's new K/V into the pages."""
-
-    PREWRITE = "prewrite"
-    """The core writes the whole span once per layer (``backend.write_kv``) before attention;
-    the backend's ``forward`` then reads K/V from the cache only (``key``/``value`` are None)."""
-    BACKEND_WRITES = "backend_writes"
-    """The backend writes the K/V it is given inside ``forward``; under piecewise attention
-    each segment call receives only its own tokens, so every token is written exactly once."""
+__all__ = [
+    "REQUIRED_ATTRIBUTES",
+    "REQUIRED_MEMBERS",
+    "AttentionMode",
+    "Availability",
+    "BlockSizeRule",
+    "Capabilities",
+    "CommonBatchMetadata",
+    "KVCache",
+    "KVWritePolicy",
+    "LayerGeometry",
+    "MetadataBuilder",
+    "MultipleOf",
+    "PagedAttentionBackend",
+    "Platform",
+    "Requirements",
+    "capability_reasons",
+]
 
 
 class AttentionMode(enum.Enum):
@@ -261,61 +273,6 @@ def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
     if req.graph_capture and not caps.supports_graph_capture:
         reasons.append("graph capture")
     return reasons
-
-
-@dataclass(frozen=True)
-class LayerGeometry:
-    """Rank-local shape of one paged attention layer, as the backend sees it."""
-
-    layer_name: str
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    scale: float
-    dtype: torch.dtype
-    causal: bool = True
-
-
-@runtime_checkable
-class MetadataBuilder(Protocol):
-    """Turns a neutral :class:`CommonBatchMetadata` into native metadata per layer.
-
-    ``reorder_batch_threshold``: when not None, the native kernel expects rows whose
-    ``query_len`` is at most the threshold ("decode" rows) before longer rows; the translator
-    enforces this order at preparation time for causal groups.
-    """
-
-    reorder_batch_threshold: int | None
-
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]: ...
-
-
-@runtime_checkable
-class PagedAttentionBackend(Protocol):
-    """One layer's native paged attention.
-
-    ``write_kv`` writes ``key``/``value`` (``[T, Hkv, D]``) into ``kv_cache`` at
-    ``slot_mapping`` (``[T]``; ``-1`` entries are skipped). ``forward`` computes attention for
-    ``query`` (``[T, H, D]``) over the row's pages described by ``metadata`` into ``out`` (or a
-    new tensor) and returns it; with :attr:`KVWritePolicy.PREWRITE` the core passes ``None``
-    for ``key`` and ``value``.
-    """
-
-    name: str
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
-    ) -> None: ...
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: Any,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
 
 
 class Platform(abc.ABC):

@@ -75,3 +75,29 @@ def test_console_script_runs_as_a_process() -> None:
     )
     assert proc.returncode == 1
     assert "no platform named 'bogus'" in proc.stderr
+
+
+def test_conformance_command_runs_the_kit() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffusion_kv.cli",
+            "conformance",
+            "--platform",
+            "cpu",
+            "--",
+            "-k",
+            "prefix_only or stale",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "conformance kit on platform 'cpu'" in proc.stdout
+    assert "2 passed" in proc.stdout
+
+
+def test_conformance_command_unknown_platform() -> None:
+    assert main(["conformance", "--platform", "bogus"]) == 1

@@ -9,6 +9,7 @@ import torch
 
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.layout import CacheLayout
+from diffusion_kv.platforms.cpu.backend import CpuMetadataBuilder, CpuPagedBackend
 from diffusion_kv.platforms.interface import (
     AttentionMode,
     Availability,
@@ -56,10 +57,10 @@ class CpuPlatform(Platform):
         layers: Sequence[LayerGeometry],
         device: torch.device,
     ) -> MetadataBuilder:
-        raise NotImplementedError("the cpu plugin's metadata builder (metadata translation) is not built yet")
+        return CpuMetadataBuilder(layout, block_tables)
 
     def paged_backend(self, layer: LayerGeometry, device: torch.device) -> PagedAttentionBackend:
-        raise NotImplementedError("the cpu plugin's paged backend (paged execution) is not built yet")
+        return CpuPagedBackend(layer)
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int

@@ -1,0 +1,52 @@
+"""Dense attention computed independently of every platform: the kit's oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diffusion_kv.core.piecewise import dense_piecewise_mask
+
+
+def row_mask(
+    mode: str,
+    query_offset: int,
+    query_len: int,
+    seq_len: int,
+    spans: Sequence[tuple[int, int]] = (),
+) -> torch.Tensor:
+    """``[query_len, seq_len]`` bool: ``causal`` (key <= query position), ``full``, or
+    ``piecewise`` (causal plus full spans)."""
+    if mode == "full":
+        return torch.ones(query_len, seq_len, dtype=torch.bool)
+    if mode == "causal":
+        return dense_piecewise_mask((), query_offset, query_len, seq_len)
+    if mode == "piecewise":
+        return dense_piecewise_mask(spans, query_offset, query_len, seq_len)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def dense_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``query [Lq, H, D]``, ``key/value [Lk, Hkv, D]``, ``mask [Lq, Lk]`` -> ``[Lq, H, D]`` (float64)."""
+    q = query.detach().to("cpu", torch.float64)
+    k = key.detach().to("cpu", torch.float64)
+    v = value.detach().to("cpu", torch.float64)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~mask[None].to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float64:
+        return {"atol": 1e-9, "rtol": 1e-9}
+    if dtype == torch.float32:
+        return {"atol": 2e-5, "rtol": 2e-5}
+    if dtype == torch.float16:
+        return {"atol": 3e-3, "rtol": 3e-3}
+    return {"atol": 2e-2, "rtol": 2e-2}

@@ -1,0 +1,429 @@
+"""Conformance cases: paged attention through a platform equals dense attention.
+
+Every case builds the platform's own parts through :class:`PagedHarness`, runs paged layers,
+and compares with :func:`dense_attention` computed here. Cases that need a capability the
+platform does not declare are skipped with the platform's own reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from diffusion_kv.conformance.harness import PagedHarness
+from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
+from diffusion_kv.core.batch import KVWritePolicy
+from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
+
+DTYPE_PREFERENCE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pick_dtype(platform: Platform) -> torch.dtype:
+    for dtype in DTYPE_PREFERENCE:
+        if dtype in platform.capabilities.dtypes:
+            return dtype
+    pytest.skip(f"{platform.name}: declares none of {DTYPE_PREFERENCE}")
+
+
+def pick_head_size(platform: Platform) -> int:
+    sizes = platform.capabilities.head_sizes
+    return 64 if sizes is None or 64 in sizes else min(sizes)
+
+
+def require(platform: Platform, **req: object) -> None:
+    reasons = platform.not_supported_reasons(Requirements(**req))  # type: ignore[arg-type]
+    if reasons:
+        pytest.skip(f"{platform.name}: unsupported ({'; '.join(reasons)})")
+
+
+def harness(platform: Platform, **kw: object) -> PagedHarness:
+    kw.setdefault("dtype", pick_dtype(platform))
+    kw.setdefault("head_size", pick_head_size(platform))
+    block = kw.setdefault("block_size", platform.default_block_size)
+    require(platform, dtype=kw["dtype"], head_size=kw["head_size"], block_size=block)
+    kw.setdefault("max_model_len", max(256, 2 * int(block)))  # type: ignore[call-overload]
+    kw.setdefault("num_blocks", 4 * (int(kw["max_model_len"]) // int(block) + 1))  # type: ignore[call-overload]
+    return PagedHarness(platform, **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class RowData:
+    """Q/K/V for every position of one row's logical sequence."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def make_rows(h: PagedHarness, seq_lens: Sequence[int], seed: int = 0) -> list[RowData]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in seq_lens:
+        q = torch.randn(n, h.num_heads, h.head_size, generator=g)
+        k = torch.randn(n, h.num_kv_heads, h.head_size, generator=g)
+        v = torch.randn(n, h.num_kv_heads, h.head_size, generator=g)
+        out.append(RowData(*(t.to(h.device, h.dtype) for t in (q, k, v))))
+    return out
+
+
+def rows_for(request_id: str, spans: Sequence[tuple[int, int]]) -> tuple[PagedRow, ...]:
+    """``spans[i] = (kv_start, seq_len)``: row ``i`` queries/writes ``[kv_start, seq_len)``."""
+    return tuple(PagedRow(request_id, sl - ks, sl, ks, sequence_id=i) for i, (ks, sl) in enumerate(spans))
+
+
+def packed(data: list[RowData], rows: Sequence[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    parts = [
+        (
+            d.q[r.kv_start_pos : r.kv_start_pos + r.query_len],
+            d.k[r.kv_start_pos : r.kv_start_pos + r.query_len],
+            d.v[r.kv_start_pos : r.kv_start_pos + r.query_len],
+        )
+        for d, r in zip(data, rows, strict=True)
+    ]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+def run(
+    h: PagedHarness,
+    rows: Sequence[PagedRow],
+    data: list[RowData],
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+    layer: str | None = None,
+) -> torch.Tensor:
+    q, k, v = packed(data, rows)
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch):
+        meta = AttentionMetadata(full_attn_spans=spans) if spans is not None else None
+        outs = [h.executor.forward(name, q, k, v, meta) for name in ([layer] if layer else h.layer_names)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=0, rtol=0)
+    return outs[0]
+
+
+def expected(
+    h: PagedHarness,
+    rows: Sequence[PagedRow],
+    data: list[RowData],
+    mode: str,
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> torch.Tensor:
+    outs = []
+    for i, (d, r) in enumerate(zip(data, rows, strict=True)):
+        mask = row_mask(mode, r.kv_start_pos, r.query_len, r.seq_len, spans[i] if spans else ())
+        q = d.q[r.kv_start_pos : r.kv_start_pos + r.query_len]
+        outs.append(dense_attention(q, d.k[: r.seq_len], d.v[: r.seq_len], mask, h.head_size**-0.5))
+    return torch.cat(outs)
+
+
+def check(h: PagedHarness, out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = tolerance(h.dtype)
+    torch.testing.assert_close(out.detach().to("cpu", torch.float64), ref, atol=tol["atol"], rtol=tol["rtol"])
+
+
+# --- cases -----------------------------------------------------------------------------------------
+
+
+def test_prefix_only_causal(dkv_platform: Platform) -> None:
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform)
+    n = h.block_size * 2 + 5
+    h.install("r", [n])
+    data = make_rows(h, [n])
+    rows = rows_for("r", [(0, n)])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+def test_suffix_over_cached_prefix(dkv_platform: Platform) -> None:
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform)
+    prefix, target = h.block_size + 3, h.block_size // 2 + 5
+    n = prefix + target
+    h.install("r", [n, n])
+    data = make_rows(h, [n, n], seed=1)
+    run(h, rows_for("r", [(0, n), (0, n)]), data)  # step 0 writes everything
+    fresh = make_rows(h, [n, n], seed=2)
+    for d, f in zip(data, fresh, strict=True):  # the target changes at every denoise step
+        d.q[prefix:], d.k[prefix:], d.v[prefix:] = f.q[prefix:], f.k[prefix:], f.v[prefix:]
+    rows = rows_for("r", [(prefix, n), (prefix, n)])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+def test_full_attention_over_cache(dkv_platform: Platform) -> None:
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.FULL}))
+    h = harness(dkv_platform, causal=False)
+    n = h.block_size + 7
+    h.install("r", [n])
+    data = make_rows(h, [n], seed=3)
+    check(h, run(h, rows_for("r", [(0, n)]), data), expected(h, rows_for("r", [(0, n)]), data, "full"))
+    rows = rows_for("r", [(n - 4, n)])
+    check(h, run(h, rows, data), expected(h, rows, data, "full"))
+
+
+def test_piecewise_worked_example(dkv_platform: Platform) -> None:
+    """Two CFG rows, seq_len 9, cached prefix 3, span (5, 8): one write, three native calls."""
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform)
+    h.install("r", [9, 9])
+    data = make_rows(h, [9, 9], seed=4)
+    spans = [[(5, 8)], [(5, 8)]]
+    prefill = rows_for("r", [(0, 9), (0, 9)])
+    check(h, run(h, prefill, data, spans), expected(h, prefill, data, "piecewise", spans))
+    rows = rows_for("r", [(3, 9), (3, 9)])
+    writes_before = {n: len(b.writes) for n, b in h.backends.items()}
+    forwards_before = {n: len(b.forwards) for n, b in h.backends.items()}
+    out = run(h, rows, data, spans)
+    check(h, out, expected(h, rows, data, "piecewise", spans))
+    for name, backend in h.backends.items():
+        new_forwards = backend.forwards[forwards_before[name] :]
+        if dkv_platform.kv_write_policy is KVWritePolicy.PREWRITE:
+            assert backend.writes[writes_before[name] :] == [12]
+            assert new_forwards == [(4, False), (6, False), (2, False)]
+        else:
+            assert backend.writes[writes_before[name] :] == []
+            assert new_forwards == [(4, True), (6, True), (2, True)]
+
+
+def test_piecewise_unequal_offsets(dkv_platform: Platform) -> None:
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform)
+    h.install("r", [40, 30])
+    data = make_rows(h, [40, 30], seed=5)
+    spans = [[(20, 30)], [(10, 20)]]
+    rows = rows_for("r", [(0, 40), (0, 30)])
+    check(h, run(h, rows, data, [[(20, 30)], [(10, 20)]]), expected(h, rows, data, "piecewise", spans))
+    rows = rows_for("r", [(10, 40), (0, 30)])
+    check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
+
+
+def test_piecewise_span_covering_query_start(dkv_platform: Platform) -> None:
+    """A query range that starts inside a span still sees the whole span (kv_end = span end)."""
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform)
+    n = 24
+    h.install("r", [n])
+    data = make_rows(h, [n], seed=6)
+    run(h, rows_for("r", [(0, n)]), data, [[(4, 20)]])
+    spans = [[(4, 20)]]
+    rows = rows_for("r", [(10, n)])
+    check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
+
+
+def test_empty_spans_are_causal(dkv_platform: Platform) -> None:
+    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform)
+    h.install("r", [19])
+    data = make_rows(h, [19], seed=7)
+    rows = rows_for("r", [(0, 19)])
+    check(h, run(h, rows, data, [[]]), expected(h, rows, data, "causal"))
+
+
+def test_gqa(dkv_platform: Platform) -> None:
+    require(dkv_platform, num_heads=8, num_kv_heads=2, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform, num_heads=8, num_kv_heads=2)
+    h.install("r", [21, 50])
+    data = make_rows(h, [21, 50], seed=8)
+    rows = rows_for("r", [(0, 21), (0, 50)])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+def test_rows_of_different_lengths(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    lens = [5, h.block_size * 2 + 1, 17]
+    h.install("r", lens)
+    data = make_rows(h, lens, seed=9)
+    rows = rows_for("r", [(0, n) for n in lens])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    rows = rows_for("r", [(n - 3, n) for n in lens])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["heads", "flat-hidden"])
+def test_padded_batch_layout(dkv_platform: Platform, hidden: bool) -> None:
+    h = harness(dkv_platform)
+    lens = [7, 12]
+    h.install("r", lens)
+    data = make_rows(h, lens, seed=10)
+    rows = rows_for("r", [(0, n) for n in lens])
+    L = max(lens)
+
+    def pad(which: str) -> torch.Tensor:
+        parts = []
+        for d in data:
+            t = getattr(d, which)
+            parts.append(torch.cat([t, t.new_zeros(L - t.shape[0], *t.shape[1:])]))
+        out = torch.stack(parts)
+        return out.reshape(len(lens), L, -1) if hidden else out
+
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch):
+        out = h.executor.forward(h.layer_names[0], pad("q"), pad("k"), pad("v"))
+    assert out.shape == ((2, L, h.num_heads * h.head_size) if hidden else (2, L, h.num_heads, h.head_size))
+    out = out.reshape(2, L, h.num_heads, h.head_size)
+    assert torch.count_nonzero(out[0, lens[0] :]) == 0
+    ref = expected(h, rows, data, "causal")
+    check(h, torch.cat([out[0, : lens[0]], out[1, : lens[1]]]), ref)
+
+
+def test_uniform_batch_layout(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    h.install("r", [11, 11])
+    data = make_rows(h, [11, 11], seed=11)
+    rows = rows_for("r", [(0, 11), (0, 11)])
+    q, k, v = (torch.stack([getattr(d, w) for d in data]) for w in ("q", "k", "v"))
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch):
+        out = h.executor.forward(h.layer_names[0], q, k, v)
+    check(h, out.reshape(22, h.num_heads, h.head_size), expected(h, rows, data, "causal"))
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_block_sizes(dkv_platform: Platform, block_size: int) -> None:
+    h = harness(dkv_platform, block_size=block_size, max_model_len=3 * block_size)
+    n = block_size + block_size // 2 + 3
+    h.install("r", [n])
+    data = make_rows(h, [n], seed=12)
+    rows = rows_for("r", [(0, n)])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+def test_physical_placement_does_not_change_output(dkv_platform: Platform) -> None:
+    outs = []
+    for placement in ("contiguous", "reversed", "permuted"):
+        h = harness(dkv_platform)
+        lens = [h.block_size * 3 + 2, h.block_size + 1]
+        h.install("r", lens, placement=placement)
+        data = make_rows(h, lens, seed=13)
+        outs.append(run(h, rows_for("r", [(0, n) for n in lens]), data).cpu())
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_slot_mapping_dtypes(dkv_platform: Platform, slot_dtype: torch.dtype) -> None:
+    declared = dkv_platform.capabilities.slot_mapping_dtype
+    try:
+        h = harness(dkv_platform, slot_mapping_dtype=slot_dtype)
+    except TypeError:
+        if slot_dtype != declared:
+            pytest.skip(f"{dkv_platform.name}: BlockTables produces {declared} slots only")
+        h = harness(dkv_platform)
+    n = h.block_size + 9
+    h.install("r", [n])
+    data = make_rows(h, [n], seed=14)
+    rows = rows_for("r", [(0, n)])
+    batch = h.translator.prepare(rows)
+    assert batch.common.slot_mappings.dtype == slot_dtype
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+
+
+def test_one_kv_write_per_layer(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    h.install("r", [20, 20])
+    data = make_rows(h, [20, 20], seed=15)
+    run(h, rows_for("r", [(0, 20), (0, 20)]), data)
+    for backend in h.backends.values():
+        if dkv_platform.kv_write_policy is KVWritePolicy.PREWRITE:
+            assert backend.writes == [40]
+            assert backend.forwards == [(40, False)]
+        else:
+            assert backend.writes == []
+            assert backend.forwards == [(40, True)]
+
+
+def test_stale_batch_is_refused(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    h.install("a", [10])
+    rows = rows_for("a", [(0, 10)])
+    first = h.translator.prepare(rows)
+    second = h.translator.prepare(rows)
+    with pytest.raises(StaleBatchError), h.translator.activate(first):
+        pass
+    h.install("b", [10])  # a BlockTables mutation
+    with pytest.raises(StaleBatchError), h.translator.activate(second):
+        pass
+    third = h.translator.prepare(rows)
+    with h.translator.activate(third):
+        with pytest.raises(StateError, match="while a prepared batch is active"):
+            h.install("c", [10])
+        with pytest.raises(StateError, match="while another batch is active"):
+            h.translator.prepare(rows)
+    assert h.registry.rows.get(("c", 0, None)) is None
+
+
+def test_paged_layer_without_active_batch_is_an_error(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    h.install("r", [4])
+    data = make_rows(h, [4])
+    with pytest.raises(StateError, match="no dense fallback"):
+        h.executor.forward(h.layer_names[0], data[0].q, data[0].k, data[0].v)
+
+
+BadInput = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata | None],
+]
+
+BAD_INPUTS: dict[str, BadInput] = {
+    "token count": lambda q, k, v: (q[:-1], k[:-1], v[:-1], None),
+    "head dims": lambda q, k, v: (q[..., :-1], k, v, None),
+    "key layout": lambda q, k, v: (q, k[:-1], v, None),
+    "dtype": lambda q, k, v: (q.to(torch.float64 if q.dtype != torch.float64 else torch.float32), k, v, None),
+    "span beyond seq_len": lambda q, k, v: (
+        q,
+        k,
+        v,
+        AttentionMetadata(full_attn_spans=[[(5, 99)], [(5, 8)]]),
+    ),
+    "unsorted spans": lambda q, k, v: (
+        q,
+        k,
+        v,
+        AttentionMetadata(full_attn_spans=[[(6, 8), (4, 6)], [(5, 8)]]),
+    ),
+    "unaligned segments": lambda q, k, v: (q, k, v, AttentionMetadata(full_attn_spans=[[(5, 8)], []])),
+    "span rows": lambda q, k, v: (q, k, v, AttentionMetadata(full_attn_spans=[[(5, 8)]])),
+    "mask without spans": lambda q, k, v: (
+        q,
+        k,
+        v,
+        AttentionMetadata(attn_mask=torch.ones(1, 1, 6, 9, dtype=torch.bool)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_inputs_rejected_before_any_cache_write(dkv_platform: Platform, case: str) -> None:
+    h = harness(dkv_platform)
+    h.install("r", [9, 9])
+    data = make_rows(h, [9, 9], seed=16)
+    rows = rows_for("r", [(3, 9), (3, 9)])
+    q, k, v = packed(data, rows)
+    q, k, v, meta = BAD_INPUTS[case](q, k, v)
+    before = h.cache_snapshot()
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch), pytest.raises((ValidationError, NotImplementedError)):
+        h.executor.forward(h.layer_names[0], q, k, v, meta)
+    assert h.writes() == 0
+    assert all(b.forwards == [] for b in h.backends.values())
+    for a, b in zip(before, h.cache_snapshot(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_non_suffix_causal_rows_rejected_before_write(dkv_platform: Platform) -> None:
+    h = harness(dkv_platform)
+    h.install("r", [12])
+    data = make_rows(h, [12], seed=17)
+    rows = (PagedRow("r", 4, 12, 2, sequence_id=0),)
+    q, k, v = packed(data, rows)
+    before = h.cache_snapshot()
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch), pytest.raises(ValidationError, match="end at seq_len"):
+        h.executor.forward(h.layer_names[0], q, k, v)
+    assert h.writes() == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, h.cache_snapshot(), strict=True))

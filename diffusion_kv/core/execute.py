@@ -1,0 +1,103 @@
+"""The per-layer execution driver: one paged attention forward.
+
+With :attr:`KVWritePolicy.PREWRITE` the layer's new K/V is written exactly once, before (and
+outside) the segment loop, and every native call reads pages only (``key``/``value`` None).
+With :attr:`KVWritePolicy.BACKEND_WRITES` each native call receives the K/V of its own query
+tokens (and, for piecewise segments, metadata with the matching slot mapping), so every token
+is still written exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.batch import KVCache, KVWritePolicy, LayerGeometry, PagedAttentionBackend
+from diffusion_kv.core.errors import StateError
+from diffusion_kv.core.layer_context import LayerContext, build_layer_context
+from diffusion_kv.core.piecewise import run_piecewise_plan
+from diffusion_kv.core.translate import Translator
+
+
+def run_layer(
+    ctx: LayerContext,
+    backend: PagedAttentionBackend,
+    kv_cache: KVCache,
+    policy: KVWritePolicy,
+) -> torch.Tensor:
+    """Write (per policy), run every segment, and restore the caller's layout."""
+    prewrite = policy is KVWritePolicy.PREWRITE
+    if prewrite:
+        backend.write_kv(ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+
+    def runner(
+        q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, md: Any, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        return backend.forward(q, None if prewrite else k, None if prewrite else v, kv_cache, md, out)
+
+    if ctx.plan is not None:
+        out = run_piecewise_plan(
+            ctx.query,
+            None if prewrite else ctx.key,
+            None if prewrite else ctx.value,
+            ctx.plan,
+            ctx.segment_metadata,
+            runner,
+            out_head_size=ctx.layer.head_size,
+        )
+    else:
+        out = runner(ctx.query, ctx.key, ctx.value, ctx.native_metadata, None)
+    return ctx.restore_output(out)
+
+
+class PagedExecutor:
+    """Runs paged layers against the translator's active batch.
+
+    Holds, per layer: its geometry, its backend and its KV cache. A paged layer called without
+    an active batch is an error (there is no silent dense fallback).
+    """
+
+    def __init__(
+        self,
+        translator: Translator,
+        layers: Mapping[str, LayerGeometry],
+        backends: Mapping[str, PagedAttentionBackend],
+        kv_caches: Mapping[str, KVCache],
+        policy: KVWritePolicy,
+    ) -> None:
+        missing = sorted(set(layers) - set(backends)) + sorted(set(layers) - set(kv_caches))
+        if missing:
+            raise StateError(f"paged layers without a backend or KV cache: {missing}")
+        self.translator = translator
+        self.layers = dict(layers)
+        self.backends = dict(backends)
+        self.kv_caches = dict(kv_caches)
+        self.policy = policy
+
+    def context(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any | None = None,
+    ) -> LayerContext:
+        try:
+            layer = self.layers[layer_name]
+        except KeyError:
+            raise KeyError(f"unknown paged attention layer {layer_name!r}") from None
+        return build_layer_context(self.translator, layer, query, key, value, attn_metadata)
+
+    def forward(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any | None = None,
+    ) -> torch.Tensor:
+        """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
+        ctx = self.context(layer_name, query, key, value, attn_metadata)
+        return run_layer(ctx, self.backends[layer_name], self.kv_caches[layer_name], self.policy)

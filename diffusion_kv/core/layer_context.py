@@ -1,0 +1,198 @@
+"""Per-layer input normalisation: flatten Q/K/V, pack padded layouts, restore the output.
+
+Accepted layouts for each of query, key and value (the same token layout for all three):
+
+* packed ``[T, H, D]`` or ``[T, H*D]`` with ``T`` the batch's token count;
+* batched ``[B, L, H, D]`` or ``[B, L, H*D]`` with ``B`` rows, each row's ``query_len <= L``
+  (right padding); real tokens are packed for the native call, and the output is restored to
+  ``[B, L, ...]`` with zeros in the padding.
+
+All checks run here, before the execution driver writes anything into the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.batch import LayerGeometry
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.piecewise import PiecewisePlan
+from diffusion_kv.core.translate import Translator
+
+UNSUPPORTED_METADATA_FIELDS = ("joint_attn_mask", "query_ranges", "video_layout")
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-forward attention metadata a model may pass to a paged layer.
+
+    ``full_attn_spans``: per row, half-open ``[a, b)`` spans of bidirectional attention (the
+    rest is causal). ``attn_mask`` is accepted only together with spans, as a 4-D tensor that
+    the spans already describe. Objects with the same attribute names are accepted too.
+    """
+
+    full_attn_spans: Sequence[Sequence[tuple[int, int]]] | None = None
+    attn_mask: torch.Tensor | None = None
+
+
+def spans_from_metadata(metadata: Any | None) -> Sequence[Sequence[Sequence[int]]] | None:
+    """The spans to use, or ``NotImplementedError`` naming every field that cannot be honoured."""
+    if metadata is None:
+        return None
+    spans = getattr(metadata, "full_attn_spans", None)
+    mask = getattr(metadata, "attn_mask", None)
+    unsupported = [name for name in UNSUPPORTED_METADATA_FIELDS if getattr(metadata, name, None) is not None]
+    if mask is not None:
+        if spans is None:
+            unsupported.append(
+                "attn_mask (an arbitrary mask cannot be paged; describe it with full_attn_spans)"
+            )
+        elif not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+            unsupported.append("attn_mask (piecewise paging requires a 4-D tensor)")
+    extra = getattr(metadata, "extra", None)
+    if extra:
+        unsupported.append(f"extra={sorted(extra)}")
+    if unsupported:
+        raise NotImplementedError(
+            f"paged attention cannot translate attention metadata field(s) {unsupported!r}"
+        )
+    return spans
+
+
+@dataclass(frozen=True, slots=True)
+class LayerContext:
+    """One layer's normalised inputs for the execution driver."""
+
+    layer: LayerGeometry
+    query: torch.Tensor
+    """``[T, H, D]`` contiguous."""
+    key: torch.Tensor
+    """``[T, Hkv, D]``; may be a strided view."""
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+    """``[T]``."""
+    native_metadata: Any
+    plan: PiecewisePlan | None
+    segment_metadata: tuple[Any, ...]
+    token_shape: tuple[int, ...]
+    has_head_dims: bool
+    scatter_indices: torch.Tensor | None
+
+    def restore_output(self, output: torch.Tensor) -> torch.Tensor:
+        """``[T, H, D]`` -> the caller's token layout (zeros where the input was padding)."""
+        H, D = self.layer.num_heads, self.layer.head_size
+        tail = (H, D) if self.has_head_dims else (H * D,)
+        if self.scatter_indices is None:
+            return output.reshape(*self.token_shape, *tail)
+        full = output.new_zeros((int(torch.Size(self.token_shape).numel()), H, D))
+        full.index_copy_(0, self.scatter_indices, output.reshape(-1, H, D))
+        return full.reshape(*self.token_shape, *tail)
+
+
+def _flatten(
+    tensor: torch.Tensor, heads: int, head_size: int, name: str
+) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValidationError(f"paged attention {name} must be a tensor; got {type(tensor).__name__}")
+    if tensor.ndim >= 3 and tuple(tensor.shape[-2:]) == (heads, head_size):
+        return tensor.reshape(-1, heads, head_size), tuple(tensor.shape[:-2]), True
+    if tensor.ndim >= 2 and tensor.shape[-1] == heads * head_size:
+        return tensor.reshape(-1, heads, head_size), tuple(tensor.shape[:-1]), False
+    raise ValidationError(
+        f"paged attention {name} must end in ({heads}, {head_size}) or ({heads * head_size},); "
+        f"got shape {tuple(tensor.shape)}"
+    )
+
+
+def _inner_packed(t: torch.Tensor) -> bool:
+    """Heads and head dims packed within each token (the writer may keep the token stride)."""
+    return t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1])
+
+
+def build_layer_context(
+    translator: Translator,
+    layer: LayerGeometry,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_metadata: Any | None = None,
+) -> LayerContext:
+    """Validate and normalise one layer's inputs against the active batch."""
+    state = translator.require_active()
+    batch = state.batch
+    spans = spans_from_metadata(attn_metadata)
+    q, q_shape, has_heads = _flatten(query, layer.num_heads, layer.head_size, "query")
+    k, k_shape, _ = _flatten(key, layer.num_kv_heads, layer.head_size, "key")
+    v, v_shape, _ = _flatten(value, layer.num_kv_heads, layer.head_size, "value")
+    for name, shape in (("key", k_shape), ("value", v_shape)):
+        if shape != q_shape:
+            raise ValidationError(
+                f"paged attention {name} token layout {shape} must match the query's {q_shape}"
+            )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.device != translator.device:
+            raise ValidationError(f"paged attention {name} must be on {translator.device}; got {t.device}")
+        if t.dtype != layer.dtype:
+            raise ValidationError(
+                f"paged attention {name} dtype must be {layer.dtype} (layer {layer.layer_name!r}); got {t.dtype}"
+            )
+    scatter: torch.Tensor | None = None
+    if len(q_shape) == 1:
+        if q_shape[0] != batch.num_tokens:
+            raise ValidationError(
+                f"paged attention token count {q_shape[0]} must match the prepared batch's {batch.num_tokens}"
+            )
+    elif len(q_shape) == 2:
+        rows, per_row = q_shape
+        lens = batch.query_lens
+        if rows != len(lens) or any(n > per_row for n in lens):
+            raise ValidationError(
+                f"batched layout {q_shape} must be [rows={len(lens)}, L >= every query_len]; query_lens={lens}"
+            )
+        if any(n != per_row for n in lens):
+            scatter = translator.packing_indices(per_row)
+            q, k, v = q.index_select(0, scatter), k.index_select(0, scatter), v.index_select(0, scatter)
+    else:
+        raise ValidationError(
+            f"paged attention takes packed [T, ...] or batched [B, L, ...] tokens; got token shape {q_shape}"
+        )
+    if layer.causal:
+        not_suffix = [r.identity for r in batch.rows if not r.is_suffix]
+        if not_suffix:
+            raise ValidationError(
+                f"causal paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
+            )
+    try:
+        slot_mapping = batch.slot_mappings_by_layer[layer.layer_name]
+        native = batch.attn_metadata[layer.layer_name]
+    except KeyError:
+        raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
+    plan = None
+    segment_metadata: tuple[Any, ...] = ()
+    if spans is not None:
+        plan = translator.piecewise_plan(spans)
+        try:
+            segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))
+        except KeyError:
+            raise ValidationError(f"no piecewise metadata was built for layer {layer.layer_name!r}") from None
+    if not _inner_packed(k):
+        k = k.contiguous()
+    if not _inner_packed(v):
+        v = v.contiguous()
+    return LayerContext(
+        layer=layer,
+        query=q.contiguous(),
+        key=k,
+        value=v,
+        slot_mapping=slot_mapping,
+        native_metadata=native,
+        plan=plan,
+        segment_metadata=segment_metadata,
+        token_shape=q_shape,
+        has_head_dims=has_heads,
+        scatter_indices=scatter,
+    )

@@ -1,0 +1,247 @@
+"""Piecewise attention: ``full_attn_spans`` -> aligned causal/full segments.
+
+``full_attn_spans[row]`` lists half-open spans ``[a, b)`` in global sequence positions. A query
+token inside a span sees every key ``< b`` (bidirectional inside the span); every other token is
+causal. A row's query ``[q0, q0 + L)`` is cut at span boundaries into segments:
+
+* a causal segment ``(s, e, kv_end=e)`` runs bottom-right aligned over keys ``[0, e)``;
+* a full segment ``(s, e, kv_end=b)`` keeps the span's original end ``b``, so a query range that
+  starts or stops inside a span still sees the whole span.
+
+All rows of a batch must produce the same number of segments with the same mode at each index,
+so one native call per segment serves every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from diffusion_kv.core.errors import ValidationError
+
+Spans = tuple[tuple[tuple[int, int], ...], ...]
+
+CAUSAL = "causal"
+FULL = "full"
+
+
+class Segment(NamedTuple):
+    q_start: int
+    q_end: int
+    kv_end: int
+    mode: str
+
+
+def build_segments(spans: Sequence[tuple[int, int]], query_offset: int, query_len: int) -> list[Segment]:
+    """Cut one row's query range at its spans (see module docstring)."""
+    q_end = query_offset + query_len
+    cur = query_offset
+    out: list[Segment] = []
+    for a, b in spans:
+        lo, hi = max(a, cur), min(b, q_end)
+        if hi <= lo:
+            continue
+        if lo > cur:
+            out.append(Segment(cur, lo, lo, CAUSAL))
+        out.append(Segment(lo, hi, b, FULL))
+        cur = hi
+    if cur < q_end:
+        out.append(Segment(cur, q_end, q_end, CAUSAL))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSegment:
+    """One native call: the row segments (aligned by row) and where their queries sit."""
+
+    row_segments: tuple[Segment, ...]
+    query_indices: torch.Tensor
+    """Positions in the packed ``[T]`` query axis, in row order."""
+    query_range: tuple[int, int] | None
+    """Set when ``query_indices`` is one contiguous run (view fast path)."""
+    local_range: tuple[int, int] | None
+    """Set when every row uses the same range relative to its own query start."""
+
+    @property
+    def mode(self) -> str:
+        return self.row_segments[0].mode
+
+
+@dataclass(frozen=True, slots=True)
+class PiecewisePlan:
+    spans: Spans
+    segments: tuple[PlanSegment, ...]
+    num_query_tokens: int
+    contiguous: bool
+    """Segment query ranges tile ``[0, T)`` in order."""
+    homogeneous_batch_shape: tuple[int, int] | None
+    """``(rows, L)`` when every row has ``L`` queries and every segment a shared local range."""
+
+
+def freeze_spans(full_attn_spans: Sequence[Sequence[Sequence[int]]]) -> Spans:
+    try:
+        return tuple(tuple((int(a), int(b)) for a, b in row) for row in full_attn_spans)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"full_attn_spans must be per-row lists of (start, end) pairs: {exc}") from exc
+
+
+def build_piecewise_plan(
+    full_attn_spans: Sequence[Sequence[Sequence[int]]],
+    query_offsets: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    device: torch.device | None = None,
+) -> PiecewisePlan:
+    spans = freeze_spans(full_attn_spans)
+    n = len(query_lens)
+    if n == 0:
+        raise ValidationError("a piecewise plan needs at least one row")
+    if not (len(spans) == len(query_offsets) == len(seq_lens) == n):
+        raise ValidationError(
+            f"full_attn_spans has {len(spans)} rows; the batch has {n} (one span list per row is required)"
+        )
+    per_row: list[list[Segment]] = []
+    for r, (row_spans, q0, ql, sl) in enumerate(zip(spans, query_offsets, query_lens, seq_lens, strict=True)):
+        prev = 0
+        for a, b in row_spans:
+            if not 0 <= a < b <= sl:
+                raise ValidationError(
+                    f"row {r}: span ({a}, {b}) must satisfy 0 <= start < end <= seq_len={sl}"
+                )
+            if a < prev:
+                raise ValidationError(
+                    f"row {r}: spans must be sorted and non-overlapping; got {list(row_spans)}"
+                )
+            prev = b
+        if ql <= 0 or q0 < 0 or q0 + ql > sl:
+            raise ValidationError(f"row {r}: query range [{q0}, {q0 + ql}) must lie in [0, seq_len={sl}]")
+        per_row.append(build_segments(row_spans, q0, ql))
+    counts = {len(s) for s in per_row}
+    if len(counts) != 1:
+        raise ValidationError(
+            f"rows must produce aligned segments; got segment counts {[len(s) for s in per_row]} "
+            "(each native call serves one segment of every row)"
+        )
+    num_segments = counts.pop()
+    packed_offsets = [0]
+    for ql in query_lens:
+        packed_offsets.append(packed_offsets[-1] + ql)
+    total = packed_offsets[-1]
+    segments: list[PlanSegment] = []
+    for k in range(num_segments):
+        row_segments = tuple(rows[k] for rows in per_row)
+        modes = {s.mode for s in row_segments}
+        if len(modes) != 1:
+            raise ValidationError(
+                f"segment {k} mixes modes {sorted(modes)} across rows; rows need the same attention mode per segment"
+            )
+        starts = [packed_offsets[r] + (s.q_start - query_offsets[r]) for r, s in enumerate(row_segments)]
+        lens = [s.q_end - s.q_start for s in row_segments]
+        pieces = [torch.arange(st, st + ln, dtype=torch.long) for st, ln in zip(starts, lens, strict=True)]
+        indices = torch.cat(pieces)
+        contiguous_run = all(starts[r] + lens[r] == starts[r + 1] for r in range(n - 1))
+        query_range = (starts[0], starts[0] + sum(lens)) if contiguous_run else None
+        local = {
+            (s.q_start - query_offsets[r], s.q_end - query_offsets[r]) for r, s in enumerate(row_segments)
+        }
+        segments.append(
+            PlanSegment(
+                row_segments=row_segments,
+                query_indices=indices.to(device) if device is not None else indices,
+                query_range=query_range,
+                local_range=local.pop() if len(local) == 1 else None,
+            )
+        )
+    cursor = 0
+    contiguous = True
+    for seg in segments:
+        if seg.query_range is None or seg.query_range[0] != cursor:
+            contiguous = False
+            break
+        cursor = seg.query_range[1]
+    contiguous = contiguous and cursor == total
+    homogeneous = None
+    if n > 1 and len(set(query_lens)) == 1 and all(seg.local_range is not None for seg in segments):
+        homogeneous = (n, query_lens[0])
+    return PiecewisePlan(spans, tuple(segments), total, contiguous, homogeneous)
+
+
+SegmentRunner = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any, torch.Tensor | None], torch.Tensor
+]
+"""``(query, key | None, value | None, native_metadata, out | None) -> out`` for one segment."""
+
+
+def run_piecewise_plan(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    plan: PiecewisePlan,
+    segment_metadata: Sequence[Any],
+    runner: SegmentRunner,
+    *,
+    out_head_size: int,
+) -> torch.Tensor:
+    """Run every segment once and assemble ``[T, H, D]`` in packed query order."""
+    if len(segment_metadata) != len(plan.segments):
+        raise ValidationError(f"{len(segment_metadata)} segment metadata for {len(plan.segments)} segments")
+    T, H = query.shape[0], query.shape[1]
+    if plan.num_query_tokens != T:
+        raise ValidationError(f"query has {T} tokens; the plan covers {plan.num_query_tokens}")
+    if plan.homogeneous_batch_shape is not None:
+        B, L = plan.homogeneous_batch_shape
+        q3 = query.view(B, L, H, -1)
+        k3 = key.view(B, L, *key.shape[1:]) if key is not None else None
+        v3 = value.view(B, L, *value.shape[1:]) if value is not None else None
+        outs = []
+        for seg, md in zip(plan.segments, segment_metadata, strict=True):
+            s, e = seg.local_range  # type: ignore[misc]
+            q = q3[:, s:e].reshape(-1, H, q3.shape[-1])
+            k = k3[:, s:e].reshape(-1, *k3.shape[2:]) if k3 is not None else None
+            v = v3[:, s:e].reshape(-1, *v3.shape[2:]) if v3 is not None else None
+            o = runner(q, k, v, md, None)
+            _check_tokens(o, q.shape[0])
+            outs.append(o.view(B, e - s, H, -1))
+        return torch.cat(outs, dim=1).reshape(T, H, -1)
+    output = query.new_empty((T, H, out_head_size))
+    for seg, md in zip(plan.segments, segment_metadata, strict=True):
+        if seg.query_range is not None:
+            s, e = seg.query_range
+            q = query[s:e]
+            k = key[s:e] if key is not None else None
+            v = value[s:e] if value is not None else None
+            o = runner(q, k, v, md, output[s:e] if plan.contiguous else None)
+            _check_tokens(o, e - s)
+            if o.data_ptr() != output[s:e].data_ptr():
+                output[s:e] = o
+        else:
+            idx = seg.query_indices
+            q = query.index_select(0, idx)
+            k = key.index_select(0, idx) if key is not None else None
+            v = value.index_select(0, idx) if value is not None else None
+            o = runner(q, k, v, md, None)
+            _check_tokens(o, idx.shape[0])
+            output.index_copy_(0, idx, o)
+    return output
+
+
+def _check_tokens(out: torch.Tensor, expected: int) -> None:
+    if out.shape[0] != expected:
+        raise ValidationError(f"segment runner returned {out.shape[0]} tokens; expected {expected}")
+
+
+def dense_piecewise_mask(
+    spans: Sequence[tuple[int, int]], query_offset: int, query_len: int, seq_len: int
+) -> torch.Tensor:
+    """``[query_len, seq_len]`` bool mask: causal, plus ``mask[a:b, :b] = True`` per span."""
+    q = torch.arange(query_offset, query_offset + query_len)[:, None]
+    k = torch.arange(seq_len)[None, :]
+    mask = k <= q
+    for a, b in spans:
+        in_span = (q >= a) & (q < b)
+        mask = mask | (in_span & (k < b))
+    return mask

@@ -1,0 +1,326 @@
+"""Metadata translation: paged rows -> worker rows -> native attention metadata.
+
+``Translator.prepare(rows)`` validates a batch once, builds the neutral
+:class:`~diffusion_kv.core.batch.CommonBatchMetadata`, hands it to the platform's metadata
+builder, and returns a :class:`PreparedBatch` shared by every layer of one forward.
+
+Prepared batches are stamped with their translator and a generation. Any BlockTables mutation
+(through :meth:`Translator.invalidate`, the registry's ``before_mutation`` hook) or a newer
+preparation makes older batches stale; activating a stale batch is an error. While a batch is
+active, preparation and BlockTables mutation are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.batch import CommonBatchMetadata, MetadataBuilder
+from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.layout import CacheLayout, cdiv
+from diffusion_kv.core.piecewise import CAUSAL, PiecewisePlan, build_piecewise_plan, freeze_spans
+from diffusion_kv.core.registry import RowBinding
+from diffusion_kv.core.rows import PagedRow
+
+RowResolver = Callable[[str, int | None, str | None], RowBinding]
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Native metadata shared by every paged layer of one forward."""
+
+    rows: tuple[PagedRow, ...]
+    row_indices: torch.Tensor
+    common: CommonBatchMetadata
+    attn_metadata: Mapping[str, Any]
+    slot_mappings_by_layer: Mapping[str, torch.Tensor]
+    num_tokens: int
+    owner: object = field(repr=False, compare=False)
+    generation: int = field(repr=False, compare=False)
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        return tuple(r.query_len for r in self.rows)
+
+
+@dataclass
+class _ActiveState:
+    batch: PreparedBatch
+    plan: PiecewisePlan | None = None
+    segment_metadata: tuple[Mapping[str, Any], ...] | None = None
+    packing: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
+class Translator:
+    """Turns rows into prepared batches for one worker (one layout, one BlockTables)."""
+
+    def __init__(
+        self,
+        *,
+        layout: CacheLayout,
+        block_tables: BlockTables,
+        builder: MetadataBuilder,
+        resolve_row: RowResolver,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.block_tables = block_tables
+        self.builder = builder
+        self.resolve_row = resolve_row
+        self.device = torch.device(device)
+        self._owner = object()
+        self._generation = 0
+        self._active: _ActiveState | None = None
+        causal = {g: grp.spec.causal for g, grp in enumerate(layout.groups)}
+        self._causal_by_group = causal
+        values = set(causal.values())
+        self._causal: bool | Mapping[int, bool] = values.pop() if len(values) == 1 else dict(causal)
+        threshold = getattr(builder, "reorder_batch_threshold", None)
+        self._reorder_threshold: int | None = threshold if any(causal.values()) else None
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def active_batch(self) -> PreparedBatch | None:
+        return self._active.batch if self._active is not None else None
+
+    def invalidate(self) -> None:
+        """Make every prepared batch stale (called before any BlockTables mutation)."""
+        if self._active is not None:
+            raise StateError("cannot change paged BlockTables while a prepared batch is active")
+        self._generation += 1
+
+    # -- preparation --------------------------------------------------------------------------
+
+    def _validate(self, rows: tuple[PagedRow, ...]) -> list[RowBinding]:
+        if not rows:
+            raise ValidationError("a paged batch must contain at least one row")
+        if any(not isinstance(r, PagedRow) for r in rows):
+            raise ValidationError("a paged batch takes PagedRow records")
+        bt = self.block_tables
+        if len(rows) > bt.max_num_reqs:
+            raise ValidationError(f"paged batch has {len(rows)} rows; worker capacity is {bt.max_num_reqs}")
+        identities = [r.identity for r in rows]
+        if len(set(identities)) != len(identities):
+            dup = sorted({i for i in identities if identities.count(i) > 1}, key=repr)
+            raise ValidationError(f"paged batch contains duplicate row identities {dup!r}")
+        bindings = [self.resolve_row(r.request_id, r.sequence_id, r.context_id) for r in rows]
+        indices = [b.row_index for b in bindings]
+        if len(set(indices)) != len(indices):
+            raise ValidationError(f"paged batch resolves several rows to the same worker row: {indices}")
+        for row, binding in zip(rows, bindings, strict=True):
+            if type(binding.row_index) is not int or not 0 <= binding.row_index < bt.max_num_reqs:
+                raise ValidationError(
+                    f"row {row.identity!r} resolved to invalid worker row {binding.row_index!r}"
+                )
+            if type(binding.max_seq_len) is not int or binding.max_seq_len < 0:
+                raise ValidationError(
+                    f"row {row.identity!r} resolved to invalid logical capacity {binding.max_seq_len!r}"
+                )
+            if row.seq_len > binding.max_seq_len:
+                raise ValidationError(
+                    f"row {row.identity!r} uses seq_len={row.seq_len}, but its installed allocation has logical "
+                    f"length {binding.max_seq_len}"
+                )
+        threshold = self._reorder_threshold
+        if threshold is not None:
+            seen_long = False
+            for row in rows:
+                if row.query_len > threshold:
+                    seen_long = True
+                elif seen_long:
+                    raise ValidationError(
+                        f"causal paged rows must place short-query rows (query_len <= {threshold}) before "
+                        f"long-query rows; row {row.identity!r} (query_len {row.query_len}) comes after a long one"
+                    )
+        counts = bt.num_blocks.cpu
+        for row, binding in zip(rows, bindings, strict=True):
+            for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True)):
+                required = cdiv(row.seq_len, block_size * bt.cp_size)
+                installed = int(counts[g, binding.row_index])
+                if required * ratio > installed:
+                    raise ValidationError(
+                        f"row {row.identity!r} needs {required} blocks in cache group {g} for seq_len={row.seq_len}, "
+                        f"but its worker row holds only {installed // ratio}"
+                    )
+        num_tokens = sum(r.query_len for r in rows)
+        if num_tokens > bt.max_num_batched_tokens:
+            raise ValidationError(
+                f"paged batch has {num_tokens} tokens; worker capacity is {bt.max_num_batched_tokens}"
+            )
+        return bindings
+
+    def _common(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        positions: torch.Tensor,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        causal: bool | Mapping[int, bool],
+    ) -> CommonBatchMetadata:
+        qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        bt = self.block_tables
+        dcp = None
+        if bt.cp_size > 1:
+            dcp = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave).to(self.device)
+        return CommonBatchMetadata(
+            num_reqs=len(query_lens),
+            num_tokens=int(qsl_cpu[-1]),
+            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            max_query_len=max(query_lens),
+            seq_lens=seq_cpu.to(self.device, non_blocking=True),
+            seq_lens_cpu=seq_cpu,
+            max_seq_len=max(seq_lens),
+            positions=positions,
+            block_tables=block_tables,
+            slot_mappings=slot_mappings,
+            causal=causal,
+            dcp_local_seq_lens=dcp,
+        )
+
+    def prepare(self, rows: Sequence[PagedRow]) -> PreparedBatch:
+        """Validate rows and build the native metadata shared by every layer of one forward."""
+        if self._active is not None:
+            raise StateError("cannot prepare a paged batch while another batch is active")
+        rows = tuple(rows)
+        bindings = self._validate(rows)
+        # Persistent native buffers may be reused by the next preparation: every earlier batch
+        # is stale from here on, even if the builder below fails.
+        self._generation += 1
+        generation = self._generation
+        query_lens = [r.query_len for r in rows]
+        starts = torch.tensor([r.kv_start_pos for r in rows], dtype=torch.long)
+        lens = torch.tensor(query_lens, dtype=torch.long)
+        offsets = torch.cumsum(lens, 0) - lens
+        num_tokens = int(lens.sum())
+        positions_cpu = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
+            starts - offsets, lens
+        )
+        positions = positions_cpu.to(self.device, non_blocking=True)
+        row_indices = torch.tensor([b.row_index for b in bindings], dtype=torch.int32).to(self.device)
+        bt = self.block_tables
+        tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl[1:] = lens.cumsum(0).to(torch.int32)
+        slots = bt.compute_slot_mappings(
+            row_indices, qsl.to(self.device), positions, num_tokens_padded=num_tokens
+        )
+        common = self._common(
+            query_lens, [r.seq_len for r in rows], positions, tuple(tables), slots, self._causal
+        )
+        attn_metadata = dict(self.builder.build(common))
+        by_layer: dict[str, torch.Tensor] = {}
+        for g, group in enumerate(self.layout.groups):
+            for name in group.layer_names:
+                by_layer[name] = slots[g]
+        return PreparedBatch(
+            rows=rows,
+            row_indices=row_indices,
+            common=common,
+            attn_metadata=attn_metadata,
+            slot_mappings_by_layer=by_layer,
+            num_tokens=num_tokens,
+            owner=self._owner,
+            generation=generation,
+        )
+
+    @contextmanager
+    def activate(self, batch: PreparedBatch) -> Iterator[PreparedBatch]:
+        """Make ``batch`` the one every paged layer uses until the block exits."""
+        if not isinstance(batch, PreparedBatch) or batch.owner is not self._owner:
+            raise ValidationError("the prepared batch belongs to a different translator")
+        if batch.generation != self._generation:
+            raise StaleBatchError(
+                f"the prepared batch is stale (generation {batch.generation}; current {self._generation}): "
+                "BlockTables changed or a newer batch was prepared since"
+            )
+        if self._active is not None:
+            raise StateError("a prepared batch is already active")
+        self._active = _ActiveState(batch)
+        try:
+            yield batch
+        finally:
+            self._active = None
+
+    # -- per-batch caches used by layer contexts -------------------------------------------------
+
+    def require_active(self) -> _ActiveState:
+        if self._active is None:
+            raise StateError("paged attention ran without an active prepared batch (no dense fallback)")
+        return self._active
+
+    def piecewise_plan(self, full_attn_spans: Sequence[Sequence[Sequence[int]]]) -> PiecewisePlan:
+        """The batch's plan for these spans; built once, and spans must not change between layers."""
+        state = self.require_active()
+        if state.plan is not None:
+            if state.plan.spans != freeze_spans(full_attn_spans):
+                raise ValidationError("full_attn_spans changed between layers within one active batch")
+            return state.plan
+        rows = state.batch.rows
+        not_suffix = [r.identity for r in rows if not r.is_suffix]
+        if not_suffix:
+            raise ValidationError(
+                f"piecewise paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
+            )
+        state.plan = build_piecewise_plan(
+            full_attn_spans,
+            [r.kv_start_pos for r in rows],
+            [r.query_len for r in rows],
+            [r.seq_len for r in rows],
+            device=self.device,
+        )
+        return state.plan
+
+    def segment_metadata(self, plan: PiecewisePlan) -> tuple[Mapping[str, Any], ...]:
+        """Native metadata per segment, built once per active batch and reused by every layer."""
+        state = self.require_active()
+        if state.segment_metadata is not None:
+            return state.segment_metadata
+        batch = state.batch
+        out = []
+        for seg in plan.segments:
+            q_lens = [s.q_end - s.q_start for s in seg.row_segments]
+            kv_lens = [s.kv_end for s in seg.row_segments]
+            if seg.query_range is not None:
+                a, b = seg.query_range
+                positions = batch.common.positions[a:b]
+                slots = batch.common.slot_mappings[:, a:b]
+            else:
+                positions = batch.common.positions.index_select(0, seg.query_indices)
+                slots = batch.common.slot_mappings.index_select(1, seg.query_indices)
+            common = self._common(
+                q_lens, kv_lens, positions, batch.common.block_tables, slots, seg.mode == CAUSAL
+            )
+            out.append(dict(self.builder.build(common)))
+        state.segment_metadata = tuple(out)
+        return state.segment_metadata
+
+    def packing_indices(self, tokens_per_row: int) -> torch.Tensor:
+        """Indices of the real tokens of a right-padded ``[B, tokens_per_row]`` layout (cached)."""
+        state = self.require_active()
+        key = (tokens_per_row, str(self.device))
+        if key not in state.packing:
+            lens = torch.tensor(state.batch.query_lens, dtype=torch.long)
+            grid = torch.arange(len(lens))[:, None] * tokens_per_row + torch.arange(tokens_per_row)[None, :]
+            keep = torch.arange(tokens_per_row)[None, :] < lens[:, None]
+            state.packing[key] = grid[keep].to(self.device)
+        return state.packing[key]
+
+
+def dcp_local_seq_lens(seq_lens: torch.Tensor, cp_size: int, cp_rank: int, interleave: int) -> torch.Tensor:
+    """Keys of each row that live on ``cp_rank`` under DCP interleaving (vLLM semantics)."""
+    seq = seq_lens.to(torch.long)
+    round_tokens = interleave * cp_size
+    full_rounds = seq // round_tokens
+    rest = seq - full_rounds * round_tokens
+    local_rest = (rest - cp_rank * interleave).clamp(min=0, max=interleave)
+    return (full_rounds * interleave + local_rest).to(torch.int32)

@@ -1,0 +1,140 @@
+"""The cpu reference parts: a simple metadata record, its builder, and a paged backend.
+
+This is the oracle other platforms are compared with, so it favours obviously-correct code over
+speed: per row it gathers the row's pages into contiguous K/V and applies the exact mask
+(bottom-right causal, or full) in float32 (float64 for float64 inputs), with GQA by head
+repetition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
+from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.layout import CacheLayout, cdiv
+
+
+@dataclass(frozen=True)
+class CpuPagedMetadata:
+    """Native metadata of the cpu backend for one layer group."""
+
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_table: torch.Tensor
+    """``[num_reqs, width]`` kernel block ids."""
+    slot_mapping: torch.Tensor
+    """``[num_tokens]`` slots of this call's query tokens."""
+    causal: bool
+    block_size: int
+    """Kernel block size (tokens per cache block)."""
+
+
+class CpuMetadataBuilder:
+    """``CommonBatchMetadata`` -> one :class:`CpuPagedMetadata` per layer."""
+
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, layout: CacheLayout, block_tables: BlockTables) -> None:
+        if block_tables.cp_size > 1:
+            raise NotImplementedError(
+                "the cpu reference backend does not implement decode context parallelism yet"
+            )
+        self.layout = layout
+        self.kernel_block_sizes = list(block_tables.kernel_block_sizes)
+
+    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
+        qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
+        seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
+        out: dict[str, CpuPagedMetadata] = {}
+        for g, group in enumerate(self.layout.groups):
+            md = CpuPagedMetadata(
+                query_start_loc=qsl,
+                seq_lens=seq,
+                block_table=batch.block_tables[g],
+                slot_mapping=batch.slot_mappings[g],
+                causal=batch.causal_for_group(g),
+                block_size=self.kernel_block_sizes[g],
+            )
+            for name in group.layer_names:
+                out[name] = md
+        return out
+
+
+def _cache_views(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache[0], kv_cache[1]
+    key_cache, value_cache = kv_cache
+    return key_cache, value_cache
+
+
+class CpuPagedBackend:
+    """Writes K/V by slot mapping; attends by gathering each row's pages."""
+
+    name = "cpu-reference"
+
+    def __init__(self, layer: LayerGeometry) -> None:
+        if layer.num_heads % layer.num_kv_heads:
+            raise ValidationError(
+                f"layer {layer.layer_name!r}: num_heads={layer.num_heads} is not a multiple of "
+                f"num_kv_heads={layer.num_kv_heads}"
+            )
+        self.layer = layer
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        key_cache, value_cache = _cache_views(kv_cache)
+        nb, bs, hkv, d = key_cache.shape
+        slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
+        keep = slots >= 0
+        idx = slots[keep]
+        key_cache.view(nb * bs, hkv, d).index_copy_(0, idx, key[keep].to(key_cache.dtype))
+        value_cache.view(nb * bs, hkv, d).index_copy_(0, idx, value[keep].to(value_cache.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        md: CpuPagedMetadata = metadata
+        if (key is None) != (value is None):
+            raise ValidationError("key and value must both be given or both be None")
+        if key is not None and value is not None:
+            self.write_kv(key, value, kv_cache, md.slot_mapping)
+        key_cache, value_cache = _cache_views(kv_cache)
+        layer = self.layer
+        groups = layer.num_heads // layer.num_kv_heads
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        result = out if out is not None else query.new_empty(query.shape)
+        for r in range(len(md.seq_lens)):
+            q0, q1 = md.query_start_loc[r], md.query_start_loc[r + 1]
+            if q1 == q0:
+                continue
+            sl = md.seq_lens[r]
+            blocks = md.block_table[r, : cdiv(sl, md.block_size)].to(torch.long)
+            k = key_cache.index_select(0, blocks).reshape(-1, layer.num_kv_heads, layer.head_size)[:sl]
+            v = value_cache.index_select(0, blocks).reshape(-1, layer.num_kv_heads, layer.head_size)[:sl]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
+            scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, sl]
+            if md.causal:
+                lq = q1 - q0
+                qpos = torch.arange(sl - lq, sl, device=query.device)[:, None]
+                allowed = torch.arange(sl, device=query.device)[None, :] <= qpos
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.matmul(probs, v.to(compute).transpose(0, 1))  # [H, Lq, D]
+            result[q0:q1] = o.transpose(0, 1).to(result.dtype)
+        return result
