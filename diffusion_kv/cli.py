@@ -136,6 +136,61 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return EXIT_OK if int(pytest.main([*argv, *args.pytest_args])) == 0 else EXIT_ERROR
 
 
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from diffusion_kv.models.demo import DemoConfig, format_result, run_demo, text_progress
+
+    try:
+        platform = select_platform(
+            args.platform, warn=lambda m: print(f"warning: {m}", file=sys.stderr)
+        ).platform
+        cfg = DemoConfig(
+            prefix_len=args.prefix,
+            target_len=args.target,
+            steps=args.steps,
+            cfg_rows=args.cfg,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads or args.heads,
+            layers=args.layers,
+            block_size=args.block_size,
+            dtype=getattr(torch, DTYPES[args.dtype]),
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            inject_fault=args.inject_fault,
+        )
+    except (PlatformError, ValueError) as exc:
+        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    show = not args.json and not args.no_progress
+    if show:
+        print(f"diffusion-kv demo on platform {platform.name!r}", file=sys.stderr)
+    result = run_demo(platform, cfg, progress=text_progress() if show else None)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(format_result(result))
+    if not result.agree:
+        print(
+            f"diffusion-kv: error: dense and paged outputs disagree (max abs diff {result.max_abs_diff:.3g} > "
+            f"{result.tolerance:g})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
+
+
 def _not_built(capability: str) -> int:
     print(f"diffusion-kv: {capability} is not built yet", file=sys.stderr)
     return EXIT_NOT_BUILT
@@ -153,10 +208,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-v", "--verbose", action="store_true")
     c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     c.set_defaults(func=_cmd_conformance)
-    for name, capability in (
-        ("demo", "the main job (tiny-DiT dense vs paged demo; runner backend and allocator)"),
-        ("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),
-    ):
+    d = sub.add_parser("demo", help="the main job: a tiny DiT denoised densely and through paged KV")
+    d.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    d.add_argument("--prefix", type=int, default=1024, help="prefix (condition) tokens")
+    d.add_argument("--target", type=int, default=256, help="target (generated) tokens")
+    d.add_argument("--steps", type=int, default=8, help="denoise steps")
+    d.add_argument("--cfg", type=int, default=2, choices=(1, 2), help="CFG rows (2: cond + uncond)")
+    d.add_argument("--hidden", type=int, default=256)
+    d.add_argument("--heads", type=int, default=4)
+    d.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads; fewer gives GQA)")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
+    d.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    d.add_argument(
+        "--max-model-len", type=int, default=4096, help="the dense cache's length for the memory comparison"
+    )
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-progress", action="store_true")
+    d.add_argument(
+        "--inject-fault", action="store_true", help="testing aid: corrupt a cached block (must fail)"
+    )
+    d.set_defaults(func=_cmd_demo)
+    for name, capability in (("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),):
         q = sub.add_parser(name, help=f"{capability} [not built yet]")
         q.set_defaults(func=lambda _a, c=capability: _not_built(c))
     return parser

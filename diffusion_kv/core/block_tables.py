@@ -44,6 +44,20 @@ class StagedGroupTable(Protocol):
 class BlockTables(Protocol):
     """Worker block tables for all KV-cache groups."""
 
+    def __init__(
+        self,
+        *,
+        block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_num_blocks_per_group: Sequence[int],
+        device: torch.device | str,
+        kernel_block_sizes: Sequence[int] | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+    ) -> None: ...
+
     # Read-only members: plain attributes of an implementation satisfy them.
     @property
     def block_sizes(self) -> Sequence[int]:

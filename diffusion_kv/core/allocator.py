@@ -1,0 +1,260 @@
+"""Scheduler-side block allocation for standalone use.
+
+:class:`DiffusionKVAllocator` reserves, all or nothing, the blocks of every sequence (CFG row)
+of a request plus its request-scoped contexts (each context once, however many sequences use
+it), and produces the :class:`~diffusion_kv.core.allocation.RequestAllocation` the worker
+installs. ``reserve`` answers:
+
+* a snapshot, when everything fits now;
+* ``None`` ("wait"), when the request fits an empty pool but not the current one, or when the
+  worker has too few free rows (back-pressure, checked before any block is taken);
+* :class:`AdmissionError`, when it can never fit (too many rows, longer than
+  ``max_model_len``, more blocks than the pool has).
+
+Reserving an already-reserved request returns the same blocks with a new generation.
+``free`` is idempotent. Generations increase monotonically across all requests.
+
+The block source is a :class:`BlockPool`; vLLM's own ``KVCacheManager`` can take the
+allocator's place in vLLM-Omni, since the worker only sees snapshots.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.layout import cdiv
+
+
+class AdmissionError(ValidationError):
+    """The request can never be admitted, whatever is freed."""
+
+
+class BlockPool(Protocol):
+    @property
+    def num_total(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` block ids, or None (and nothing taken) when fewer are free."""
+        ...
+
+    def free(self, block_ids: Sequence[int]) -> None: ...
+
+
+class FreeListPool:
+    """A FIFO free list of block ids ``0 .. num_blocks-1``."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if type(num_blocks) is not int or num_blocks <= 0:
+            raise ValidationError(f"num_blocks must be a positive integer; got {num_blocks!r}")
+        self._total = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_total(self) -> int:
+        return self._total
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = [self._free.popleft() for _ in range(n)]
+        self._used.update(out)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if b not in self._used:
+                raise ValidationError(f"block {b} is not allocated (double free?)")
+        for b in block_ids:
+            self._used.discard(b)
+            self._free.append(b)
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    sequence_id: int
+    prefix_len: int
+    target_len: int
+    context_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContextRequest:
+    context_id: str
+    cache_role: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVRequest:
+    """What the scheduler must reserve for one public request."""
+
+    request_id: str
+    sequences: tuple[SequenceRequest, ...]
+    contexts: tuple[ContextRequest, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.sequences) + len(self.contexts)
+
+
+@dataclass
+class _Reservation:
+    allocation: RequestAllocation
+    block_ids: list[int] = field(default_factory=list)
+
+
+class DiffusionKVAllocator:
+    """All-or-nothing multi-row reservation over one block pool (one KV-cache group)."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_rows_per_request: int,
+        worker_rows: int,
+        pool: BlockPool,
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("max_model_len", max_model_len),
+            ("max_rows_per_request", max_rows_per_request),
+            ("worker_rows", worker_rows),
+        ):
+            if type(value) is not int or value <= 0:
+                raise ValidationError(f"{name} must be a positive integer; got {value!r}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_rows_per_request = max_rows_per_request
+        self.worker_rows = worker_rows
+        self.pool = pool
+        self._reserved: dict[str, _Reservation] = {}
+        self._generation = 0
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def rows_in_use(self) -> int:
+        return sum(r.allocation.num_rows for r in self._reserved.values())
+
+    @property
+    def free_rows(self) -> int:
+        return self.worker_rows - self.rows_in_use
+
+    def reserved(self) -> tuple[str, ...]:
+        return tuple(self._reserved)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        res = self._reserved.get(request_id)
+        return list(res.block_ids) if res is not None else []
+
+    # -- reservation --------------------------------------------------------------------------
+
+    def _check(self, request: KVRequest) -> list[int]:
+        """Blocks each row needs, in order (sequences, then contexts); AdmissionError if never."""
+        rid = request.request_id
+        if type(rid) is not str or not rid:
+            raise AdmissionError(f"request_id must be a non-empty string; got {rid!r}")
+        if not request.sequences:
+            raise AdmissionError(f"request {rid!r} has no sequences")
+        if request.num_rows > self.max_rows_per_request:
+            raise AdmissionError(
+                f"request {rid!r} needs {request.num_rows} rows; the per-request limit is {self.max_rows_per_request}"
+            )
+        if request.num_rows > self.worker_rows:
+            raise AdmissionError(
+                f"request {rid!r} needs {request.num_rows} rows; the worker has {self.worker_rows}"
+            )
+        context_ids = [c.context_id for c in request.contexts]
+        if len(set(context_ids)) != len(context_ids):
+            raise AdmissionError(f"request {rid!r} lists a context more than once: {context_ids}")
+        seq_ids = [s.sequence_id for s in request.sequences]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise AdmissionError(f"request {rid!r} lists a sequence more than once: {seq_ids}")
+        needs = []
+        for s in request.sequences:
+            if min(s.prefix_len, s.target_len) < 0 or s.prefix_len + s.target_len <= 0:
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id}: lengths must be >= 0 and not both 0"
+                )
+            unknown = set(s.context_ids) - set(context_ids)
+            if unknown:
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id} uses unknown contexts {sorted(unknown)}"
+                )
+            needs.append(s.prefix_len + s.target_len)
+        needs.extend(c.num_tokens for c in request.contexts)
+        too_long = [n for n in needs if n > self.max_model_len]
+        if too_long:
+            raise AdmissionError(
+                f"request {rid!r} has a row of {max(too_long)} tokens; max_model_len is {self.max_model_len}"
+            )
+        blocks = [cdiv(n, self.block_size) for n in needs]
+        if sum(blocks) > self.pool.num_total:
+            raise AdmissionError(
+                f"request {rid!r} needs {sum(blocks)} blocks; the pool has {self.pool.num_total} in total"
+            )
+        return blocks
+
+    def reserve(self, request: KVRequest) -> RequestAllocation | None:
+        """Reserve every row of ``request`` (see module docstring for the three outcomes)."""
+        existing = self._reserved.get(request.request_id)
+        if existing is not None:
+            self._generation += 1
+            old = existing.allocation
+            existing.allocation = RequestAllocation(
+                old.request_id, self._generation, old.sequences, old.contexts
+            )
+            return existing.allocation
+        blocks = self._check(request)
+        if request.num_rows > self.free_rows:
+            return None  # worker back-pressure: nothing taken
+        taken = self.pool.allocate(sum(blocks))
+        if taken is None:
+            return None
+        cursor = 0
+        per_row: list[tuple[int, ...]] = []
+        for n in blocks:
+            per_row.append(tuple(taken[cursor : cursor + n]))
+            cursor += n
+        sequences = tuple(
+            SequenceAllocation(
+                sequence_id=s.sequence_id,
+                prefix_len=s.prefix_len,
+                target_len=s.target_len,
+                seq_len=s.prefix_len + s.target_len,
+                block_ids=(per_row[i],),
+                context_ids=s.context_ids,
+            )
+            for i, s in enumerate(request.sequences)
+        )
+        offset = len(request.sequences)
+        contexts = tuple(
+            ContextAllocation(c.context_id, c.cache_role, c.num_tokens, (per_row[offset + i],))
+            for i, c in enumerate(request.contexts)
+        )
+        self._generation += 1
+        allocation = RequestAllocation(request.request_id, self._generation, sequences, contexts)
+        self._reserved[request.request_id] = _Reservation(allocation, taken)
+        return allocation
+
+    def free(self, request_id: str) -> int:
+        """Release a request's blocks (idempotent); returns how many were released."""
+        res = self._reserved.pop(request_id, None)
+        if res is None:
+            return 0
+        self.pool.free(res.block_ids)
+        return len(res.block_ids)

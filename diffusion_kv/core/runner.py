@@ -1,0 +1,404 @@
+"""Worker-side runner backend: layer registration, KV-cache initialisation, and the wiring of
+registry + translator + executor for one worker.
+
+Lifecycle::
+
+    backend = RunnerBackend(platform, RunnerConfig(...))
+    backend.register_kv_cache_layers({"blk.0.attn": PagedLayerSpec(...), ...})   # validates
+    backend.initialize_kv_cache(num_blocks=...)           # or a CacheLayout / KVCacheConfig
+    backend.install(snapshot)                             # per request
+    with backend.activate(PhaseRows(...)) as runtime:     # per denoise loop
+        runtime.ensure_active(step); backend.forward(layer, q, k, v, attn_metadata)
+    backend.remove([request_id])                          # rows only; the scheduler frees blocks
+
+Initialisation is atomic: if any part (BlockTables, metadata builder, backends, cache
+allocation) fails, nothing is published and the backend stays registered-but-uninitialised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffusion_kv.core.allocation import RequestAllocation
+from diffusion_kv.core.batch import (
+    KVCache,
+    KVWritePolicy,
+    LayerGeometry,
+    MetadataBuilder,
+    PagedAttentionBackend,
+)
+from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.execute import PagedExecutor
+from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
+from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry
+from diffusion_kv.core.rows import PhaseRows
+from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.translate import Translator
+
+if TYPE_CHECKING:  # the core knows plugins only through this structural view
+    from diffusion_kv.platforms.interface import Platform
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sequence parallelism of the model around the paged call.
+
+    Only strict Ulysses is compatible with paged attention (heads are sharded by all-to-all
+    before the call; each rank pages its own heads). Ring attention, all-gather-KV and
+    non-strict Ulysses modes are rejected at registration.
+    """
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    allgather_degree: int = 1
+    ulysses_mode: str = "strict"
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_model_len: int
+    max_rows_per_request: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    mode: KVCacheMode = KVCacheMode.PAGED
+    parallel: ParallelConfig = ParallelConfig()
+    device: torch.device | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
+
+
+@dataclass(frozen=True)
+class PagedLayerSpec:
+    """A model attention layer that opts into paging (global, not rank-local, heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    causal: bool = True
+    scale: float | None = None
+    skip_sequence_parallel: bool = False
+    cache_role: str | None = None
+
+
+def _positive(value: object, what: str) -> int:
+    if type(value) is not int or value <= 0:
+        raise ValidationError(f"{what} must be a positive integer; got {value!r}")
+    return value
+
+
+class RunnerBackend:
+    """Owns one worker's paged KV state; see the module docstring for the lifecycle."""
+
+    def __init__(self, platform: Platform, config: RunnerConfig) -> None:
+        for name in ("max_model_len", "max_rows_per_request", "max_num_seqs", "max_num_batched_tokens"):
+            _positive(getattr(config, name), f"RunnerConfig.{name}")
+        self.platform = platform
+        self.config = config
+        self.device = torch.device(config.device) if config.device is not None else platform.device()
+        self.layers: dict[str, LayerGeometry] = {}
+        self.cache_roles: frozenset[str] = frozenset()
+        self.layout: CacheLayout | None = None
+        self.block_tables: BlockTables | None = None
+        self.registry: RowRegistry | None = None
+        self.translator: Translator | None = None
+        self.executor: PagedExecutor | None = None
+        self.kv_caches: dict[str, KVCache] = {}
+
+    @property
+    def initialized(self) -> bool:
+        return self.layout is not None
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _ulysses_degree(self, spec: PagedLayerSpec) -> int:
+        if spec.skip_sequence_parallel:
+            return 1
+        p = self.config.parallel
+        if p.ring_degree > 1:
+            raise NotImplementedError(
+                "paged attention does not support Ring or hybrid Ulysses+Ring attention"
+            )
+        if p.allgather_degree > 1:
+            raise NotImplementedError("paged attention does not support all-gather-KV sequence parallelism")
+        if p.ulysses_degree > 1 and p.ulysses_mode != "strict":
+            raise NotImplementedError(
+                f"paged attention supports only strict Ulysses; got ulysses_mode={p.ulysses_mode!r}"
+            )
+        return _positive(p.ulysses_degree, "ulysses_degree")
+
+    def register_kv_cache_layers(self, layers: Mapping[str, PagedLayerSpec]) -> dict[str, LayerGeometry]:
+        """Validate paged layers and return their rank-local geometry.
+
+        May be called again (replacing the set) until the KV cache is initialised; a failed call
+        leaves the previous registration in place.
+        """
+        if self.initialized:
+            raise StateError("paged KV-cache layers cannot change after the KV cache is initialised")
+        if not layers:
+            raise ValidationError("register at least one paged attention layer")
+        geometry: dict[str, LayerGeometry] = {}
+        roles: set[str] = set()
+        for name, spec in layers.items():
+            if type(name) is not str or not name:
+                raise ValidationError(f"paged layer names must be non-empty strings; got {name!r}")
+            if not isinstance(spec, PagedLayerSpec):
+                raise TypeError(f"paged layer {name!r} needs a PagedLayerSpec; got {type(spec).__name__}")
+            heads = _positive(spec.num_heads, f"layer {name!r} num_heads")
+            kv_heads = _positive(spec.num_kv_heads, f"layer {name!r} num_kv_heads")
+            _positive(spec.head_size, f"layer {name!r} head_size")
+            if heads % kv_heads:
+                raise ValidationError(
+                    f"layer {name!r}: num_heads={heads} must be a multiple of num_kv_heads={kv_heads}"
+                )
+            degree = self._ulysses_degree(spec)
+            if heads % degree or kv_heads % degree:
+                raise ValidationError(
+                    f"layer {name!r}: num_heads={heads} and num_kv_heads={kv_heads} must be divisible by "
+                    f"ulysses_degree={degree}"
+                )
+            if spec.cache_role is not None:
+                if type(spec.cache_role) is not str or not spec.cache_role:
+                    raise ValidationError(f"layer {name!r}: cache_role must be a non-empty string or None")
+                roles.add(spec.cache_role)
+            geometry[name] = LayerGeometry(
+                layer_name=name,
+                num_heads=heads // degree,
+                num_kv_heads=kv_heads // degree,
+                head_size=spec.head_size,
+                scale=float(spec.scale) if spec.scale is not None else spec.head_size**-0.5,
+                dtype=spec.dtype,
+                causal=spec.causal,
+            )
+        shapes = {(g.num_heads, g.num_kv_heads, g.head_size, g.dtype) for g in geometry.values()}
+        if len(shapes) > 1:
+            raise ValidationError(
+                "native metadata builders need one rank-local attention geometry "
+                f"(num_heads, num_kv_heads, head_size, dtype); got {sorted(shapes, key=str)}"
+            )
+        any_geom = next(iter(geometry.values()))
+        from diffusion_kv.platforms.interface import AttentionMode, Requirements
+
+        modes = {AttentionMode.CAUSAL if g.causal else AttentionMode.FULL for g in geometry.values()}
+        requirements = Requirements(
+            dtype=any_geom.dtype,
+            head_size=any_geom.head_size,
+            num_heads=any_geom.num_heads,
+            num_kv_heads=any_geom.num_kv_heads,
+            attention_modes=frozenset(modes),
+            ulysses_degree=self.config.parallel.ulysses_degree,
+            dcp_size=self.config.cp_size,
+        )
+        reasons = self.platform.not_supported_reasons(requirements)
+        if reasons:
+            raise UnsupportedRequirementsError(
+                f"platform {self.platform.name!r} cannot serve these layers ({requirements.describe()}): "
+                + "; ".join(reasons)
+            )
+        self.layers = geometry
+        self.cache_roles = frozenset(roles)
+        return dict(geometry)
+
+    # -- initialisation -----------------------------------------------------------------------
+
+    def layout_for(self, num_blocks: int, block_size: int | None = None) -> CacheLayout:
+        """A layout for the registered layers: one group per attention mode."""
+        if not self.layers:
+            raise StateError("register paged layers before building a cache layout")
+        block = block_size if block_size is not None else self.platform.default_block_size
+        groups = []
+        for causal in (True, False):
+            names = tuple(n for n, g in self.layers.items() if g.causal is causal)
+            if names:
+                g0 = self.layers[names[0]]
+                groups.append(
+                    KVCacheGroup(block, names, AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, causal))
+                )
+        c = self.config
+        return CacheLayout(
+            groups=tuple(groups),
+            num_blocks=num_blocks,
+            max_model_len=c.max_model_len,
+            max_rows_per_request=c.max_rows_per_request,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+        )
+
+    def initialize_kv_cache(
+        self,
+        config: CacheLayout | Any | None = None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> CacheLayout:
+        """Allocate caches and build the platform parts; atomic (see module docstring).
+
+        ``config`` is a :class:`CacheLayout`, a vLLM ``KVCacheConfig``-shaped object, or None
+        (then ``num_blocks`` and optionally ``block_size`` describe a layout for the layers).
+        """
+        if self.initialized:
+            raise StateError("the paged KV cache is already initialised")
+        if not self.layers:
+            raise StateError("register paged layers before initialising the KV cache")
+        if config is None:
+            if num_blocks is None:
+                raise ValidationError("initialize_kv_cache needs a layout or num_blocks")
+            layout = self.layout_for(num_blocks, block_size)
+        elif isinstance(config, CacheLayout):
+            layout = config
+        else:
+            c = self.config
+            layout = CacheLayout.from_kv_cache_config(
+                config,
+                max_model_len=c.max_model_len,
+                max_rows_per_request=c.max_rows_per_request,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+            )
+        configured = set(layout.layer_names)
+        if configured != set(self.layers):
+            raise ValidationError(
+                f"KV-cache layout layers differ from the registered ones: registered={sorted(self.layers)}, "
+                f"configured={sorted(configured)}"
+            )
+        for g, group in enumerate(layout.groups):
+            for name in group.layer_names:
+                geom = self.layers[name]
+                if (geom.num_kv_heads, geom.head_size, geom.dtype, geom.causal) != (
+                    group.spec.num_kv_heads,
+                    group.spec.head_size,
+                    group.spec.dtype,
+                    group.spec.causal,
+                ):
+                    raise ValidationError(
+                        f"layer {name!r} does not match the spec of KV-cache group {g}: {group.spec}"
+                    )
+            if not self.platform.capabilities.supports_block_size(group.block_size):
+                raise ValidationError(
+                    f"KV-cache group {g} block size {group.block_size} is not supported by platform "
+                    f"{self.platform.name!r} ({', '.join(str(r) for r in self.platform.capabilities.kernel_block_sizes)})"
+                )
+        parts = self._build_parts(layout)  # raises before anything is published
+        self.layout = layout
+        (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches) = parts
+        return layout
+
+    def _build_parts(
+        self, layout: CacheLayout
+    ) -> tuple[BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache]]:
+        c = self.config
+        platform = self.platform
+        block_tables = platform.block_tables_cls()(
+            block_sizes=layout.block_sizes,
+            max_num_reqs=layout.max_num_reqs,
+            max_num_batched_tokens=layout.max_num_batched_tokens,
+            max_num_blocks_per_group=layout.max_blocks_per_row(),
+            device=self.device,
+            kernel_block_sizes=layout.block_sizes,
+            cp_size=c.cp_size,
+            cp_rank=c.cp_rank,
+            cp_interleave=c.cp_interleave,
+        )
+        builder: MetadataBuilder = platform.metadata_builder(
+            layout, block_tables, list(self.layers.values()), self.device
+        )
+        holder: dict[str, RowRegistry] = {}
+
+        def resolve(rid: str, sid: int | None, cid: str | None) -> RowBinding:
+            return holder["registry"].resolve(rid, sid, cid)
+
+        translator = Translator(
+            layout=layout, block_tables=block_tables, builder=builder, resolve_row=resolve, device=self.device
+        )
+        registry = RowRegistry(
+            layout,
+            block_tables,
+            mode=c.mode,
+            before_mutation=translator.invalidate,
+            cache_roles=self.cache_roles or None,
+        )
+        holder["registry"] = registry
+        backends: dict[str, PagedAttentionBackend] = {}
+        caches: dict[str, KVCache] = {}
+        for group in layout.groups:
+            for name in group.layer_names:
+                geom = self.layers[name]
+                backends[name] = platform.paged_backend(geom, self.device)
+                caches[name] = platform.allocate_kv_cache(
+                    layout.num_blocks,
+                    group.block_size,
+                    geom.num_kv_heads,
+                    geom.head_size,
+                    geom.dtype,
+                    self.device,
+                )
+        policy = platform.kv_write_policy
+        if not isinstance(policy, KVWritePolicy):
+            raise ValidationError(f"platform {platform.name!r} declares no KVWritePolicy")
+        executor = PagedExecutor(translator, self.layers, backends, caches, policy)
+        return block_tables, registry, translator, executor, caches
+
+    # -- per request --------------------------------------------------------------------------
+
+    def _require(self) -> tuple[RowRegistry, Translator, PagedExecutor]:
+        if self.registry is None or self.translator is None or self.executor is None:
+            raise StateError("the paged KV cache is not initialised")
+        return self.registry, self.translator, self.executor
+
+    def install(self, snapshot: RequestAllocation) -> bool:
+        return self._require()[0].install(snapshot)
+
+    def remove(self, requests: Iterable[str | tuple[str, int]]) -> int:
+        if self.registry is None:
+            return 0
+        return self.registry.remove(requests)
+
+    def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
+        if self.registry is None:
+            raise StateError("the paged KV cache is not initialised")
+        return self.registry.resolve(request_id, sequence_id, context_id)
+
+    def refresh_layout(self) -> None:
+        if self.registry is not None:
+            self.registry.refresh_layout()
+
+    @contextmanager
+    def activate(self, phases: PhaseRows) -> Iterator[PagedRuntime]:
+        """A runtime for one denoise loop; closed (and deactivated) on exit."""
+        _, translator, _ = self._require()
+        runtime = PagedRuntime(translator, phases)
+        with runtime.activate():
+            yield runtime
+
+    def forward(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: Any | None = None,
+    ) -> torch.Tensor:
+        return self._require()[2].forward(layer_name, query, key, value, attn_metadata)
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block id occupies across every layer (K and V)."""
+        if self.layout is None:
+            raise StateError("the paged KV cache is not initialised")
+        total = 0
+        for group in self.layout.groups:
+            total += len(group.layer_names) * group.block_size * group.spec.bytes_per_token()
+        return total
+
+    def blocks_for(self, num_tokens: int) -> list[int]:
+        if self.layout is None:
+            raise StateError("the paged KV cache is not initialised")
+        return [cdiv(num_tokens, g.block_size) for g in self.layout.groups]

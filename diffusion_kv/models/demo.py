@@ -1,0 +1,317 @@
+"""The main job: the tiny DiT denoised densely and through paged KV, on one platform.
+
+Both modes use identical weights and inputs. The paged run goes through the whole stack a
+worker uses: scheduler-side allocator -> allocation snapshot -> runner backend (registry,
+translator, the platform's BlockTables, metadata builder, backend and caches) -> runtime.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.platforms.interface import Platform
+
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 6e-2, torch.bfloat16: 2.5e-1, torch.float64: 1e-8}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    prefix_len: int = 1024
+    target_len: int = 256
+    steps: int = 8
+    cfg_rows: int = 2
+    guidance: float = 4.0
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    layers: int = 4
+    block_size: int | None = None
+    dtype: torch.dtype = torch.float32
+    max_model_len: int = 4096
+    seed: int = 0
+    inject_fault: bool = False
+    """Testing aid: corrupt one cached prefix block after step 0 (the run must then fail)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefix_len",
+            "target_len",
+            "steps",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "layers",
+            "max_model_len",
+        ):
+            if type(getattr(self, name)) is not int or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+        if self.cfg_rows not in (1, 2):
+            raise ValueError(f"cfg_rows must be 1 or 2; got {self.cfg_rows!r}")
+        if self.prefix_len + self.target_len > self.max_model_len:
+            raise ValueError(
+                f"prefix_len + target_len = {self.prefix_len + self.target_len} exceeds max_model_len {self.max_model_len}"
+            )
+
+
+@dataclass
+class DemoResult:
+    platform: str
+    device: str
+    dtype: str
+    shapes: dict[str, int]
+    steps: int
+    cfg_rows: int
+    block_size: int
+    max_abs_diff: float
+    tolerance: float
+    agree: bool
+    dense_step_ms: list[float]
+    paged_step_ms: list[float]
+    kv_bytes_paged: int
+    kv_bytes_dense_max_len: int
+    blocks_used: int
+    block_utilisation: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dense_total_ms(self) -> float:
+        return sum(self.dense_step_ms)
+
+    @property
+    def paged_total_ms(self) -> float:
+        return sum(self.paged_step_ms)
+
+    @property
+    def speedup(self) -> float:
+        return self.dense_total_ms / self.paged_total_ms
+
+    @property
+    def steady_speedup(self) -> float:
+        if len(self.paged_step_ms) < 2:
+            return float("nan")
+        return statistics.mean(self.dense_step_ms[1:]) / statistics.mean(self.paged_step_ms[1:])
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            dense_total_ms=self.dense_total_ms,
+            paged_total_ms=self.paged_total_ms,
+            speedup=self.speedup,
+            steady_state_speedup=self.steady_speedup,
+        )
+        return out
+
+
+Progress = Callable[[str, int, int], None]
+
+
+def _inputs(cfg: DemoConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    prefixes = torch.randn(cfg.cfg_rows, cfg.prefix_len, cfg.hidden, generator=g)
+    latent = torch.randn(1, cfg.target_len, cfg.hidden, generator=g)
+    return prefixes.to(device, cfg.dtype), latent.to(device, cfg.dtype)
+
+
+def _combine(cfg: DemoConfig, velocity: torch.Tensor) -> torch.Tensor:
+    if cfg.cfg_rows == 1:
+        return velocity
+    cond, uncond = velocity[0:1], velocity[1:2]
+    return uncond + cfg.guidance * (cond - uncond)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_dense(
+    model: TinyDiT, cfg: DemoConfig, device: torch.device, progress: Progress
+) -> tuple[torch.Tensor, list[float]]:
+    prefixes, latent = _inputs(cfg, device)
+    times = []
+    dt = 1.0 / cfg.steps
+    with torch.no_grad():
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            target = latent.expand(cfg.cfg_rows, -1, -1)
+            velocity = model.dense_step(prefixes, target, 1.0 - step * dt)
+            latent = latent - dt * _combine(cfg, velocity)
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            progress("dense", step + 1, cfg.steps)
+    return latent, times
+
+
+def run_paged(
+    model: TinyDiT, cfg: DemoConfig, platform: Platform, device: torch.device, progress: Progress
+) -> tuple[torch.Tensor, list[float], dict[str, Any]]:
+    block = cfg.block_size or platform.default_block_size
+    seq_len = cfg.prefix_len + cfg.target_len
+    rows = cfg.cfg_rows
+    num_blocks = rows * cdiv(seq_len, block) + 1
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=cfg.max_model_len,
+            max_rows_per_request=rows,
+            max_num_seqs=1,
+            max_num_batched_tokens=rows * seq_len,
+            device=device,
+        ),
+    )
+    mc = model.cfg
+    runner.register_kv_cache_layers(
+        {
+            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype, causal=True)
+            for name in model.layer_names
+        }
+    )
+    runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
+    allocator = DiffusionKVAllocator(
+        block_size=block,
+        max_model_len=cfg.max_model_len,
+        max_rows_per_request=rows,
+        worker_rows=runner.layout.max_num_reqs if runner.layout else rows,
+        pool=FreeListPool(num_blocks),
+    )
+    request = KVRequest(
+        "demo", tuple(SequenceRequest(i, cfg.prefix_len, cfg.target_len) for i in range(rows))
+    )
+    snapshot = allocator.reserve(request)
+    if snapshot is None:  # pragma: no cover - the pool is sized for the request
+        raise RuntimeError("the demo's block pool cannot hold the request")
+    prefixes, latent = _inputs(cfg, device)
+    times: list[float] = []
+    dt = 1.0 / cfg.steps
+    phases = PhaseRows(
+        tuple(PagedRow("demo", seq_len, seq_len, 0, sequence_id=i) for i in range(rows)),
+        tuple(PagedRow("demo", cfg.target_len, seq_len, cfg.prefix_len, sequence_id=i) for i in range(rows)),
+    )
+    try:
+        runner.install(snapshot)
+        with torch.no_grad(), runner.activate(phases) as runtime:
+            for step in range(cfg.steps):
+                t0 = time.perf_counter()
+                runtime.ensure_active(step)
+                target = latent.expand(rows, -1, -1)
+                velocity = model.paged_step(prefixes, target, 1.0 - step * dt, step, runner.forward)
+                latent = latent - dt * _combine(cfg, velocity)
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+                if step == 0 and cfg.inject_fault:
+                    _corrupt(runner, snapshot.sequences[0].block_ids[0][0])
+                progress("paged", step + 1, cfg.steps)
+    finally:
+        runner.remove(["demo"])
+        allocator.free("demo")
+    blocks_used = sum(len(s.block_ids[0]) for s in snapshot.sequences)
+    info = {
+        "block_size": block,
+        "blocks_used": blocks_used,
+        "kv_bytes_paged": blocks_used * runner.kv_bytes_per_block(),
+        "tokens": rows * seq_len,
+        "preparations": 2 if cfg.steps > 1 else 1,
+    }
+    return latent, times, info
+
+
+def _corrupt(runner: RunnerBackend, block_id: int) -> None:
+    name = next(iter(runner.kv_caches))
+    cache = runner.kv_caches[name]
+    tensors = cache if isinstance(cache, tuple) else (cache[0],)
+    tensors[0][block_id].add_(1.0)
+
+
+def run_demo(
+    platform: Platform, cfg: DemoConfig, progress: Progress | None = None, device: torch.device | None = None
+) -> DemoResult:
+    device = device or platform.device()
+    progress = progress or (lambda _mode, _i, _n: None)
+    model_cfg = TinyDiTConfig(
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        layers=cfg.layers,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+    )
+    model = TinyDiT(model_cfg).to(device).eval()
+    dense_out, dense_ms = run_dense(model, cfg, device, progress)
+    paged_out, paged_ms, info = run_paged(model, cfg, platform, device, progress)
+    diff = float((dense_out.float() - paged_out.float()).abs().max())
+    tol = TOLERANCE.get(cfg.dtype, 1e-1)
+    seq_len = cfg.prefix_len + cfg.target_len
+    per_token = 2 * model_cfg.kv_heads * model_cfg.head_size * torch.empty((), dtype=cfg.dtype).element_size()
+    return DemoResult(
+        platform=platform.name,
+        device=str(device),
+        dtype=str(cfg.dtype).removeprefix("torch."),
+        shapes={
+            "prefix_len": cfg.prefix_len,
+            "target_len": cfg.target_len,
+            "seq_len": seq_len,
+            "hidden": cfg.hidden,
+            "heads": cfg.heads,
+            "kv_heads": cfg.kv_heads,
+            "head_size": model_cfg.head_size,
+            "layers": cfg.layers,
+            "max_model_len": cfg.max_model_len,
+        },
+        steps=cfg.steps,
+        cfg_rows=cfg.cfg_rows,
+        block_size=info["block_size"],
+        max_abs_diff=diff,
+        tolerance=tol,
+        agree=diff <= tol and bool(torch.isfinite(paged_out).all()),
+        dense_step_ms=dense_ms,
+        paged_step_ms=paged_ms,
+        kv_bytes_paged=info["kv_bytes_paged"],
+        kv_bytes_dense_max_len=cfg.cfg_rows * cfg.max_model_len * per_token * cfg.layers,
+        blocks_used=info["blocks_used"],
+        block_utilisation=info["tokens"] / (info["blocks_used"] * info["block_size"]),
+    )
+
+
+def text_progress(stream: Any = sys.stderr) -> Progress:
+    def show(mode: str, i: int, n: int) -> None:
+        width = 24
+        filled = int(width * i / n)
+        stream.write(f"\r{mode:>5} [{'#' * filled}{'.' * (width - filled)}] step {i}/{n}")
+        if i == n:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def format_result(r: DemoResult) -> str:
+    mib = 1024 * 1024
+    s = r.shapes
+    lines = [
+        f"platform: {r.platform} (device {r.device}, {r.dtype})",
+        f"shapes: prefix {s['prefix_len']} + target {s['target_len']} tokens, hidden {s['hidden']}, "
+        f"heads {s['heads']} (kv {s['kv_heads']}, head size {s['head_size']}), layers {s['layers']}",
+        f"steps: {r.steps}, CFG rows: {r.cfg_rows}, block size: {r.block_size}",
+        f"max |dense - paged|: {r.max_abs_diff:.3g} (tolerance {r.tolerance:g}) -> {'AGREE' if r.agree else 'DISAGREE'}",
+        f"dense per step: {statistics.mean(r.dense_step_ms):.1f} ms (total {r.dense_total_ms:.0f} ms)",
+        f"paged per step: step 0 {r.paged_step_ms[0]:.1f} ms, later steps "
+        + (f"{statistics.mean(r.paged_step_ms[1:]):.1f} ms" if len(r.paged_step_ms) > 1 else "-")
+        + f" (total {r.paged_total_ms:.0f} ms)",
+        f"speedup (dense total / paged total): {r.speedup:.2f}x; steady state per step: {r.steady_speedup:.2f}x",
+        f"KV memory: paged blocks {r.kv_bytes_paged / mib:.2f} MiB vs dense max-length cache "
+        f"{r.kv_bytes_dense_max_len / mib:.2f} MiB (max_model_len {s['max_model_len']})",
+        f"block utilisation: {r.block_utilisation:.1%} of {r.blocks_used} blocks",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""A tiny diffusion transformer with random weights (no downloads), dense or paged.
+
+The sequence is ``[prefix | target]``: prefix tokens (the condition) attend causally, target
+tokens form one bidirectional span over everything (the HunyuanImage-style mask,
+``full_attn_spans = [(P, P + T)]``). The timestep embedding is added to target tokens only, so
+the prefix's K/V at every layer is the same at every denoise step: that is what paging reuses.
+
+* dense mode recomputes the whole sequence each step with a dense masked attention;
+* paged mode computes everything at step 0 (writing every K/V into the pages) and afterwards
+  only the target tokens, attending over the cached prefix pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.piecewise import dense_piecewise_mask
+
+AttentionFn = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(layer_name, q [B, L, H, D], k [B, L, Hkv, D], v) -> [B, L, H, D]``."""
+
+
+@dataclass(frozen=True)
+class TinyDiTConfig:
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    layers: int = 4
+    mlp_ratio: int = 2
+    rope: bool = True
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden // self.heads
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"hidden={self.hidden} must divide by heads={self.heads}, and heads by kv_heads={self.kv_heads}"
+            )
+        if self.rope and self.head_size % 2:
+            raise ValueError(f"RoPE needs an even head size; got {self.head_size}")
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the last dim of ``x [B, L, H, D]`` at absolute ``positions [L]``."""
+    d = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[:, None] * inv[None, :]  # [L, D/2]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyDiTConfig, index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.name = f"blocks.{index}.attn"
+        d = cfg.head_size
+        self.norm1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden)
+        self.norm2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden),
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        cfg = self.cfg
+        B, L, _ = x.shape
+        d = cfg.head_size
+        qkv = self.qkv(self.norm1(x))
+        q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
+        q = q.reshape(B, L, cfg.heads, d)
+        k = k.reshape(B, L, cfg.kv_heads, d)
+        v = v.reshape(B, L, cfg.kv_heads, d)
+        if cfg.rope:
+            q, k = rope(q, positions), rope(k, positions)
+        attn = attention(self.name, q, k, v).reshape(B, L, cfg.hidden)
+        x = x + self.out(attn)
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class TinyDiT(nn.Module):
+    def __init__(self, cfg: TinyDiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.seed)
+        self.time_embed = nn.Sequential(
+            nn.Linear(16, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, cfg.hidden)
+        )
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden)
+        self.final = nn.Linear(cfg.hidden, cfg.hidden)
+        torch.random.set_rng_state(gen_state)
+        self.to(cfg.dtype)
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"blocks.{i}.attn" for i in range(len(self.blocks))]
+
+    def timestep(self, t: float, device: torch.device) -> torch.Tensor:
+        freqs = torch.exp(-math.log(1000.0) * torch.arange(8, device=device, dtype=torch.float32) / 8)
+        feats = torch.cat([torch.sin(t * 1000 * freqs), torch.cos(t * 1000 * freqs)])
+        return self.time_embed(feats.to(self.cfg.dtype))  # type: ignore[no-any-return]
+
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn, target_len: int
+    ) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, positions, attention)
+        return self.final(self.final_norm(x[:, -target_len:]))  # type: ignore[no-any-return]
+
+    # -- the two modes ------------------------------------------------------------------------
+
+    def dense_step(self, prefix: torch.Tensor, target: torch.Tensor, t: float) -> torch.Tensor:
+        """Recompute the whole ``[prefix | target]`` sequence with a dense masked attention."""
+        P = prefix.shape[1]
+        T = target.shape[1]
+        S = P + T
+        x = torch.cat([prefix, target + self.timestep(t, prefix.device)], dim=1)
+        mask = dense_piecewise_mask([(P, S)], 0, S, S).to(prefix.device)
+        groups = self.cfg.heads // self.cfg.kv_heads
+
+        def attention(_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+            )
+            return out.transpose(1, 2)
+
+        return self.run(x, torch.arange(S, device=prefix.device), attention, T)
+
+    def paged_step(
+        self,
+        prefix: torch.Tensor,
+        target: torch.Tensor,
+        t: float,
+        step: int,
+        paged_attention: Callable[
+            [str, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
+        ],
+    ) -> torch.Tensor:
+        """Step 0: the whole sequence (writes every K/V). Later: target tokens only."""
+        B, P, _ = prefix.shape
+        T = target.shape[1]
+        S = P + T
+        spans = AttentionMetadata(full_attn_spans=[[(P, S)]] * B)
+        x_target = target + self.timestep(t, target.device)
+        if step == 0:
+            x = torch.cat([prefix, x_target], dim=1)
+            positions = torch.arange(S, device=target.device)
+        else:
+            x = x_target
+            positions = torch.arange(P, S, device=target.device)
+
+        def attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(name, q, k, v, spans)
+
+        return self.run(x, positions, attention, T)

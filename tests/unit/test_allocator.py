@@ -1,0 +1,137 @@
+"""Scheduler-side allocator: admission, back-pressure, all-or-nothing, accounting."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diffusion_kv.core.allocator import (
+    AdmissionError,
+    ContextRequest,
+    DiffusionKVAllocator,
+    FreeListPool,
+    KVRequest,
+    SequenceRequest,
+)
+from diffusion_kv.core.errors import ValidationError
+
+from .registry_helpers import make_registry
+
+
+def alloc(num_blocks: int = 16, worker_rows: int = 6, rows_per_request: int = 3) -> DiffusionKVAllocator:
+    return DiffusionKVAllocator(
+        block_size=4,
+        max_model_len=32,
+        max_rows_per_request=rows_per_request,
+        worker_rows=worker_rows,
+        pool=FreeListPool(num_blocks),
+    )
+
+
+def req(rid: str, *lens: int, ctx: int = 0) -> KVRequest:
+    contexts = (ContextRequest("ref", "image", ctx),) if ctx else ()
+    refs = ("ref",) if ctx else ()
+    return KVRequest(rid, tuple(SequenceRequest(i, 0, n, refs) for i, n in enumerate(lens)), contexts)
+
+
+def test_reserve_all_rows_and_shared_context_once() -> None:
+    a = alloc()
+    snap = a.reserve(req("r", 5, 5, ctx=6))
+    assert snap is not None and snap.allocation_generation == 1
+    assert [s.block_ids for s in snap.sequences] == [((0, 1),), ((2, 3),)]
+    assert snap.contexts[0].block_ids == ((4, 5),)
+    assert a.pool.num_free == 10 and a.free_rows == 3
+    reg, _ = make_registry()
+    assert reg.install(snap) is True  # the worker accepts what the allocator produces
+
+
+def test_rereserve_bumps_generation_keeps_blocks() -> None:
+    a = alloc()
+    first = a.reserve(req("r", 5))
+    second = a.reserve(req("r", 5))
+    assert first is not None and second is not None
+    assert second.allocation_generation == 2 and second.content_key() == first.content_key()
+    assert a.pool.num_free == 14
+
+
+def test_wait_versus_permanent_admission_errors() -> None:
+    a = alloc(num_blocks=8)
+    assert a.reserve(req("a", 20)) is not None  # 5 blocks
+    before = a.pool.num_free
+    assert a.reserve(req("b", 16)) is None  # fits an empty pool, not now: wait
+    assert a.pool.num_free == before
+    with pytest.raises(AdmissionError, match="needs 9 blocks; the pool has 8 in total"):
+        a.reserve(req("c", 20, 16))
+    with pytest.raises(AdmissionError, match="max_model_len is 32"):
+        a.reserve(req("d", 33))
+    with pytest.raises(AdmissionError, match="needs 4 rows; the per-request limit is 3"):
+        a.reserve(req("e", 1, 1, 1, ctx=1))
+
+
+def test_worker_row_back_pressure_before_blocks() -> None:
+    a = alloc(num_blocks=64, worker_rows=3)
+    assert a.reserve(req("a", 4, 4)) is not None
+    free = a.pool.num_free
+    assert a.reserve(req("b", 4, 4)) is None
+    assert a.pool.num_free == free  # nothing taken
+    a.free("a")
+    assert a.reserve(req("b", 4, 4)) is not None
+
+
+def test_free_is_idempotent() -> None:
+    a = alloc()
+    a.reserve(req("r", 9))
+    assert a.free("r") == 3 and a.free("r") == 0 and a.pool.num_free == 16
+
+
+def test_invalid_requests() -> None:
+    a = alloc()
+    with pytest.raises(AdmissionError, match="no sequences"):
+        a.reserve(KVRequest("r", ()))
+    with pytest.raises(AdmissionError, match="unknown contexts"):
+        a.reserve(KVRequest("r", (SequenceRequest(0, 0, 4, ("ghost",)),)))
+    with pytest.raises(AdmissionError, match="more than once"):
+        a.reserve(KVRequest("r", (SequenceRequest(0, 0, 4), SequenceRequest(0, 0, 4))))
+    with pytest.raises(ValidationError, match="double free"):
+        a.pool.free([3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("reserve"),
+                st.sampled_from("abcde"),
+                st.lists(st.integers(1, 32), min_size=1, max_size=3),
+            ),
+            st.tuples(st.just("free"), st.sampled_from("abcde"), st.just([])),
+        ),
+        max_size=30,
+    )
+)
+def test_accounting_under_random_reserve_free(ops: list) -> None:
+    a = alloc(num_blocks=20, worker_rows=5)
+    held: dict[str, list[int]] = {}
+    rows: dict[str, int] = {}
+    for kind, rid, lens in ops:
+        if kind == "reserve":
+            try:
+                snap = a.reserve(req(rid, *lens))
+            except AdmissionError:
+                assert rid not in held
+                continue
+            if snap is not None and rid not in held:
+                held[rid] = [b for s in snap.sequences for b in s.block_ids[0]]
+                rows[rid] = snap.num_rows
+        else:
+            assert a.free(rid) == len(held.pop(rid, []))
+            rows.pop(rid, None)
+        used = [b for blocks in held.values() for b in blocks]
+        assert len(used) == len(set(used)), "a block is reserved twice"
+        assert a.pool.num_free + len(used) == 20
+        assert a.rows_in_use == sum(rows.values()) <= 5
+        assert set(a.reserved()) == set(held)
+        for r, blocks in held.items():
+            assert a.blocks_of(r) == blocks

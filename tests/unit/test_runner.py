@@ -1,0 +1,201 @@
+"""Runner backend: registration rules and atomic KV-cache initialisation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.registry import KVCacheMode
+from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.platforms.cpu import CpuPlatform
+
+
+def config(**kw: Any) -> RunnerConfig:
+    base: dict[str, Any] = dict(
+        max_model_len=64, max_rows_per_request=2, max_num_seqs=2, max_num_batched_tokens=256
+    )
+    base.update(kw)
+    return RunnerConfig(**base)
+
+
+def spec(**kw: Any) -> PagedLayerSpec:
+    base: dict[str, Any] = dict(num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    base.update(kw)
+    return PagedLayerSpec(**base)
+
+
+class FlakyPlatform(CpuPlatform):
+    """The cpu platform with a switchable failure in one part."""
+
+    fail: str | None = None
+
+    def block_tables_cls(self) -> Any:
+        if self.fail == "block_tables":
+            raise RuntimeError("BlockTables construction failed")
+        return super().block_tables_cls()
+
+    def metadata_builder(self, layout: Any, block_tables: Any, layers: Any, device: Any) -> Any:
+        if self.fail == "builder":
+            raise RuntimeError("builder construction failed")
+        return super().metadata_builder(layout, block_tables, layers, device)
+
+    def allocate_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail == "allocation":
+            raise MemoryError("cache allocation failed")
+        return super().allocate_kv_cache(*args, **kwargs)
+
+
+def test_registration_gives_rank_local_geometry() -> None:
+    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    with pytest.raises(UnsupportedRequirementsError, match="Ulysses sequence parallelism"):
+        backend.register_kv_cache_layers({"a": spec()})
+
+    class UlyssesCpu(CpuPlatform):
+        capabilities = CpuPlatform.capabilities.__class__(
+            **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": True}
+        )
+
+    backend = RunnerBackend(UlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    geom = backend.register_kv_cache_layers(
+        {"a": spec(), "b": spec(skip_sequence_parallel=True, num_heads=2, num_kv_heads=1)}
+    )
+    assert (geom["a"].num_heads, geom["a"].num_kv_heads) == (2, 1)
+    assert (geom["b"].num_heads, geom["b"].num_kv_heads) == (2, 1)
+    assert geom["a"].scale == 8**-0.5
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        (ParallelConfig(ring_degree=2), "Ring or hybrid Ulysses\\+Ring"),
+        (ParallelConfig(allgather_degree=2), "all-gather-KV"),
+        (
+            ParallelConfig(ulysses_degree=2, ulysses_mode="non_strict"),
+            "only strict Ulysses; got ulysses_mode='non_strict'",
+        ),
+    ],
+)
+def test_unsupported_sequence_parallel_modes(parallel: ParallelConfig, message: str) -> None:
+    backend = RunnerBackend(CpuPlatform(), config(parallel=parallel))
+    with pytest.raises(NotImplementedError, match=message):
+        backend.register_kv_cache_layers({"a": spec()})
+    assert backend.layers == {}
+
+
+@pytest.mark.parametrize(
+    ("layers", "exc", "message"),
+    [
+        ({}, ValidationError, "at least one paged attention layer"),
+        ({"a": spec(num_heads=3)}, ValidationError, "num_heads=3 must be a multiple of num_kv_heads=2"),
+        ({"a": spec(), "b": spec(head_size=16)}, ValidationError, "one rank-local attention geometry"),
+        ({"a": spec(num_kv_heads=0)}, ValidationError, "num_kv_heads must be a positive integer"),
+        ({"a": spec(dtype=torch.int8)}, UnsupportedRequirementsError, "dtype=int8"),
+        ({"a": "not a spec"}, TypeError, "needs a PagedLayerSpec"),
+        ({"a": spec(cache_role="")}, ValidationError, "cache_role must be a non-empty string"),
+    ],
+)
+def test_registration_rejections_keep_previous(layers: dict, exc: type[Exception], message: str) -> None:
+    backend = RunnerBackend(CpuPlatform(), config())
+    backend.register_kv_cache_layers({"keep": spec()})
+    with pytest.raises(exc, match=message):
+        backend.register_kv_cache_layers(layers)
+    assert list(backend.layers) == ["keep"]
+
+
+def test_ulysses_divisibility() -> None:
+    class UlyssesCpu(CpuPlatform):
+        capabilities = CpuPlatform.capabilities.__class__(
+            **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": True}
+        )
+
+    backend = RunnerBackend(UlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=4)))
+    with pytest.raises(ValidationError, match="divisible by ulysses_degree=4"):
+        backend.register_kv_cache_layers({"a": spec()})
+
+
+@pytest.mark.parametrize("part", ["block_tables", "builder", "allocation"])
+def test_initialisation_is_atomic(part: str) -> None:
+    platform = FlakyPlatform()
+    platform.fail = part
+    backend = RunnerBackend(platform, config())
+    backend.register_kv_cache_layers({"a": spec(), "b": spec()})
+    with pytest.raises((RuntimeError, MemoryError)):
+        backend.initialize_kv_cache(num_blocks=16, block_size=4)
+    assert not backend.initialized
+    assert backend.registry is None and backend.translator is None and backend.kv_caches == {}
+    assert list(backend.layers) == ["a", "b"]  # registration survives; a retry works
+    platform.fail = None
+    layout = backend.initialize_kv_cache(num_blocks=16, block_size=4)
+    assert backend.initialized and layout.max_num_reqs == 4
+    with pytest.raises(StateError, match="already initialised"):
+        backend.initialize_kv_cache(num_blocks=16)
+    with pytest.raises(StateError, match="cannot change after the KV cache is initialised"):
+        backend.register_kv_cache_layers({"a": spec()})
+
+
+def test_initialisation_checks() -> None:
+    backend = RunnerBackend(CpuPlatform(), config())
+    with pytest.raises(StateError, match="register paged layers"):
+        backend.initialize_kv_cache(num_blocks=4)
+    backend.register_kv_cache_layers({"a": spec()})
+    with pytest.raises(ValidationError, match="needs a layout or num_blocks"):
+        backend.initialize_kv_cache()
+    other = RunnerBackend(CpuPlatform(), config())
+    other.register_kv_cache_layers({"z": spec()})
+    with pytest.raises(ValidationError, match=r"registered=\['a'\], configured=\['z'\]"):
+        backend.initialize_kv_cache(other.layout_for(8))
+    assert not backend.initialized
+
+
+def test_vllm_shaped_config_and_mixed_modes() -> None:
+    backend = RunnerBackend(CpuPlatform(), config())
+    backend.register_kv_cache_layers({"c": spec(), "f": spec(causal=False)})
+    mk = lambda names, causal: SimpleNamespace(  # noqa: E731
+        layer_names=names,
+        kv_cache_spec=SimpleNamespace(
+            block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32, non_causal=not causal
+        ),
+    )
+    layout = backend.initialize_kv_cache(
+        SimpleNamespace(num_blocks=32, kv_cache_groups=[mk(["c"], True), mk(["f"], False)])
+    )
+    assert [g.spec.causal for g in layout.groups] == [True, False]
+    assert backend.translator is not None and backend.translator._causal == {0: True, 1: False}
+
+
+def test_end_to_end_install_activate_remove() -> None:
+    backend = RunnerBackend(CpuPlatform(), config())
+    backend.register_kv_cache_layers({"a": spec()})
+    backend.initialize_kv_cache(num_blocks=16, block_size=4)
+    snap = RequestAllocation("r", 0, (SequenceAllocation(0, 4, 2, 6, ((3, 1),)),))
+    assert backend.install(snap) is True
+    assert backend.resolve("r", 0).row_index == 0
+    phases = PhaseRows((PagedRow("r", 6, 6, sequence_id=0),), (PagedRow("r", 2, 6, 4, sequence_id=0),))
+    q = torch.randn(6, 4, 8)
+    kv = torch.randn(6, 2, 8)
+    with backend.activate(phases) as runtime:
+        runtime.ensure_active(0)
+        out0 = backend.forward("a", q, kv, kv, AttentionMetadata([[(4, 6)]]))
+        runtime.ensure_active(1)
+        out1 = backend.forward("a", q[4:], kv[4:], kv[4:], AttentionMetadata([[(4, 6)]]))
+    torch.testing.assert_close(out1, out0[4:])
+    assert backend.remove(["r"]) == 1
+    assert backend.kv_bytes_per_block() == 4 * 2 * 2 * 8 * 4
+
+
+def test_dense_mode_and_uninitialised_calls() -> None:
+    backend = RunnerBackend(CpuPlatform(), config(mode=KVCacheMode.DENSE))
+    assert backend.remove(["x"]) == 0
+    with pytest.raises(StateError, match="not initialised"):
+        backend.install(RequestAllocation("r", 0, (SequenceAllocation(0, 0, 1, 1, ((1,),)),)))
+    backend.register_kv_cache_layers({"a": spec()})
+    backend.initialize_kv_cache(num_blocks=4, block_size=4)
+    with pytest.raises(ValidationError, match="dense execution must not install"):
+        backend.install(RequestAllocation("r", 0, (SequenceAllocation(0, 0, 1, 1, ((1,),)),)))
