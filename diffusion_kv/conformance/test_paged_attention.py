@@ -47,7 +47,7 @@ def harness(platform: Platform, **kw: object) -> PagedHarness:
     kw.setdefault("head_size", pick_head_size(platform))
     block = kw.setdefault("block_size", platform.default_block_size)
     require(platform, dtype=kw["dtype"], head_size=kw["head_size"], block_size=block)
-    kw.setdefault("max_model_len", max(256, 2 * int(block)))  # type: ignore[call-overload]
+    kw.setdefault("max_model_len", max(256, 4 * int(block)))  # type: ignore[call-overload]
     kw.setdefault("num_blocks", 4 * (int(kw["max_model_len"]) // int(block) + 1))  # type: ignore[call-overload]
     return PagedHarness(platform, **kw)  # type: ignore[arg-type]
 

@@ -1,16 +1,21 @@
-"""The ``cuda`` platform plugin (NVIDIA GPUs).
+"""The ``cuda`` platform plugin (NVIDIA GPUs), standalone tier: torch + Triton, no vLLM.
 
-Detection uses torch only; Triton and vLLM are imported lazily by the parts that need them.
+Parts: :class:`~diffusion_kv.platforms.cuda.block_tables.TritonBlockTables` (one launch each for
+gather and slot mapping), :class:`~diffusion_kv.platforms.cuda.backend.CudaMetadataBuilder`, and
+:class:`~diffusion_kv.platforms.cuda.backend.CudaPagedBackend` choosing per batch between the
+in-place Triton paged kernel and gather + torch SDPA. Detection uses torch only; Triton is
+imported lazily by the parts that need it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.platforms.interface import (
     AttentionMode,
@@ -23,9 +28,21 @@ from diffusion_kv.platforms.interface import (
     MultipleOf,
     PagedAttentionBackend,
     Platform,
+    Requirements,
 )
 
-_NOT_BUILT = "the CUDA plugin's {part} (standalone Triton tier) is not built yet"
+ENV_BACKEND = "DIFFUSION_KV_CUDA_BACKEND"
+
+
+def triton_available() -> tuple[bool, str]:
+    """Whether the Triton backend can run (Triton importable), with the reason."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed"
+    try:
+        import triton
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return False, f"Triton failed to import: {type(exc).__name__}: {exc}"
+    return True, f"Triton {triton.__version__}"
 
 
 class CudaPlatform(Platform):
@@ -57,8 +74,31 @@ class CudaPlatform(Platform):
         count = torch.cuda.device_count()
         return Availability(True, f"{count} CUDA device(s): {torch.cuda.get_device_name(0)}")
 
+    def not_supported_reasons(self, requirements: Requirements) -> list[str]:
+        reasons = super().not_supported_reasons(requirements)
+        if requirements.dcp_size > 1 and "decode context parallelism" not in " ".join(reasons):
+            reasons.append("decode context parallelism in the standalone tier")
+        return reasons
+
+    def explain(self, requirements: Requirements | None = None) -> list[str]:
+        ok, why = triton_available()
+        lines = super().explain(requirements)
+        lines.append(
+            f"  backend triton (pages read in place, split-KV): {'available' if ok else 'unavailable'} ({why})"
+        )
+        lines.append("  backend sdpa (gather pages + torch SDPA cuDNN/flash/efficient): available")
+        lines.append(
+            "  choice per batch: sdpa when max query_len >= 512 with <= 2 row shapes (compute-bound), "
+            f"else triton; {ENV_BACKEND}=triton|sdpa forces one"
+        )
+        return lines
+
     def block_tables_cls(self) -> type[BlockTables]:
-        raise NotImplementedError(_NOT_BUILT.format(part="BlockTables"))
+        if triton_available()[0]:
+            from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
+
+            return TritonBlockTables
+        return TorchBlockTables
 
     def metadata_builder(
         self,
@@ -67,10 +107,14 @@ class CudaPlatform(Platform):
         layers: Sequence[LayerGeometry],
         device: torch.device,
     ) -> MetadataBuilder:
-        raise NotImplementedError(_NOT_BUILT.format(part="metadata builder"))
+        from diffusion_kv.platforms.cuda.backend import CudaMetadataBuilder
+
+        return CudaMetadataBuilder(layout, block_tables, list(layers), triton_available()[0])
 
     def paged_backend(self, layer: LayerGeometry, device: torch.device) -> PagedAttentionBackend:
-        raise NotImplementedError(_NOT_BUILT.format(part="paged attention backend"))
+        from diffusion_kv.platforms.cuda.backend import CudaPagedBackend
+
+        return CudaPagedBackend(layer, triton_available()[0])
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
@@ -86,4 +130,5 @@ class CudaPlatform(Platform):
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVCache:
-        raise NotImplementedError(_NOT_BUILT.format(part="KV-cache allocation"))
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return torch.zeros(shape, dtype=dtype, device=device)

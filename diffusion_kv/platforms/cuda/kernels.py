@@ -1,0 +1,453 @@
+"""Triton kernels of the CUDA plugin's standalone tier.
+
+* ``write_kv``: scatter a layer's new K/V into the pages by slot mapping (``-1`` skipped).
+* ``paged_attention``: attention that reads K/V in place through the block table (no gather
+  copy): packed varlen queries, per-row KV lengths, bottom-right causal or full masks, GQA by
+  packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
+  over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
+* ``gather_block_tables`` / ``compute_slot_mappings``: one launch each per KV-cache group.
+
+Importing this module imports Triton; the plugin imports it lazily. Every kernel also runs under
+Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how CI exercises them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------
+# KV write
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // PAGE
+        off = slot % PAGE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, HEAD_D)
+        hm = h < NUM_KV_HEADS
+        src_k = key_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+        src_v = value_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+        dst = blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d[None, :]
+        tl.store(key_cache_ptr + dst, tl.load(src_k, mask=hm[:, None]), mask=hm[:, None])
+        tl.store(value_cache_ptr + dst, tl.load(src_v, mask=hm[:, None]), mask=hm[:, None])
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``key/value [T, Hkv, D]`` (token stride free, inner dims packed) -> caches ``[NB, PAGE, Hkv, D]``."""
+    T = key.shape[0]
+    if T == 0:
+        return
+    _, page, hkv, d = key_cache.shape
+    _write_kv_kernel[(T,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=hkv,
+        HEAD_D=d,
+        PAGE=page,
+        BLOCK_H=triton.next_power_of_2(hkv),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Paged attention (split-KV, pages read in place)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    tile_row_ptr,
+    tile_q0_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(tile_row_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    qs = tl.load(qsl_ptr + row)
+    ql = tl.load(qsl_ptr + row + 1) - qs
+    sl = tl.load(seq_lens_ptr + row)
+
+    Q_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+    m = tl.arange(0, BLOCK_M)
+    tok = q0 + m // GROUP
+    head = kvh * GROUP + m % GROUP
+    m_valid = (m < Q_PER_TILE * GROUP) & (tok < ql)
+    d = tl.arange(0, HEAD_D)
+    q_off = (qs + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=m_valid[:, None], other=0.0)
+    qpos = sl - ql + tok  # bottom-right alignment: the last query sees every key
+
+    if CAUSAL:
+        last_tok = tl.minimum(q0 + Q_PER_TILE, ql) - 1
+        kv_end = tl.minimum(sl, sl - ql + last_tok + 1)
+    else:
+        kv_end = sl
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    n_offs = tl.arange(0, BLOCK_N)
+    bt_row = block_table_ptr + row.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        kidx = n0 + n_offs
+        kmask = kidx < end
+        page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
+        kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        allowed = kmask[None, :]
+        if CAUSAL:
+            allowed = allowed & (kidx[None, :] <= qpos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    t_glob = (qs + tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        o_off = t_glob * stride_ot + head * stride_oh
+        tl.store(
+            out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None]
+        )
+    else:
+        p_off = split * stride_ps + t_glob * stride_pt + head * stride_ph
+        tl.store(part_out_ptr + p_off[:, None] + d[None, :], out, mask=m_valid[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base-2 log-sum-exp
+        tl.store(part_lse_ptr + split * stride_ls + t_glob * stride_lt + head, lse, mask=m_valid)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_D)
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)
+    w = w / tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+LOG2E = 1.4426950408889634
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tile_row: torch.Tensor,
+    tile_q0: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    block_m: int,
+    block_n: int,
+    num_splits: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``.
+
+    ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
+    tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
+    """
+    T, H, D = query.shape
+    _, page, hkv, _ = key_cache.shape
+    group = H // hkv
+    n_tiles = tile_row.shape[0]
+    if n_tiles == 0 or T == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_splits, T, H), dtype=torch.float32, device=query.device)
+    else:
+        part_out = out
+        part_lse = out
+    _paged_attention_kernel[(n_tiles, hkv, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_lse,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tile_row,
+        tile_q0,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        part_out.stride(0) if num_splits > 1 else 0,
+        part_out.stride(1) if num_splits > 1 else 0,
+        part_out.stride(2) if num_splits > 1 else 0,
+        part_lse.stride(0) if num_splits > 1 else 0,
+        part_lse.stride(1) if num_splits > 1 else 0,
+        CAUSAL=causal,
+        GROUP=group,
+        HEAD_D=D,
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(T, H)](
+            part_out,
+            part_lse,
+            out,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            HEAD_D=D,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Block-table gather and slot mapping (one launch each per group)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_kernel(
+    table_ptr,
+    counts_ptr,
+    idx_ptr,
+    out_ptr,
+    num_reqs,
+    width,
+    stride_t,
+    stride_o,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    valid_row = i < num_reqs
+    req = tl.load(idx_ptr + i, mask=valid_row, other=-1)
+    n = tl.load(counts_ptr + tl.maximum(req, 0), mask=req >= 0, other=0)
+    for c0 in range(0, width, BLOCK):
+        c = c0 + cols
+        inb = c < width
+        keep = inb & (c < n) & (req >= 0)
+        vals = tl.load(table_ptr + tl.maximum(req, 0).to(tl.int64) * stride_t + c, mask=keep, other=0)
+        tl.store(out_ptr + i.to(tl.int64) * stride_o + c, vals, mask=inb)
+
+
+def gather_block_table(
+    table: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, num_reqs_padded: int
+) -> torch.Tensor:
+    width = table.shape[1]
+    out = torch.empty((num_reqs_padded, width), dtype=table.dtype, device=table.device)
+    if num_reqs_padded:
+        _gather_kernel[(num_reqs_padded,)](
+            table, counts, idx, out, idx.shape[0], width, table.stride(0), out.stride(0), BLOCK=128
+        )
+    return out
+
+
+@triton.jit
+def _slot_kernel(
+    table_ptr,
+    counts_ptr,
+    idx_ptr,
+    qsl_ptr,
+    pos_ptr,
+    out_ptr,
+    num_reqs,
+    num_tokens_padded,
+    stride_t,
+    width,
+    BS: tl.constexpr,
+    KBS: tl.constexpr,
+    CP: tl.constexpr,
+    CP_RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if i == num_reqs:  # the extra program pads the tail
+        start = tl.load(qsl_ptr + num_reqs)
+        for t0 in range(start, num_tokens_padded, BLOCK):
+            t = t0 + offs
+            tl.store(
+                out_ptr + t,
+                tl.full([BLOCK], -1, tl.int64).to(out_ptr.dtype.element_ty),
+                mask=t < num_tokens_padded,
+            )
+    else:
+        req = tl.load(idx_ptr + i)
+        start = tl.load(qsl_ptr + i)
+        stop = tl.load(qsl_ptr + i + 1)
+        n = tl.load(counts_ptr + tl.maximum(req, 0))
+        for t0 in range(start, stop, BLOCK):
+            t = t0 + offs
+            tm = t < stop
+            p = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
+            if CP == 1:
+                lp = p
+                local = tm
+            else:
+                vbs = BS * CP
+                o = p % vbs
+                local = tm & ((o // INTERLEAVE) % CP == CP_RANK)
+                lp = (p // vbs) * BS + (o // (INTERLEAVE * CP)) * INTERLEAVE + o % INTERLEAVE
+            kb = lp // KBS
+            local = local & (kb < n) & (req >= 0)
+            blk = tl.load(
+                table_ptr + tl.maximum(req, 0).to(tl.int64) * stride_t + tl.minimum(kb, width - 1),
+                mask=local,
+                other=0,
+            )
+            slot = tl.where(local, blk.to(tl.int64) * KBS + lp % KBS, -1)
+            tl.store(out_ptr + t, slot.to(out_ptr.dtype.element_ty), mask=tm)
+
+
+def compute_slots(
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    idx: torch.Tensor,
+    qsl: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_size: int,
+    kernel_block_size: int,
+    cp_size: int,
+    cp_rank: int,
+    cp_interleave: int,
+) -> None:
+    num_reqs = idx.shape[0]
+    _slot_kernel[(num_reqs + 1,)](
+        table,
+        counts,
+        idx,
+        qsl,
+        positions,
+        out,
+        num_reqs,
+        out.shape[0],
+        table.stride(0),
+        table.shape[1],
+        BS=block_size,
+        KBS=kernel_block_size,
+        CP=cp_size,
+        CP_RANK=cp_rank,
+        INTERLEAVE=cp_interleave,
+        BLOCK=128,
+    )

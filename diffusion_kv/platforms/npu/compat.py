@@ -1,0 +1,162 @@
+"""The (CANN, torch, torch_npu, vllm, vllm-ascend) version sets the npu plugin targets.
+
+vllm-ascend treats these five as one compatibility set; its attention internals (the writer
+op, ``build_attn_metadata`` keywords, the BlockTables class) change between releases, so the
+vllm-ascend tier refuses to start on a set it does not know, with a message that says what to
+install instead. The direct torch_npu tier needs no vLLM; it checks operator availability in
+:mod:`diffusion_kv.platforms.npu.kernels` instead of versions.
+
+Status (see docs/ascend.md): these sets are *targeted*, taken from vllm-ascend's published
+compatibility matrix; no Ascend hardware was available, so they were exercised only against
+the CPU emulator and stand-in modules.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.errors import PlatformUnavailableError
+
+ENV_ALLOW_UNTESTED_STACK = "DIFFUSION_KV_NPU_ALLOW_UNTESTED_STACK"
+"""Set to ``1`` to continue (with a warning) on a version set that is not listed."""
+
+_LABELS = {
+    "cann": "CANN",
+    "torch": "torch",
+    "torch_npu": "torch_npu",
+    "vllm": "vllm",
+    "vllm_ascend": "vllm-ascend",
+}
+
+
+@dataclass(frozen=True)
+class AscendStack:
+    """One version of each component; ``None`` means not installed / unknown."""
+
+    cann: str | None
+    torch: str | None
+    torch_npu: str | None
+    vllm: str | None
+    vllm_ascend: str | None
+
+    def describe(self) -> str:
+        return ", ".join(f"{_LABELS[f.name]} {getattr(self, f.name) or 'missing'}" for f in fields(self))
+
+
+SUPPORTED_VLLM_ASCEND_STACKS: tuple[AscendStack, ...] = (
+    AscendStack(
+        cann="9.1.0", torch="2.10.0", torch_npu="2.10.0.post4", vllm="0.26.0", vllm_ascend="0.26.0rc1"
+    ),
+)
+"""vllm-ascend v0.26.0rc1's published set (the first vllm-ascend aligned with a vLLM release
+inside this project's vLLM range, 0.26-0.33, and one that writes with
+``npu_scatter_pa_kv_cache(cache_mode="Norm")``)."""
+
+DIRECT_TIER_TARGET = AscendStack(
+    cann="9.1.0", torch="2.10.0", torch_npu="2.10.0.post4", vllm=None, vllm_ascend=None
+)
+"""What the direct tier is written against (operator schemas are identical in torch_npu 2.14.0)."""
+
+
+class UnsupportedStackError(PlatformUnavailableError):
+    """The installed Ascend software set is not one the vllm-ascend tier supports."""
+
+
+def normalize_version(version: str | None) -> str | None:
+    """``v0.26.0rc1`` / ``2.10.0+cpu`` / ``9.1.RC1`` -> a comparable form (no local label)."""
+    if version is None:
+        return None
+    text = version.strip().lower()
+    text = text.removeprefix("v")
+    return text.split("+", 1)[0] or None
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cann_version(torch_npu_module: Any | None) -> str | None:
+    getter = getattr(getattr(getattr(torch_npu_module, "npu", None), "utils", None), "get_cann_version", None)
+    if callable(getter):
+        try:
+            found = getter(module="CANN")
+        except Exception:  # an old torch_npu without this helper's CANN query: fall back below
+            found = None
+        if isinstance(found, str) and found:
+            return found
+    found = getattr(torch.version, "cann", None)
+    return found if isinstance(found, str) and found else None
+
+
+def installed_stack(torch_npu_module: Any | None = None) -> AscendStack:
+    """Versions installed here (distribution metadata; CANN through torch_npu)."""
+    npu_version = _dist_version("torch-npu", "torch_npu")
+    if npu_version is None and torch_npu_module is not None:
+        npu_version = getattr(torch_npu_module, "__version__", None)
+    return AscendStack(
+        cann=_cann_version(torch_npu_module),
+        torch=torch.__version__,
+        torch_npu=npu_version,
+        vllm=_dist_version("vllm"),
+        vllm_ascend=_dist_version("vllm-ascend", "vllm_ascend"),
+    )
+
+
+def stack_mismatches(installed: AscendStack, supported: AscendStack) -> list[str]:
+    """Components of ``installed`` that differ from ``supported`` (empty: a match)."""
+    out = []
+    for f in fields(AscendStack):
+        want = normalize_version(getattr(supported, f.name))
+        have = normalize_version(getattr(installed, f.name))
+        if want is not None and have != want:
+            out.append(f"{_LABELS[f.name]} {getattr(installed, f.name) or 'missing'} (expected {want})")
+    return out
+
+
+def stack_problem(
+    installed: AscendStack, supported: Sequence[AscendStack] = SUPPORTED_VLLM_ASCEND_STACKS
+) -> str | None:
+    """None when ``installed`` matches a supported set; else the actionable message."""
+    by_set = [(s, stack_mismatches(installed, s)) for s in supported]
+    if any(not mismatches for _, mismatches in by_set):
+        return None
+    closest, mismatches = min(by_set, key=lambda item: len(item[1]))
+    lines = [
+        "npu (vllm-ascend tier): the installed Ascend software set is not a supported one.",
+        f"  installed: {installed.describe()}",
+        f"  differs from the closest supported set in: {'; '.join(mismatches)}",
+        "  supported sets:",
+        *(f"    {s.describe()}" for s in supported),
+        "  to fix, either:",
+        f"    - use a CANN {closest.cann} image and `pip install vllm=={closest.vllm} "
+        f"vllm-ascend=={closest.vllm_ascend}` (vllm-ascend pins torch=={closest.torch} and "
+        f"torch-npu=={closest.torch_npu});",
+        "    - or set DIFFUSION_KV_NPU_TIER=direct to use the direct torch_npu tier (no vLLM needed);",
+        f"    - or set {ENV_ALLOW_UNTESTED_STACK}=1 to continue with a warning at your own risk.",
+    ]
+    return "\n".join(lines)
+
+
+def check_supported_stack(
+    installed: AscendStack, supported: Sequence[AscendStack] = SUPPORTED_VLLM_ASCEND_STACKS
+) -> None:
+    """Raise :class:`UnsupportedStackError` (or warn, when allowed) on an unknown set."""
+    problem = stack_problem(installed, supported)
+    if problem is None:
+        return
+    if os.environ.get(ENV_ALLOW_UNTESTED_STACK) == "1":
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+        return
+    raise UnsupportedStackError(problem)

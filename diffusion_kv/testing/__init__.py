@@ -1,0 +1,21 @@
+"""Test support for diffusion-kv and for plugin authors' own suites.
+
+:mod:`diffusion_kv.testing.torch_npu_emulator` is a pure-PyTorch emulator of the torch_npu
+operators the npu plugin calls; :func:`emulated_torch_npu` installs it as ``torch_npu``.
+"""
+
+from diffusion_kv.testing.torch_npu_emulator import (
+    EmulatedCall,
+    EmulatedNpuError,
+    EmulatorProfile,
+    TorchNpuEmulator,
+    emulated_torch_npu,
+)
+
+__all__ = [
+    "EmulatedCall",
+    "EmulatedNpuError",
+    "EmulatorProfile",
+    "TorchNpuEmulator",
+    "emulated_torch_npu",
+]

@@ -1,0 +1,98 @@
+"""Ascend hardware lane: the real torch_npu operators against the emulator.
+
+These run only where torch_npu imports and sees an NPU (``pytest tests/npu -m "npu and A2"``
+on the self-hosted Ascend runners, see ``ci/workflows/npu.yml``); everywhere else they skip.
+The whole conformance kit is run on hardware separately (``diffusion-kv conformance
+--platform npu``). Tolerances follow vllm-ascend's precision tests: float16 1e-3, bfloat16 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_kv.platforms.npu import EMULATOR_REASON, NpuPlatform
+from diffusion_kv.platforms.npu.kernels import SCATTER_OP, AscendKernels, compressed_causal_mask
+from diffusion_kv.testing import TorchNpuEmulator
+
+
+def _hardware_reason() -> str | None:
+    found = NpuPlatform.is_available()
+    if not found or found.reason == EMULATOR_REASON:
+        return f"needs an Ascend NPU with torch_npu ({found.reason})"
+    return None
+
+
+_SKIP = _hardware_reason()
+
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.A2,
+    pytest.mark.A3,
+    pytest.mark.cards_1,
+    pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
+]
+
+TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def test_the_scatter_writer_is_selected() -> None:
+    assert AscendKernels.load().writer == SCATTER_OP
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_scatter_matches_the_emulator(dtype: torch.dtype) -> None:
+    device = NpuPlatform().device()
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(300, 8, 128, generator=g).to(dtype)
+    value = torch.randn(300, 8, 128, generator=g).to(dtype)
+    slots = torch.randperm(16 * 128, generator=g)[:300].to(torch.int32)
+    slots[::17] = -1
+    shape = (16, 128, 8, 128)
+    real = AscendKernels.load()
+    kc, vc = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    real.write_kv(key.to(device), value.to(device), kc, vc, slots.to(device))
+    emulated = AscendKernels(TorchNpuEmulator().module)
+    ekc, evc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    emulated.write_kv(key, value, ekc, evc, slots)
+    assert torch.equal(kc.cpu(), ekc) and torch.equal(vc.cpu(), evc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_fused_infer_attention_matches_the_emulator(dtype: torch.dtype, causal: bool) -> None:
+    """GQA 32/8, head size 128, block size 128, permuted blocks, KV lengths not block multiples."""
+    device = NpuPlatform().device()
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs, nb = 32, 8, 128, 128, 24
+    q_lens, kv_lens = [1, 37, 300], [200, 37, 900]
+    ends = torch.tensor(q_lens).cumsum(0).tolist()
+    table = torch.randperm(nb, generator=g)[: 3 * 8].reshape(3, 8).to(torch.int32)
+    query = torch.randn(ends[-1], heads, d, generator=g).to(dtype)
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    args = dict(
+        block_table=table,
+        actual_seq_lengths=ends,
+        actual_seq_lengths_kv=kv_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        scale=d**-0.5,
+        causal=causal,
+    )
+    real = AscendKernels.load().paged_attention(
+        query.to(device),
+        kc.to(device),
+        vc.to(device),
+        causal_mask=compressed_causal_mask(device),
+        **{**args, "block_table": table.to(device)},  # type: ignore[arg-type]
+    )
+    emulated = AscendKernels(TorchNpuEmulator().module).paged_attention(
+        query,
+        kc,
+        vc,
+        causal_mask=compressed_causal_mask(torch.device("cpu")),
+        **args,  # type: ignore[arg-type]
+    )
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(real.cpu().float(), emulated.float(), atol=tol, rtol=tol)

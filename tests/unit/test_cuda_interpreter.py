@@ -1,0 +1,122 @@
+"""The CUDA tier's Triton kernels under Triton's interpreter on CPU (small shapes).
+
+The whole conformance kit runs against the CUDA plugin's parts (TritonBlockTables, the CUDA
+metadata builder and backend) on the CPU, once with each backend forced, so kernel-logic
+regressions are caught without a GPU. Skipped when Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh installs it)")
+
+from diffusion_kv.conformance.test_paged_attention import *  # noqa: F403
+from diffusion_kv.core.block_tables import TorchBlockTables
+from diffusion_kv.platforms.cuda import CudaPlatform
+from diffusion_kv.platforms.cuda.backend import ENV_BACKEND
+from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
+from diffusion_kv.platforms.interface import Capabilities
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="GPU present: tests/gpu covers the real kernels"),
+]
+
+
+class InterpretedCudaPlatform(CudaPlatform):
+    """The CUDA plugin's parts on the CPU device (Triton interpreter), fp32 allowed."""
+
+    capabilities = Capabilities(
+        **{**CudaPlatform.capabilities.__dict__, "device_type": "cpu", "dtypes": frozenset({torch.float32})}
+    )
+    default_block_size = 16  # short sequences keep the interpreter quick
+
+
+@pytest.fixture(params=["triton", "sdpa"])
+def dkv_platform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CudaPlatform:
+    monkeypatch.setenv(ENV_BACKEND, request.param)
+    return InterpretedCudaPlatform()
+
+
+def _tables(**kw: object) -> tuple[TritonBlockTables, TorchBlockTables]:
+    args: dict = dict(
+        block_sizes=[16],
+        max_num_reqs=4,
+        max_num_batched_tokens=256,
+        max_num_blocks_per_group=[6],
+        device="cpu",
+    )
+    args.update(kw)
+    return TritonBlockTables(**args), TorchBlockTables(**args)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"kernel_block_sizes": [8]}, {"cp_size": 2, "cp_rank": 1, "cp_interleave": 4}]
+)
+def test_triton_gather_and_slots_match_torch(kw: dict) -> None:
+    tri, ref = _tables(**kw)
+    for bt in (tri, ref):
+        bt.append_block_ids(2, ([5, 1, 3],), overwrite=True)
+        bt.append_block_ids(0, ([4],), overwrite=True)
+        bt.apply_staged_writes()
+    idx = torch.tensor([2, 0, -1], dtype=torch.int32)
+    for a, b in zip(tri.gather_block_tables(idx, 4), ref.gather_block_tables(idx, 4), strict=True):
+        assert torch.equal(a, b)
+    qsl = torch.tensor([0, 40, 43, 45], dtype=torch.int32)
+    pos = torch.cat([torch.arange(0, 40), torch.arange(13, 16), torch.arange(0, 2)])
+    assert torch.equal(
+        tri.compute_slot_mappings(idx, qsl, pos, 48), ref.compute_slot_mappings(idx, qsl, pos, 48)
+    )
+
+
+def test_triton_write_skips_padding_slots() -> None:
+    from diffusion_kv.platforms.cuda import kernels
+
+    cache = torch.zeros(2, 3, 4, 2, 8)
+    key = torch.arange(3 * 2 * 8, dtype=torch.float32).view(3, 2, 8) + 1
+    kernels.write_kv(key, -key, cache[0], cache[1], torch.tensor([5, -1, 0]))
+    flat_k = cache[0].view(12, 2, 8)
+    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_k[0], key[2])
+    assert int(torch.count_nonzero(flat_k)) == 2 * 2 * 8
+    assert torch.equal(cache[1].view(12, 2, 8)[5], -key[0])
+
+
+def test_split_kv_matches_single_pass() -> None:
+    from diffusion_kv.platforms.cuda import kernels
+
+    g = torch.Generator().manual_seed(0)
+    nb, page, hkv, d, h = 12, 16, 2, 64, 4
+    kc, vc = torch.randn(nb, page, hkv, d, generator=g), torch.randn(nb, page, hkv, d, generator=g)
+    q = torch.randn(6, h, d, generator=g)
+    bt = torch.randperm(nb, generator=g)[:10].view(2, 5).to(torch.int32)
+    seq = torch.tensor([70, 33], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
+    rows, q0 = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
+    outs = []
+    for splits in (1, 4):
+        out = torch.empty_like(q)
+        kernels.paged_attention(
+            q,
+            kc,
+            vc,
+            out,
+            bt,
+            seq,
+            qsl,
+            rows,
+            q0,
+            scale=0.125,
+            causal=True,
+            block_m=16,
+            block_n=16,
+            num_splits=splits,
+        )
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
