@@ -1,7 +1,6 @@
 """The ``diffusion-kv`` command.
 
-Exit codes: 0 success; 1 a selection or run error (message on stderr); 2 usage errors and
-capabilities that are not built yet.
+Exit codes: 0 success; 1 a selection or run error (message on stderr); 2 usage errors.
 """
 
 from __future__ import annotations
@@ -10,9 +9,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from diffusion_kv.core.errors import PlatformError
-from diffusion_kv.platforms.interface import Requirements
+from diffusion_kv.platforms.interface import Platform, Requirements
 from diffusion_kv.platforms.selection import (
     ENV_PLATFORM,
     ENV_PLUGINS,
@@ -24,7 +24,7 @@ from diffusion_kv.platforms.selection import (
 
 EXIT_OK = 0
 EXIT_ERROR = 1
-EXIT_NOT_BUILT = 2
+EXIT_USAGE = 2
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -146,6 +146,16 @@ DTYPES = {
 }
 
 
+def preferred_dtype(platform: Platform) -> Any:
+    """float32 where the platform supports it, else bfloat16, else float16."""
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if dtype in platform.capabilities.dtypes:
+            return dtype
+    raise ValueError(f"platform {platform.name!r} supports none of float32, bfloat16, float16")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -165,7 +175,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             kv_heads=args.kv_heads or args.heads,
             layers=args.layers,
             block_size=args.block_size,
-            dtype=getattr(torch, DTYPES[args.dtype]),
+            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else preferred_dtype(platform),
             max_model_len=args.max_model_len,
             seed=args.seed,
             inject_fault=args.inject_fault,
@@ -191,9 +201,56 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _not_built(capability: str) -> int:
-    print(f"diffusion-kv: {capability} is not built yet", file=sys.stderr)
-    return EXIT_NOT_BUILT
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from diffusion_kv.bench import BenchConfig, format_report, parse_list, run_bench, text_progress
+
+    try:
+        platform = select_platform(
+            args.platform, warn=lambda m: print(f"warning: {m}", file=sys.stderr)
+        ).platform
+        config = BenchConfig(
+            sizes=args.sizes,
+            sections=parse_list(args.sections, str),
+            regimes=parse_list(args.regimes, str),
+            block_sizes=parse_list(args.block_sizes, int),
+            cfgs=parse_list(args.cfg, int),
+            gqa={"both": (False, True), "no": (False,), "only": (True,)}[args.gqa],
+            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None,
+            min_ms=args.min_ms,
+        )
+    except (PlatformError, ValueError) as exc:
+        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    progress = None if args.no_progress else text_progress()
+    if progress:
+        progress(f"platform {platform.name!r}, sections {','.join(config.sections)}")
+    try:
+        report = run_bench(platform, config, progress)
+    except ValueError as exc:
+        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    text = json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(text)
+    disagreements = [
+        f"{r['case']} {variant}"
+        for r in report.get("attention", [])
+        for variant, p in r["paged"].items()
+        if "agrees" in p and not p["agrees"]
+    ]
+    if "e2e" in report and not report["e2e"]["agrees"]:
+        disagreements.append("tiny-DiT end to end")
+    if disagreements:
+        print(
+            f"diffusion-kv: error: paged output disagrees with dense in: {', '.join(disagreements)}",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,7 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads; fewer gives GQA)")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
-    d.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    d.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="default: float32 where supported, else bfloat16/float16",
+    )
     d.add_argument(
         "--max-model-len", type=int, default=4096, help="the dense cache's length for the memory comparison"
     )
@@ -230,9 +292,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--inject-fault", action="store_true", help="testing aid: corrupt a cached block (must fail)"
     )
     d.set_defaults(func=_cmd_demo)
-    for name, capability in (("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),):
-        q = sub.add_parser(name, help=f"{capability} [not built yet]")
-        q.set_defaults(func=lambda _a, c=capability: _not_built(c))
+    b = sub.add_parser(
+        "bench", help="benchmarks: attention regimes, translation overhead, tiny-DiT end to end"
+    )
+    b.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    b.add_argument(
+        "--sizes", choices=("auto", "small", "full"), default="auto", help="auto: full on CUDA, else small"
+    )
+    b.add_argument("--sections", default="attention,host,e2e", help="comma list of attention, host, e2e")
+    b.add_argument("--regimes", default="A,B", help="attention regimes (A: compute-bound, B: memory-bound)")
+    b.add_argument("--block-sizes", default="128,16")
+    b.add_argument("--cfg", default="1,2", help="CFG branch counts")
+    b.add_argument("--gqa", choices=("both", "no", "only"), default="both", help="GQA (8 KV heads) variants")
+    b.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32"
+    )
+    b.add_argument("--min-ms", type=float, default=20.0, help="minimum duration of one timed repetition")
+    b.add_argument("--json", action="store_true", help="machine-readable output")
+    b.add_argument("--output", default=None, help="also write the report to this file")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -314,6 +314,11 @@ class Platform(abc.ABC):
     def device(self) -> torch.device:
         """The default device for this platform's tensors."""
         return torch.device(self.capabilities.device_type)
+
+    def backend_variants(self) -> Mapping[str, Mapping[str, str]]:
+        """Named ways to force each internal backend, as environment overrides read at prepare
+        time; ``diffusion-kv bench`` times every variant. Default: one variant, no overrides."""
+        return {"default": {}}
 
     def init_worker(self) -> None:  # noqa: B027 - optional hook, intentionally empty
         """Optional worker-initialisation steps (vendor patches, config). Default: nothing."""

@@ -10,7 +10,7 @@ imported lazily by the parts that need it.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -92,6 +92,13 @@ class CudaPlatform(Platform):
             f"else triton; {ENV_BACKEND}=triton|sdpa forces one"
         )
         return lines
+
+    def backend_variants(self) -> Mapping[str, Mapping[str, str]]:
+        return {
+            "auto": {},
+            "triton": {ENV_BACKEND: "triton"},
+            "sdpa": {ENV_BACKEND: "sdpa"},
+        }
 
     def block_tables_cls(self) -> type[BlockTables]:
         if triton_available()[0]:

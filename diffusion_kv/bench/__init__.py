@@ -1,0 +1,188 @@
+"""``diffusion-kv bench``: attention regimes, translation host overhead, tiny-DiT end to end.
+
+Sizes: ``full`` (the issue's regime A/B shapes; meant for a GPU) or ``small`` (the same
+structure at sizes a CPU finishes in seconds: CI's smoke run). ``auto`` picks ``full`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform as _pyplatform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffusion_kv.platforms.interface import Platform
+
+SECTIONS = ("attention", "host", "e2e")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    sizes: str = "auto"
+    sections: tuple[str, ...] = SECTIONS
+    regimes: tuple[str, ...] = ("A", "B")
+    block_sizes: tuple[int, ...] = (128, 16)
+    cfgs: tuple[int, ...] = (1, 2)
+    gqa: tuple[bool, ...] = (False, True)
+    dtype: torch.dtype | None = None
+    min_ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.sizes not in ("auto", "small", "full"):
+            raise ValueError(f"sizes must be auto, small or full; got {self.sizes!r}")
+        unknown = [s for s in self.sections if s not in SECTIONS]
+        if unknown or not self.sections:
+            raise ValueError(
+                f"unknown or empty sections {unknown or list(self.sections)}; expected some of {SECTIONS}"
+            )
+        if any(b <= 0 for b in self.block_sizes) or any(c not in (1, 2) for c in self.cfgs):
+            raise ValueError(
+                f"block sizes must be positive and CFG 1 or 2; got {self.block_sizes}, {self.cfgs}"
+            )
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": _pyplatform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    return env
+
+
+def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    from diffusion_kv.bench import attention, e2e, host
+
+    say = progress or (lambda _m: None)
+    device = platform.device()
+    sizes = config.sizes if config.sizes != "auto" else ("full" if device.type == "cuda" else "small")
+    dtype = config.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype not in platform.capabilities.dtypes:
+        raise ValueError(f"platform {platform.name!r} does not support {dtype}")
+    report: dict[str, Any] = {
+        "platform": platform.name,
+        "sizes": sizes,
+        "dtype": str(dtype).removeprefix("torch."),
+        "environment": environment(device),
+        "variants": sorted(platform.backend_variants()),
+    }
+    if "attention" in config.sections:
+        bw = attention.copy_bandwidth(device)
+        report["copy_bandwidth_gbs"] = bw
+        cases = attention.attention_cases(
+            sizes, regimes=config.regimes, block_sizes=config.block_sizes, cfgs=config.cfgs, gqa=config.gqa
+        )
+        results = []
+        for i, case in enumerate(cases):
+            say(f"attention {i + 1}/{len(cases)}: {case.name}")
+            results.append(attention.run_case(platform, case, device, dtype, bw, min_ms=config.min_ms))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["attention"] = results
+    if "host" in config.sections:
+        say("host overhead: prepare and per-layer context")
+        tokens = 4096
+        report["host"] = host.host_overhead(platform, device, dtype, tokens=tokens)
+    if "e2e" in config.sections:
+        say("tiny-DiT end to end")
+        report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)
+    return report
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        f"platform {report['platform']} on {env.get('gpu') or env['device']} ({report['dtype']}, {report['sizes']} sizes, "
+        f"torch {env['torch']}, triton {env.get('triton')}, {env['date']})",
+    ]
+    if "attention" in report:
+        lines.append(f"copy bandwidth: {report['copy_bandwidth_gbs']:.0f} GB/s")
+        lines.append("")
+        lines.append("attention (ms; ratio = paged / best dense SDPA in this run)")
+        for r in report["attention"]:
+            best = r["best_dense"]
+            lines.append(
+                f"  {r['case']}: dense {best['backend']} {_fmt_ms(best['ms'])} ms ({best['tflops']:.3g} TFLOP/s)"
+                + (
+                    f", bandwidth bound {_fmt_ms(r['bandwidth_bound_ms'])} ms"
+                    if "bandwidth_bound_ms" in r
+                    else ""
+                )
+            )
+            for variant, p in r["paged"].items():
+                if "error" in p:
+                    lines.append(f"    {variant}: {p['error']}")
+                    continue
+                via = f" [{p['backend']}]" if "backend" in p else ""
+                lines.append(
+                    f"    {variant}{via}: {_fmt_ms(p['ms'])} ms ({p['tflops']:.3g} TFLOP/s) "
+                    f"ratio {p['ratio_vs_best_dense']:.2f}x"
+                    + (
+                        f", {p['ratio_vs_bandwidth_bound']:.2f}x bound"
+                        if "ratio_vs_bandwidth_bound" in p
+                        else ""
+                    )
+                    + ("" if p["agrees"] else f"  DISAGREES (max diff {p['max_abs_diff']:.3g})")
+                )
+    if "host" in report:
+        lines.append("")
+        lines.append("translation host overhead (median)")
+        for h in report["host"]:
+            launches = h["launches"]
+            extra = (
+                f", {launches['kernels_total']} kernels ({launches['gather_slots']} gather+slots), "
+                f"{launches['copies']} copies"
+                if launches
+                else ""
+            )
+            lines.append(
+                f"  {h['rows']} rows x {h['tokens_per_row']} tokens: prepare {h['prepare_us']:.1f} us, "
+                f"per-layer context {h['layer_context_us']:.1f} us{extra}"
+            )
+    if "e2e" in report:
+        e = report["e2e"]
+        s = e["shape"]
+        lines.append("")
+        lines.append(
+            f"tiny-DiT end to end (prefix {s['prefix_len']} + target {s['target_len']}, hidden {s['hidden']}, "
+            f"{s['layers']} layers, CFG {s['cfg_rows']}): dense step {_fmt_ms(e['dense_step_ms'])} ms, "
+            f"paged step {_fmt_ms(e['paged_step_ms'])} ms -> {e['speedup']:.2f}x "
+            f"(target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
+            + ("" if e["agrees"] else f"  DISAGREES (max diff {e['max_abs_diff']:.3g})")
+        )
+    return "\n".join(lines)
+
+
+def text_progress(stream: Any = sys.stderr) -> Progress:
+    def say(message: str) -> None:
+        stream.write(f"[bench] {message}\n")
+        stream.flush()
+
+    return say
+
+
+def parse_list(text: str, cast: Callable[[str], Any]) -> tuple[Any, ...]:
+    return tuple(cast(x) for x in text.split(",") if x)
+
+
+__all__: Sequence[str] = ("SECTIONS", "BenchConfig", "format_report", "run_bench", "text_progress")

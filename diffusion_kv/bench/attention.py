@@ -1,0 +1,306 @@
+"""Attention benchmark: a platform's paged backends against the best dense torch SDPA backend.
+
+Every case builds the platform's real parts through :class:`RunnerBackend` (BlockTables,
+metadata builder, backend, caches), installs one request whose blocks are physically shuffled,
+writes the whole sequence's K/V through the backend's writer, prepares the denoise rows
+(queries = target tokens, full attention over prefix + target) and times the backend's
+``forward`` with ``key``/``value`` None (pages only). The dense side gets the same logical
+tensors, contiguous, and every SDPA backend that accepts them is timed; the fastest is the
+baseline. Paged outputs are checked against the dense output before they are timed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from diffusion_kv.bench.timing import synchronize, time_device
+from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.platforms.interface import Platform
+
+LAYER = "bench.attn"
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One logical shape: ``rows`` rows of ``prefix + target`` keys, queries = target tokens."""
+
+    regime: str
+    rows: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    prefix: int
+    target: int
+    block_size: int
+    cfg: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix + self.target
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.regime} cfg{self.cfg} rows{self.rows} H{self.heads}/kv{self.kv_heads} bs{self.block_size}"
+        )
+
+    def flops(self) -> float:
+        return 4.0 * self.rows * self.heads * self.target * self.seq_len * self.head_size
+
+    def min_bytes(self, element_size: int) -> int:
+        """Bytes every implementation must move: K and V once, Q read, O written."""
+        kv = 2 * self.rows * self.seq_len * self.kv_heads * self.head_size
+        qo = 2 * self.rows * self.target * self.heads * self.head_size
+        return (kv + qo) * element_size
+
+
+# Regime shapes at CFG 2 (the issue's reference shapes); CFG 1 halves the rows.
+FULL_REGIMES: dict[str, dict[str, int]] = {
+    "A": dict(rows_per_branch=1, heads=24, gqa_kv_heads=8, head_size=128, prefix=2048, target=4096),
+    "B": dict(rows_per_branch=8, heads=32, gqa_kv_heads=8, head_size=128, prefix=8160, target=32),
+}
+SMALL_REGIMES: dict[str, dict[str, int]] = {
+    "A": dict(rows_per_branch=1, heads=4, gqa_kv_heads=2, head_size=64, prefix=256, target=512),
+    "B": dict(rows_per_branch=4, heads=4, gqa_kv_heads=2, head_size=64, prefix=1008, target=16),
+}
+
+
+def attention_cases(
+    sizes: str,
+    *,
+    regimes: Sequence[str] = ("A", "B"),
+    block_sizes: Sequence[int] = (128, 16),
+    cfgs: Sequence[int] = (1, 2),
+    gqa: Sequence[bool] = (False, True),
+) -> list[AttentionCase]:
+    table = FULL_REGIMES if sizes == "full" else SMALL_REGIMES
+    cases = []
+    for regime in regimes:
+        if regime not in table:
+            raise ValueError(f"unknown regime {regime!r}; expected one of {sorted(table)}")
+        r = table[regime]
+        for grouped in gqa:
+            for block in block_sizes:
+                for cfg in cfgs:
+                    cases.append(
+                        AttentionCase(
+                            regime=regime,
+                            rows=r["rows_per_branch"] * cfg,
+                            heads=r["heads"],
+                            kv_heads=r["gqa_kv_heads"] if grouped else r["heads"],
+                            head_size=r["head_size"],
+                            prefix=r["prefix"],
+                            target=r["target"],
+                            block_size=block,
+                            cfg=cfg,
+                        )
+                    )
+    return cases
+
+
+@contextmanager
+def _env(overrides: Mapping[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def dense_backends(device: torch.device) -> list[tuple[str, Any]]:
+    from torch.nn.attention import SDPBackend
+
+    if device.type == "cuda":
+        return [
+            ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ]
+    return [("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)]
+
+
+def _dense_fn(
+    backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool
+) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention import sdpa_kernel
+
+    def run() -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    return run
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Achievable device-memory copy bandwidth in GB/s (read + write bytes counted)."""
+    n = (512 if device.type == "cuda" else 32) * 1024 * 1024
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_device(lambda: dst.copy_(src), device, min_ms=20.0)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+@dataclass
+class PagedSetup:
+    runner: RunnerBackend
+    query: torch.Tensor  # packed [rows * target, H, D]
+    dense_q: torch.Tensor  # [rows, H, target, D]
+    dense_k: torch.Tensor  # [rows, Hkv, seq, D]
+    dense_v: torch.Tensor
+    denoise_rows: tuple[PagedRow, ...]
+
+
+def build_setup(
+    platform: Platform, case: AttentionCase, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> PagedSetup:
+    S, R = case.seq_len, case.rows
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=S,
+            max_rows_per_request=R,
+            max_num_seqs=1,
+            max_num_batched_tokens=R * S,
+            device=device,
+        ),
+    )
+    runner.register_kv_cache_layers(
+        {LAYER: PagedLayerSpec(case.heads, case.kv_heads, case.head_size, dtype, causal=False)}
+    )
+    nblk = cdiv(S, case.block_size)
+    num_blocks = R * nblk + 1
+    runner.initialize_kv_cache(num_blocks=num_blocks, block_size=case.block_size)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # physically shuffled blocks
+    seqs = tuple(
+        SequenceAllocation(i, case.prefix, case.target, S, (tuple(order[i * nblk : (i + 1) * nblk]),))
+        for i in range(R)
+    )
+    runner.install(RequestAllocation("bench", 0, seqs))
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(R, case.target, case.heads, case.head_size, generator=dgen, device=device, dtype=dtype)
+    k = torch.randn(R, S, case.kv_heads, case.head_size, generator=dgen, device=device, dtype=dtype)
+    v = torch.randn(R, S, case.kv_heads, case.head_size, generator=dgen, device=device, dtype=dtype)
+    translator = runner.translator
+    assert translator is not None
+    prefill = translator.prepare(tuple(PagedRow("bench", S, S, 0, sequence_id=i) for i in range(R)))
+    backend = runner.executor.backends[LAYER] if runner.executor else None
+    assert backend is not None
+    backend.write_kv(
+        k.reshape(R * S, case.kv_heads, case.head_size),
+        v.reshape(R * S, case.kv_heads, case.head_size),
+        runner.kv_caches[LAYER],
+        prefill.slot_mappings_by_layer[LAYER],
+    )
+    del prefill
+    return PagedSetup(
+        runner=runner,
+        query=q.reshape(R * case.target, case.heads, case.head_size),
+        dense_q=q.transpose(1, 2),
+        dense_k=k.transpose(1, 2),
+        dense_v=v.transpose(1, 2),
+        denoise_rows=tuple(PagedRow("bench", case.target, S, case.prefix, sequence_id=i) for i in range(R)),
+    )
+
+
+def run_case(
+    platform: Platform,
+    case: AttentionCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    bandwidth_gbs: float | None,
+    *,
+    min_ms: float = 20.0,
+) -> dict[str, Any]:
+    setup = build_setup(platform, case, device, dtype)
+    scale = case.head_size**-0.5
+    gqa = case.heads != case.kv_heads
+    result: dict[str, Any] = {"case": case.name, "shape": asdict(case), "dense": {}, "paged": {}}
+    dense_out: torch.Tensor | None = None
+    best: tuple[str, float] | None = None
+    groups = case.heads // case.kv_heads
+    for label, sdp in dense_backends(device):
+        variants = [(label, setup.dense_k, setup.dense_v, gqa)]
+        if gqa:  # some SDPA kernels take GQA only with K/V expanded to every query head
+            variants.append(
+                (
+                    f"{label} (kv expanded)",
+                    setup.dense_k.repeat_interleave(groups, dim=1),
+                    setup.dense_v.repeat_interleave(groups, dim=1),
+                    False,
+                )
+            )
+        for name, k, v, flag in variants:
+            fn = _dense_fn(sdp, setup.dense_q, k, v, scale, flag)
+            try:
+                out = fn()
+                synchronize(device)
+            except RuntimeError as exc:
+                result["dense"][name] = {"error": str(exc).splitlines()[0][:160]}
+                continue
+            ms = time_device(fn, device, min_ms=min_ms)
+            result["dense"][name] = {"ms": ms, "tflops": case.flops() / ms / 1e9}
+            if best is None or ms < best[1]:
+                best = (name, ms)
+                dense_out = out
+            if flag == gqa:
+                break  # the native variant worked: no need to time the expanded one
+    if best is None or dense_out is None:
+        raise RuntimeError(f"{case.name}: no dense SDPA backend accepted the inputs: {result['dense']}")
+    result["best_dense"] = {"backend": best[0], "ms": best[1], "tflops": case.flops() / best[1] / 1e9}
+    reference = dense_out.transpose(1, 2).reshape_as(setup.query).float()
+    translator = setup.runner.translator
+    executor = setup.runner.executor
+    assert translator is not None and executor is not None
+    backend = executor.backends[LAYER]
+    cache = setup.runner.kv_caches[LAYER]
+    out = torch.empty_like(setup.query)
+    for variant, overrides in platform.backend_variants().items():
+        try:
+            with _env(overrides):
+                batch = translator.prepare(setup.denoise_rows)
+        except Exception as exc:  # a variant that cannot serve the shape is a reported reason
+            result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        md = batch.attn_metadata[LAYER]
+
+        def fn(md: Any = md) -> torch.Tensor:
+            return backend.forward(setup.query, None, None, cache, md, out)
+
+        fn()
+        synchronize(device)
+        diff = float((out.float() - reference).abs().max())
+        ms = time_device(fn, device, min_ms=min_ms)
+        entry: dict[str, Any] = {
+            "ms": ms,
+            "tflops": case.flops() / ms / 1e9,
+            "ratio_vs_best_dense": ms / best[1],
+            "max_abs_diff": diff,
+            "agrees": diff <= TOLERANCE.get(dtype, 5e-2),
+        }
+        for attr in ("backend", "reason", "num_splits", "block_m", "block_n"):
+            if hasattr(md, attr):
+                entry[attr] = getattr(md, attr)
+        if bandwidth_gbs:
+            bound_ms = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
+            entry["ratio_vs_bandwidth_bound"] = ms / bound_ms
+        result["paged"][variant] = entry
+    if bandwidth_gbs:
+        result["bandwidth_bound_ms"] = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
+    setup.runner.remove(["bench"])
+    return result

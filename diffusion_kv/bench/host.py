@@ -1,0 +1,121 @@
+"""Translation host overhead: prepare time, per-layer context time, launches of gather + slots."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from diffusion_kv.bench.timing import synchronize, time_host
+from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.platforms.interface import Platform
+
+LAYER = "bench.host"
+
+
+def _runner(
+    platform: Platform, rows: int, tokens: int, block: int, device: torch.device, dtype: torch.dtype
+) -> RunnerBackend:
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=tokens,
+            max_rows_per_request=rows,
+            max_num_seqs=1,
+            max_num_batched_tokens=rows * tokens,
+            device=device,
+        ),
+    )
+    runner.register_kv_cache_layers({LAYER: PagedLayerSpec(8, 8, 128, dtype, causal=True)})
+    nblk = cdiv(tokens, block)
+    runner.initialize_kv_cache(num_blocks=rows * nblk + 1, block_size=block)
+    order = torch.randperm(rows * nblk + 1, generator=torch.Generator().manual_seed(0)).tolist()
+    seqs = tuple(
+        SequenceAllocation(i, 0, tokens, tokens, (tuple(order[i * nblk : (i + 1) * nblk]),))
+        for i in range(rows)
+    )
+    runner.install(RequestAllocation("host", 0, seqs))
+    return runner
+
+
+def _kernel_launches(fn: Any, device: torch.device) -> dict[str, Any]:
+    """Device kernels launched by ``fn`` (CUDA only), by name, via the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    names: Counter[str] = Counter()
+    copies = 0
+    for ev in prof.events():
+        if str(ev.device_type) != "DeviceType.CUDA":
+            continue
+        if "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
+            copies += 1
+        else:
+            names[ev.name] += 1
+    gather_slots = sum(n for name, n in names.items() if "gather" in name or "slot" in name)
+    return {
+        "kernels": dict(names),
+        "kernels_total": sum(names.values()),
+        "copies": copies,
+        "gather_slots": gather_slots,
+    }
+
+
+def host_overhead(
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    rows_list: tuple[int, ...] = (2, 64),
+    tokens: int = 4096,
+    block: int | None = None,
+    iters: int = 200,
+) -> list[dict[str, Any]]:
+    """Per row count: median prepare microseconds, median per-layer context microseconds, and
+    (on CUDA) the kernels prepare launches. Rows of ``tokens`` keys each; the denoise query is
+    the last quarter of each row."""
+    block = block or platform.default_block_size
+    return [_measure(platform, device, dtype, rows, tokens, block, iters) for rows in rows_list]
+
+
+def _measure(
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: int,
+    tokens: int,
+    block: int,
+    iters: int,
+) -> dict[str, Any]:
+    runner = _runner(platform, rows, tokens, block, device, dtype)
+    translator, executor = runner.translator, runner.executor
+    assert translator is not None and executor is not None
+    target = tokens // 4
+    denoise = tuple(PagedRow("host", target, tokens, tokens - target, sequence_id=i) for i in range(rows))
+    prepare_us = time_host(lambda: translator.prepare(denoise), iters=iters)
+    synchronize(device)
+    entry: dict[str, Any] = {
+        "rows": rows,
+        "tokens_per_row": tokens,
+        "query_tokens": rows * target,
+        "block_size": block,
+        "prepare_us": prepare_us,
+    }
+    q = torch.zeros(rows * target, 8, 128, dtype=dtype, device=device)
+    batch = translator.prepare(denoise)
+    with translator.activate(batch):
+        entry["layer_context_us"] = time_host(lambda: executor.context(LAYER, q, q, q), iters=iters)
+    synchronize(device)
+    if device.type == "cuda":
+        entry["launches"] = _kernel_launches(lambda: translator.prepare(denoise), device)
+    else:
+        entry["launches"] = None
+    runner.remove(["host"])
+    return entry

@@ -1,0 +1,154 @@
+"""The cuda plugin on a real GPU: conformance kit per backend, kernels against SDPA, the demo
+and the bench. Skipped without CUDA (see conftest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffusion_kv.platforms.selection import get_platform, select_platform
+
+
+def _run(
+    args: list[str], env: dict[str, str] | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_conformance_kit_passes_on_cuda(backend: str) -> None:
+    proc = _run(
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "diffusion_kv.conformance",
+            "--dkv-platform",
+            "cuda",
+        ],
+        env={"DIFFUSION_KV_CUDA_BACKEND": backend},
+    )
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
+
+
+def test_auto_selection_picks_cuda() -> None:
+    assert select_platform(None, warn=lambda _m: None).platform.name == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_paged_kernel_matches_sdpa(
+    dtype: torch.dtype, causal: bool, kv_heads: int, page: int, splits: int
+) -> None:
+    from torch.nn.attention.bias import causal_lower_right
+
+    from diffusion_kv.platforms.cuda import kernels
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    H, D = 8, 128
+    q_lens, seq_lens = [37, 256, 5], [300, 1024, 777]
+    nblk = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, page, kv_heads, D, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    at = 0
+    for r, n in enumerate(nblk):
+        table[r, :n] = torch.tensor(perm[at : at + n])
+        at += n
+    table = table.to(dev)
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    group = H // kv_heads
+    block_m = 64
+    per_tile = block_m // group
+    rows, q0s = [], []
+    for r, n in enumerate(q_lens):
+        for q0 in range(0, n, per_tile):
+            rows.append(r)
+            q0s.append(q0)
+    kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        qsl,
+        torch.tensor(rows, dtype=torch.int32, device=dev),
+        torch.tensor(q0s, dtype=torch.int32, device=dev),
+        scale=D**-0.5,
+        causal=causal,
+        block_m=block_m,
+        block_n=64,
+        num_splits=splits,
+    )
+    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        blocks = table[r, : nblk[r]].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, D)[:sl].float()
+        v = v_cache[blocks].reshape(-1, kv_heads, D)[:sl].float()
+        qr = q[int(qsl[r]) : int(qsl[r]) + ql].float()
+        mask = causal_lower_right(ql, sl) if causal else None
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        got = out[int(qsl[r]) : int(qsl[r]) + ql].float()
+        tol = 2e-2 if dtype == torch.float16 else 6e-2
+        assert torch.allclose(got, ref, atol=tol, rtol=tol), (r, float((got - ref).abs().max()))
+
+
+def test_demo_selects_cuda_and_agrees_with_dense() -> None:
+    proc = _run(["-m", "diffusion_kv.cli", "demo", "--json", "--steps", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["platform"] == "cuda" and result["device"].startswith("cuda")
+    assert result["agree"] is True and result["max_abs_diff"] <= result["tolerance"]
+
+
+def test_bench_small_runs_on_cuda_and_paged_agrees() -> None:
+    proc = _run(
+        ["-m", "diffusion_kv.cli", "bench", "--sizes", "small", "--json", "--min-ms", "2", "--no-progress"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["platform"] == "cuda"
+    variants = {v for r in report["attention"] for v in r["paged"]}
+    assert variants == {"auto", "triton", "sdpa"}
+    assert all(p.get("agrees") for r in report["attention"] for p in r["paged"].values())
+    for h in report["host"]:
+        assert h["launches"]["gather_slots"] <= 2
+
+
+def test_cuda_platform_capabilities_are_honest() -> None:
+    platform = get_platform("cuda")
+    caps = platform.capabilities
+    assert caps.head_sizes == frozenset({64, 128})
+    assert torch.float32 not in caps.dtypes
+    assert not caps.supports_dcp
