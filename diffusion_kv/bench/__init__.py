@@ -31,6 +31,7 @@ class BenchConfig:
     gqa: tuple[bool, ...] = (False, True)
     dtype: torch.dtype | None = None
     min_ms: float = 20.0
+    host_iters: int = 200
 
     def __post_init__(self) -> None:
         if self.sizes not in ("auto", "small", "full"):
@@ -98,7 +99,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
     if "host" in config.sections:
         say("host overhead: prepare and per-layer context")
         tokens = 4096
-        report["host"] = host.host_overhead(platform, device, dtype, tokens=tokens)
+        report["host"] = host.host_overhead(platform, device, dtype, tokens=tokens, iters=config.host_iters)
     if "e2e" in config.sections:
         say("tiny-DiT end to end")
         report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)

@@ -1,0 +1,65 @@
+"""``diffusion-kv bench`` on the cpu plugin: structure, agreement, errors (not timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffusion_kv.bench import BenchConfig, run_bench
+from diffusion_kv.bench.attention import AttentionCase, attention_cases, run_case
+from diffusion_kv.cli import main
+from diffusion_kv.platforms.cpu import CpuPlatform
+
+
+def test_case_grid_and_flop_count() -> None:
+    cases = attention_cases("full")
+    assert len(cases) == 16
+    a = next(c for c in cases if c.regime == "A" and c.cfg == 2 and c.kv_heads == 24 and c.block_size == 128)
+    assert (a.rows, a.heads, a.head_size, a.prefix, a.target, a.seq_len) == (2, 24, 128, 2048, 4096, 6144)
+    assert a.flops() == 4 * 2 * 24 * 4096 * 6144 * 128
+    b = next(c for c in cases if c.regime == "B" and c.cfg == 2 and c.kv_heads == 8 and c.block_size == 16)
+    assert (b.rows, b.heads, b.prefix, b.target) == (16, 32, 8160, 32)
+    # K and V of 16 rows x 8192 tokens x 8 heads x 128, plus Q and O of 16 x 32 x 32 x 128, in bf16
+    assert b.min_bytes(2) == (2 * 16 * 8192 * 8 * 128 + 2 * 16 * 32 * 32 * 128) * 2
+    with pytest.raises(ValueError, match="unknown regime 'C'"):
+        attention_cases("full", regimes=("C",))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_paged_case_agrees_with_dense_on_cpu(kv_heads: int) -> None:
+    case = AttentionCase(
+        "B", rows=3, heads=4, kv_heads=kv_heads, head_size=64, prefix=100, target=20, block_size=16, cfg=1
+    )
+    result = run_case(CpuPlatform(), case, torch.device("cpu"), torch.float32, None, min_ms=0.5)
+    assert set(result["paged"]) == {"default"}
+    paged = result["paged"]["default"]
+    assert paged["agrees"] and paged["max_abs_diff"] < 1e-4
+    assert result["best_dense"]["backend"] in result["dense"]
+    assert paged["ratio_vs_best_dense"] == pytest.approx(paged["ms"] / result["best_dense"]["ms"])
+
+
+def test_run_bench_small_all_sections() -> None:
+    report = run_bench(
+        CpuPlatform(),
+        BenchConfig(sizes="small", regimes=("B",), block_sizes=(16,), cfgs=(1,), gqa=(True,), min_ms=0.5, host_iters=10),
+    )
+    assert report["sizes"] == "small" and report["dtype"] == "float32"
+    assert [r["case"] for r in report["attention"]] == ["B cfg1 rows4 H4/kv2 bs16"]
+    assert [h["rows"] for h in report["host"]] == [2, 64]
+    assert all(h["prepare_us"] > 0 and h["launches"] is None for h in report["host"])
+    e2e = report["e2e"]
+    assert e2e["agrees"] and e2e["ideal_speedup"] == (512 + 128) / 128
+
+
+def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--sizes", "small", "--sections", "attention", "--regimes", "A", "--block-sizes", "16"]
+    argv += ["--cfg", "1", "--gqa", "no", "--min-ms", "0.5", "--json", "--no-progress"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["platform"] == "cpu" and len(report["attention"]) == 1
+    assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 1
+    assert "unknown or empty sections ['nope']" in capsys.readouterr().err
+    assert main(["bench", "--cfg", "3", "--no-progress"]) == 1
+    assert "CFG 1 or 2" in capsys.readouterr().err
