@@ -76,6 +76,13 @@ class Translator:
         self._owner = object()
         self._generation = 0
         self._active: _ActiveState | None = None
+        self._pin = False
+        if self.device.type != "cpu":  # pinned staging where the host runtime supports it
+            try:
+                torch.empty(1, pin_memory=True)
+                self._pin = True
+            except RuntimeError:
+                pass
         causal = {g: grp.spec.causal for g, grp in enumerate(layout.groups)}
         self._causal_by_group = causal
         values = set(causal.values())
@@ -138,11 +145,11 @@ class Translator:
                         f"causal paged rows must place short-query rows (query_len <= {threshold}) before "
                         f"long-query rows; row {row.identity!r} (query_len {row.query_len}) comes after a long one"
                     )
-        counts = bt.num_blocks.cpu
+        counts = bt.num_blocks.cpu.tolist()  # one conversion, not one per row and group
         for row, binding in zip(rows, bindings, strict=True):
             for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True)):
                 required = cdiv(row.seq_len, block_size * bt.cp_size)
-                installed = int(counts[g, binding.row_index])
+                installed = counts[g][binding.row_index]
                 if required * ratio > installed:
                     raise ValidationError(
                         f"row {row.identity!r} needs {required} blocks in cache group {g} for seq_len={row.seq_len}, "
@@ -164,9 +171,11 @@ class Translator:
         slot_mappings: torch.Tensor,
         causal: bool | Mapping[int, bool],
     ) -> CommonBatchMetadata:
+        """Common metadata of one segment (piecewise plans) over the batch's tables and slots."""
         qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        qsl, seq = self._stage(qsl_cpu, seq_cpu)
         bt = self.block_tables
         dcp = None
         if bt.cp_size > 1:
@@ -174,10 +183,10 @@ class Translator:
         return CommonBatchMetadata(
             num_reqs=len(query_lens),
             num_tokens=int(qsl_cpu[-1]),
-            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
+            query_start_loc=qsl,
             query_start_loc_cpu=qsl_cpu,
             max_query_len=max(query_lens),
-            seq_lens=seq_cpu.to(self.device, non_blocking=True),
+            seq_lens=seq,
             seq_lens_cpu=seq_cpu,
             max_seq_len=max(seq_lens),
             positions=positions,
@@ -186,6 +195,17 @@ class Translator:
             causal=causal,
             dcp_local_seq_lens=dcp,
         )
+
+    def _stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
+        """Copy small host tensors of one dtype to the device in a single transfer (from pinned
+        memory on accelerators, so the copy does not block the host); returns device views."""
+        sizes = [t.numel() for t in host]
+        if self.device.type == "cpu":
+            return list(host)
+        staging = torch.empty(sum(sizes), dtype=host[0].dtype, pin_memory=self._pin)
+        torch.cat(host, out=staging)
+        on_device = staging.to(self.device, non_blocking=True)
+        return list(on_device.split(sizes))
 
     def prepare(self, rows: Sequence[PagedRow]) -> PreparedBatch:
         """Validate rows and build the native metadata shared by every layer of one forward."""
@@ -198,24 +218,40 @@ class Translator:
         self._generation += 1
         generation = self._generation
         query_lens = [r.query_len for r in rows]
-        starts = torch.tensor([r.kv_start_pos for r in rows], dtype=torch.long)
+        seq_lens = [r.seq_len for r in rows]
+        num_tokens = sum(query_lens)
         lens = torch.tensor(query_lens, dtype=torch.long)
+        starts = torch.tensor([r.kv_start_pos for r in rows], dtype=torch.long)
         offsets = torch.cumsum(lens, 0) - lens
-        num_tokens = int(lens.sum())
         positions_cpu = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
-            starts - offsets, lens
+            starts - offsets, lens, output_size=num_tokens
         )
-        positions = positions_cpu.to(self.device, non_blocking=True)
-        row_indices = torch.tensor([b.row_index for b in bindings], dtype=torch.int32).to(self.device)
+        qsl_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = lens.cumsum(0)
+        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        row_cpu = torch.tensor([b.row_index for b in bindings], dtype=torch.int32)
+        qsl, seq, row_indices = self._stage(qsl_cpu, seq_cpu, row_cpu)
+        (positions,) = self._stage(positions_cpu)
         bt = self.block_tables
         tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
-        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        qsl[1:] = lens.cumsum(0).to(torch.int32)
-        slots = bt.compute_slot_mappings(
-            row_indices, qsl.to(self.device), positions, num_tokens_padded=num_tokens
-        )
-        common = self._common(
-            query_lens, [r.seq_len for r in rows], positions, tuple(tables), slots, self._causal
+        slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
+        dcp = None
+        if bt.cp_size > 1:
+            dcp = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave).to(self.device)
+        common = CommonBatchMetadata(
+            num_reqs=len(rows),
+            num_tokens=num_tokens,
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl_cpu,
+            max_query_len=max(query_lens),
+            seq_lens=seq,
+            seq_lens_cpu=seq_cpu,
+            max_seq_len=max(seq_lens),
+            positions=positions,
+            block_tables=tuple(tables),
+            slot_mappings=slots,
+            causal=self._causal,
+            dcp_local_seq_lens=dcp,
         )
         attn_metadata = dict(self.builder.build(common))
         by_layer: dict[str, torch.Tensor] = {}

@@ -127,7 +127,10 @@ class CudaMetadataBuilder:
             splits = s
             if programs * s >= TARGET_PROGRAMS or cdiv(max_keys, s) <= 4 * block_n:
                 break
-        sched = torch.tensor([rows, q0s], dtype=torch.int32).to(device, non_blocking=True)
+        sched = torch.tensor([rows, q0s], dtype=torch.int32)
+        if device.type == "cuda":  # pinned: the copy does not block the host
+            sched = sched.pin_memory()
+        sched = sched.to(device, non_blocking=True)
         return sched[0], sched[1], block_m, block_n, splits
 
     def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
