@@ -1,6 +1,6 @@
 """Where prepare's host time goes: cProfile of ``Translator.prepare`` on the selected platform.
 
-    python benchmarks/profile_prepare.py [ROWS] [TOKENS]
+python benchmarks/profile_prepare.py [ROWS] [TOKENS]
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def main() -> int:
     assert translator is not None
     target = tokens // 4
     rows_ = tuple(PagedRow("host", target, tokens, tokens - target, sequence_id=i) for i in range(rows))
-    print(f"{platform.name}: prepare {rows} rows median {time_host(lambda: translator.prepare(rows_)):.1f} us")
+    print(
+        f"{platform.name}: prepare {rows} rows median {time_host(lambda: translator.prepare(rows_)):.1f} us"
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):

@@ -134,7 +134,7 @@ def main() -> int:
                 configs = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3), (1,)))
             else:
                 bm = 32 * group if 32 * group <= 128 else 128
-                configs = list(itertools.product((bm,), (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)))
+                configs = list(itertools.product((bm,), (64, 128), (4, 8), (2, 3, 4), (1, 2, 4)))
             res = sweep(shape, configs)
             report.append(res)
             b = res["best"]
