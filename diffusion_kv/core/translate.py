@@ -205,7 +205,7 @@ class Translator:
         staging = torch.empty(sum(sizes), dtype=host[0].dtype, pin_memory=self._pin)
         torch.cat(host, out=staging)
         on_device = staging.to(self.device, non_blocking=True)
-        return list(on_device.split(sizes))
+        return list(torch.split(on_device, sizes))
 
     def prepare(self, rows: Sequence[PagedRow]) -> PreparedBatch:
         """Validate rows and build the native metadata shared by every layer of one forward."""
