@@ -168,9 +168,10 @@ class Translator:
         qsl_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         bt = self.block_tables
-        dcp = None
+        dcp = dcp_cpu = None
         if bt.cp_size > 1:
-            dcp = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave).to(self.device)
+            dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
+            dcp = dcp_cpu.to(self.device, non_blocking=True)
         return CommonBatchMetadata(
             num_reqs=len(query_lens),
             num_tokens=int(qsl_cpu[-1]),
@@ -185,6 +186,7 @@ class Translator:
             slot_mappings=slot_mappings,
             causal=causal,
             dcp_local_seq_lens=dcp,
+            dcp_local_seq_lens_cpu=dcp_cpu,
         )
 
     def prepare(self, rows: Sequence[PagedRow]) -> PreparedBatch:
