@@ -152,8 +152,9 @@ class UlyssesParallel:
         """``chunks[j]`` goes to rank ``j``; the result's ``[j]`` came from rank ``j``."""
         if self.degree == 1:
             return chunks
-        out = torch.empty_like(chunks)
-        dist.all_to_all_single(out, chunks.contiguous(), group=self.group.group)
+        send = chunks.contiguous()
+        out = torch.empty_like(send)  # like a contiguous tensor: all_to_all fills it in order
+        dist.all_to_all_single(out, send, group=self.group.group)
         return out
 
     def _check(self, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -245,8 +246,9 @@ class UlyssesParallel:
         """All-gather sequence shards ``[B, L/N, ...]`` into ``[B, L, ...]`` (rank order)."""
         if self.degree == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.degree)]
-        dist.all_gather(parts, x.contiguous(), group=self.group.group)
+        send = x.contiguous()
+        parts = [torch.empty_like(send) for _ in range(self.degree)]
+        dist.all_gather(parts, send, group=self.group.group)
         return torch.cat(parts, dim=1)
 
 
@@ -312,8 +314,9 @@ def gather_cfg_branches(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     """All-gather each rank's branch output ``[b, ...]`` into ``[size*b, ...]`` (branch order)."""
     if group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.group)
+    send = x.contiguous()
+    parts = [torch.empty_like(send) for _ in range(group.size)]
+    dist.all_gather(parts, send, group=group.group)
     return torch.cat(parts, dim=0)
 
 
