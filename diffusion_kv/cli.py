@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from diffusion_kv.core.errors import PlatformError
@@ -198,9 +197,7 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
                 f"(Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size})",
                 file=sys.stderr,
             )
-        result = run_parallel_demo(
-            platform, cfg, groups, device, progress=text_progress() if show else None
-        )
+        result = run_parallel_demo(platform, cfg, groups, device, progress=text_progress() if show else None)
         if rank == 0:
             if args.json:
                 print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
@@ -313,8 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--cfg-parallel",
         action="store_true",
-        help="run the 2 CFG branches on different ranks; launch with torchrun "
-        "(world size = 2 x --ulysses)",
+        help="run the 2 CFG branches on different ranks; launch with torchrun (world size = 2 x --ulysses)",
     )
     d.set_defaults(func=_cmd_demo)
     for name, capability in (("bench", "the benchmark suite (attention, translation overhead, end-to-end)"),):

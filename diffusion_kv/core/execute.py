@@ -15,7 +15,7 @@ segment), before the output is restored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,7 +51,8 @@ def run_layer(
         k, v = (None, None) if prewrite else (k, v)
         if merger is None:
             return backend.forward(q, k, v, kv_cache, md, out)
-        partial, lse = backend.forward_partial(q, k, v, kv_cache, md)  # type: ignore[attr-defined]
+        # PagedExecutor checked at construction that every backend implements forward_partial
+        partial, lse = cast(PartialAttentionBackend, backend).forward_partial(q, k, v, kv_cache, md)
         merged = merger.merge(partial, lse)
         if out is None:
             return merged

@@ -115,9 +115,7 @@ class SequencePadding:
         return cls(real_len, (-real_len) % degree)
 
     @classmethod
-    def for_joint(
-        cls, padded_len: int, pad: int, joint_len: int, joint_strategy: str
-    ) -> SequencePadding:
+    def for_joint(cls, padded_len: int, pad: int, joint_len: int, joint_strategy: str) -> SequencePadding:
         """Padding of a ``padded_len`` sequence (``pad`` synthetic tokens at its end) joined with
         ``joint_len`` replicated tokens in ``"front"`` or ``"rear"``."""
         if joint_strategy == "front":
@@ -181,9 +179,7 @@ class UlyssesParallel:
         n = self.degree
         b, seq, h, d = x4.shape
         if seq % n:
-            raise ValidationError(
-                f"Ulysses {what} has {seq} tokens, not divisible by ulysses_degree={n}"
-            )
+            raise ValidationError(f"Ulysses {what} has {seq} tokens, not divisible by ulysses_degree={n}")
         chunks = x4.reshape(b, n, seq // n, h, d).permute(1, 0, 2, 3, 4)  # [N, B, Ls, h, D]
         got = self._all_to_all(chunks)  # [j] = rank j's heads of my sequence shard
         out = got.permute(1, 2, 0, 3, 4).reshape(b, seq // n, n * h, d)
@@ -394,7 +390,9 @@ class DCPMerger:
         return merged.to(output.dtype)
 
 
-def dcp_key_positions(local_len: int, cp_size: int, cp_rank: int, interleave: int, device: Any = None) -> torch.Tensor:
+def dcp_key_positions(
+    local_len: int, cp_size: int, cp_rank: int, interleave: int, device: Any = None
+) -> torch.Tensor:
     """Absolute positions of a row's first ``local_len`` keys held by ``cp_rank``.
 
     Under DCP, position ``p`` lives on rank ``(p // interleave) % cp_size`` (vLLM's layout when

@@ -357,7 +357,9 @@ class RunnerBackend:
             block_sizes=layout.block_sizes,
             max_num_reqs=layout.max_num_reqs,
             max_num_batched_tokens=layout.max_num_batched_tokens,
-            max_num_blocks_per_group=[cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes],
+            max_num_blocks_per_group=[
+                cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
+            ],
             device=self.device,
             kernel_block_sizes=layout.block_sizes,
             cp_size=c.cp_size,

@@ -142,9 +142,14 @@ def run_paged_parallel(
                 pos_local = _shard(positions[None, :, None], degree, sp_rank)[0, :, 0]
 
                 def attention(
-                    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _spans: Any = spans
+                    name: str,
+                    q: torch.Tensor,
+                    k: torch.Tensor,
+                    v: torch.Tensor,
+                    _spans: Any = spans,
+                    _padding: SequencePadding = padding,
                 ) -> torch.Tensor:
-                    return uly.attention(runner.forward, name, q, k, v, _spans, padding=padding)
+                    return uly.attention(runner.forward, name, q, k, v, _spans, padding=_padding)
 
                 local = model.run(x_local, pos_local, attention, x_local.shape[1])
                 tokens = uly.gather_sequence(local)[:, :length]

@@ -233,7 +233,9 @@ def test_platform_hooks_delegate_to_the_plugin() -> None:
     with pytest.raises(
         NotImplementedError, match="cannot page under Ulysses degree 2: Ulysses sequence parallelism"
     ):
-        DiffusionKVPlatformHooks(NoUlyssesCpu()).get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=2)
+        DiffusionKVPlatformHooks(NoUlyssesCpu()).get_diffusion_paged_kv_attn_backend(
+            sentinel, ulysses_degree=2
+        )
     # the metadata hook with the plugin's builder: upstream keyword arguments in, native metadata out
     be = backend()
     specs = be.register_kv_cache_layers(layers())
