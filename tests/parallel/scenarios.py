@@ -276,6 +276,10 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         "dcp": {i: dcp_scenario(rank, world, i) for i in (1, 2)},
         "rows": row_policy_scenario(rank, world),
     }
+    try:
+        build_parallel_groups(world * 2, 1)
+    except ValidationError as exc:
+        results["groups_error"] = str(exc)
     if world == 2:
         results["cfg"] = cfg_scenario(rank, world)
     if world == 4:

@@ -129,3 +129,11 @@ def test_cfg_parallel_with_ulysses_on_four_ranks(
         assert r["cfg"] == (2, rank // 2) and r["ulysses"] == (2, rank % 2)
         assert r["identities"][0] == [("r", rank // 2, None)]
         assert_matches(r["outputs"], reference, slice(None))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_group_split_must_match_the_world(world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    for result in ranks(world, tmp_path_factory):
+        assert result["groups_error"] == (
+            f"ulysses_degree={2 * world} x cfg_parallel_size=1 = {2 * world} ranks, but the world has {world}"
+        )
