@@ -175,10 +175,12 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
     try:
         check_parallel_config(cfg, args.ulysses, args.cfg_parallel)
         device = _device_for_rank(device_type)
-        if device.type == "cuda":
+        if device.type != "cpu":  # torch.cuda / torch.npu (registered by torch_npu)
             import torch
 
-            torch.cuda.set_device(device)
+            accel = getattr(torch, device.type, None)
+            if accel is not None and hasattr(accel, "set_device"):
+                accel.set_device(device)
         world = init_distributed_from_env(device_type)
     except DiffusionKVError as exc:
         print(f"diffusion-kv: error: {exc}", file=sys.stderr)
