@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from diffusion_kv.core.errors import PlatformError
 from diffusion_kv.platforms.interface import Platform, Requirements
@@ -21,6 +21,11 @@ from diffusion_kv.platforms.selection import (
     discover,
     select_platform,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from diffusion_kv.models.demo import DemoConfig
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -146,7 +151,7 @@ DTYPES = {
 }
 
 
-def preferred_dtype(platform: Platform) -> Any:
+def preferred_dtype(platform: Platform) -> torch.dtype:
     """float32 where the platform supports it, else bfloat16, else float16."""
     import torch
 
@@ -154,6 +159,72 @@ def preferred_dtype(platform: Platform) -> Any:
         if dtype in platform.capabilities.dtypes:
             return dtype
     raise ValueError(f"platform {platform.name!r} supports none of float32, bfloat16, float16")
+
+
+def _device_for_rank(device_type: str) -> torch.device:
+    import os
+
+    import torch
+
+    if device_type in ("cuda", "npu"):
+        return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device_type)
+
+
+def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoConfig) -> int:
+    """``demo --ulysses N`` / ``--cfg-parallel`` under torchrun: every rank runs, rank 0 reports."""
+    import torch.distributed as dist
+
+    from diffusion_kv.core.errors import DiffusionKVError
+    from diffusion_kv.core.parallel import build_parallel_groups, init_distributed_from_env
+    from diffusion_kv.models.demo import format_result, text_progress
+    from diffusion_kv.models.parallel_demo import check_parallel_config, run_parallel_demo
+
+    device_type = platform.capabilities.device_type
+    try:
+        check_parallel_config(cfg, args.ulysses, args.cfg_parallel)
+        device = _device_for_rank(device_type)
+        if device.type != "cpu":  # torch.cuda / torch.npu (registered by torch_npu)
+            import torch
+
+            accel = getattr(torch, device.type, None)
+            if accel is not None and hasattr(accel, "set_device"):
+                accel.set_device(device)
+        world = init_distributed_from_env(device_type)
+    except DiffusionKVError as exc:
+        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    rank = world.rank
+    try:
+        try:
+            groups = build_parallel_groups(args.ulysses, 2 if args.cfg_parallel else 1)
+        except DiffusionKVError as exc:
+            print(f"diffusion-kv: error (rank {rank}): {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        show = rank == 0 and not args.json and not args.no_progress
+        if show:
+            print(
+                f"diffusion-kv demo on platform {platform.name!r}, {world.size} ranks "
+                f"(Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size})",
+                file=sys.stderr,
+            )
+        result = run_parallel_demo(platform, cfg, groups, device, progress=text_progress() if show else None)
+        if rank == 0:
+            if args.json:
+                print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+            else:
+                print(format_result(result))
+        if not result.agree:
+            if rank == 0:
+                print(
+                    f"diffusion-kv: error: dense and paged outputs disagree on some rank (max abs diff "
+                    f"{result.max_abs_diff:.3g} > {result.tolerance:g})",
+                    file=sys.stderr,
+                )
+            return EXIT_ERROR
+        return EXIT_OK
+    finally:
+        dist.destroy_process_group()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -183,6 +254,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except (PlatformError, ValueError) as exc:
         print(f"diffusion-kv: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    if args.ulysses != 1 or args.cfg_parallel:
+        return _cmd_demo_parallel(args, platform, cfg)
     show = not args.json and not args.no_progress
     if show:
         print(f"diffusion-kv demo on platform {platform.name!r}", file=sys.stderr)
@@ -290,6 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true")
     d.add_argument(
         "--inject-fault", action="store_true", help="testing aid: corrupt a cached block (must fail)"
+    )
+    d.add_argument(
+        "--ulysses",
+        type=int,
+        default=1,
+        help="strict Ulysses degree (heads sharded across ranks); launch with torchrun",
+    )
+    d.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="run the 2 CFG branches on different ranks; launch with torchrun (world size = 2 x --ulysses)",
     )
     d.set_defaults(func=_cmd_demo)
     b = sub.add_parser(

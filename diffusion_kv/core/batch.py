@@ -72,6 +72,8 @@ class CommonBatchMetadata:
     """One mode for every group, or per group index."""
     dcp_local_seq_lens: torch.Tensor | None = None
     """Rank-local KV lengths under decode context parallelism, else ``None``."""
+    dcp_local_seq_lens_cpu: torch.Tensor | None = None
+    """Host copy of ``dcp_local_seq_lens`` (computed on the host, never read back)."""
 
     def causal_for_group(self, group_index: int) -> bool:
         if isinstance(self.causal, bool):
@@ -119,3 +121,23 @@ class PagedAttentionBackend(Protocol):
         metadata: Any,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PartialAttentionBackend(PagedAttentionBackend, Protocol):
+    """A paged backend that can serve decode context parallelism (DCP).
+
+    ``forward_partial`` attends ``query`` over the keys this rank holds (the metadata carries the
+    rank-local lengths) and returns the output, softmax-normalised over those keys, together
+    with its ``[T, H]`` float32 log-sum-exp (``-inf`` where no local key is visible). The core
+    merges the partials of every DCP rank by log-sum-exp.
+    """
+
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

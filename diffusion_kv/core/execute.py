@@ -5,18 +5,30 @@ outside) the segment loop, and every native call reads pages only (``key``/``val
 With :attr:`KVWritePolicy.BACKEND_WRITES` each native call receives the K/V of its own query
 tokens (and, for piecewise segments, metadata with the matching slot mapping), so every token
 is still written exactly once.
+
+Under decode context parallelism (a ``merger`` is given) every native call is a partial one
+(:class:`~diffusion_kv.core.batch.PartialAttentionBackend`): it attends over this rank's keys
+and the core merges the partials of every DCP rank by log-sum-exp, per call (so per piecewise
+segment), before the output is restored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from diffusion_kv.core.batch import KVCache, KVWritePolicy, LayerGeometry, PagedAttentionBackend
-from diffusion_kv.core.errors import StateError
+from diffusion_kv.core.batch import (
+    KVCache,
+    KVWritePolicy,
+    LayerGeometry,
+    PagedAttentionBackend,
+    PartialAttentionBackend,
+)
+from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.layer_context import LayerContext, build_layer_context
+from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.piecewise import run_piecewise_plan
 from diffusion_kv.core.translate import Translator
 
@@ -26,6 +38,7 @@ def run_layer(
     backend: PagedAttentionBackend,
     kv_cache: KVCache,
     policy: KVWritePolicy,
+    merger: PartialMerger | None = None,
 ) -> torch.Tensor:
     """Write (per policy), run every segment, and restore the caller's layout."""
     prewrite = policy is KVWritePolicy.PREWRITE
@@ -35,7 +48,16 @@ def run_layer(
     def runner(
         q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, md: Any, out: torch.Tensor | None
     ) -> torch.Tensor:
-        return backend.forward(q, None if prewrite else k, None if prewrite else v, kv_cache, md, out)
+        k, v = (None, None) if prewrite else (k, v)
+        if merger is None:
+            return backend.forward(q, k, v, kv_cache, md, out)
+        # PagedExecutor checked at construction that every backend implements forward_partial
+        partial, lse = cast(PartialAttentionBackend, backend).forward_partial(q, k, v, kv_cache, md)
+        merged = merger.merge(partial, lse)
+        if out is None:
+            return merged
+        out.copy_(merged)
+        return out
 
     if ctx.plan is not None:
         out = run_piecewise_plan(
@@ -66,10 +88,23 @@ class PagedExecutor:
         backends: Mapping[str, PagedAttentionBackend],
         kv_caches: Mapping[str, KVCache],
         policy: KVWritePolicy,
+        merger: PartialMerger | None = None,
     ) -> None:
         missing = sorted(set(layers) - set(backends)) + sorted(set(layers) - set(kv_caches))
         if missing:
             raise StateError(f"paged layers without a backend or KV cache: {missing}")
+        if merger is not None:
+            lacking = sorted(
+                f"{name} ({getattr(b, 'name', type(b).__name__)})"
+                for name, b in backends.items()
+                if not isinstance(b, PartialAttentionBackend)
+            )
+            if lacking:
+                raise ValidationError(
+                    "decode context parallelism needs backends that return partial attention with its "
+                    f"log-sum-exp (forward_partial); these layers' backends do not: {lacking}"
+                )
+        self.merger = merger
         self.translator = translator
         self.layers = dict(layers)
         self.backends = dict(backends)
@@ -100,4 +135,4 @@ class PagedExecutor:
     ) -> torch.Tensor:
         """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
         ctx = self.context(layer_name, query, key, value, attn_metadata)
-        return run_layer(ctx, self.backends[layer_name], self.kv_caches[layer_name], self.policy)
+        return run_layer(ctx, self.backends[layer_name], self.kv_caches[layer_name], self.policy, self.merger)

@@ -129,6 +129,11 @@ class RowRegistry:
     def installed_requests(self) -> tuple[str, ...]:
         return tuple(self._states)
 
+    def snapshot_of(self, request_id: str) -> RequestAllocation | None:
+        """The snapshot installed for ``request_id`` (None when it is not installed)."""
+        state = self._states.get(request_id)
+        return state.snapshot if state is not None else None
+
     # -- validation ---------------------------------------------------------------------------
 
     def _validate_row(
@@ -147,6 +152,9 @@ class RowRegistry:
                 f"row {identity!r} has invalid token length {token_len!r}; expected an int >= 0"
             )
         groups = self.layout.groups
+        # Under decode context parallelism one block id covers block_size tokens on each of the
+        # cp_size ranks (vLLM's virtual block of block_size * cp_size tokens).
+        cp_size = self.block_tables.cp_size
         if not isinstance(block_ids, tuple) or len(block_ids) != len(groups):
             got = len(block_ids) if isinstance(block_ids, (tuple, list)) else "invalid"
             raise ValidationError(f"row {identity!r} has {got} block groups; expected {len(groups)}")
@@ -154,13 +162,15 @@ class RowRegistry:
         for g, (ids, group) in enumerate(zip(block_ids, groups, strict=True)):
             if not isinstance(ids, tuple):
                 raise ValidationError(f"row {identity!r} group {g} block ids must be a tuple; got {ids!r}")
-            expected = cdiv(token_len, group.block_size)
+            tokens_per_block = group.block_size * cp_size
+            expected = cdiv(token_len, tokens_per_block)
             if len(ids) != expected:
                 raise ValidationError(
                     f"row {identity!r} group {g} has {len(ids)} blocks; expected {expected} for {token_len} "
                     f"tokens at block size {group.block_size}"
+                    + (f" x cp_size {cp_size}" if cp_size > 1 else "")
                 )
-            capacity = cdiv(self.layout.max_model_len, group.block_size)
+            capacity = cdiv(self.layout.max_model_len, tokens_per_block)
             if len(ids) > capacity:
                 raise ValidationError(
                     f"row {identity!r} group {g} needs {len(ids)} blocks; row capacity is {capacity} "

@@ -13,6 +13,12 @@ Lifecycle::
 
 Initialisation is atomic: if any part (BlockTables, metadata builder, backends, cache
 allocation) fails, nothing is published and the backend stays registered-but-uninitialised.
+
+Parallelism (see :mod:`diffusion_kv.core.parallel`): under strict Ulysses the layers are
+registered and their KV allocated with rank-local heads (the all-to-all around the call is the
+model's, through :class:`~diffusion_kv.core.parallel.UlyssesParallel`); under CFG-parallel each
+rank installs and attends with its branch's rows only; under decode context parallelism
+(``cp_size > 1``) every paged call is a partial one merged across the DCP group.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
+from diffusion_kv.core.parallel import (
+    DCPMerger,
+    PartialMerger,
+    RankGroup,
+    select_cfg_branch,
+    select_cfg_rows,
+)
 from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry
 from diffusion_kv.core.rows import PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
@@ -70,8 +83,13 @@ class RunnerConfig:
     parallel: ParallelConfig = ParallelConfig()
     device: torch.device | None = None
     cp_size: int = 1
+    """Decode context parallel size (KV of every row interleaved across ``cp_size`` ranks)."""
     cp_rank: int = 0
     cp_interleave: int = 1
+    """Consecutive tokens each DCP rank holds in turn; must divide every block size."""
+    cfg_parallel_size: int = 1
+    """CFG-parallel size: every request has one sequence per branch, one branch per rank."""
+    cfg_parallel_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,9 +115,29 @@ def _positive(value: object, what: str) -> int:
 class RunnerBackend:
     """Owns one worker's paged KV state; see the module docstring for the lifecycle."""
 
-    def __init__(self, platform: Platform, config: RunnerConfig) -> None:
-        for name in ("max_model_len", "max_rows_per_request", "max_num_seqs", "max_num_batched_tokens"):
+    def __init__(
+        self, platform: Platform, config: RunnerConfig, *, dcp_merger: PartialMerger | None = None
+    ) -> None:
+        """``dcp_merger`` merges partial attention across the DCP group when ``cp_size > 1``;
+        by default a :class:`~diffusion_kv.core.parallel.DCPMerger` over the default
+        ``torch.distributed`` group is built at KV-cache initialisation."""
+        for name in (
+            "max_model_len",
+            "max_rows_per_request",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "cp_size",
+            "cp_interleave",
+            "cfg_parallel_size",
+        ):
             _positive(getattr(config, name), f"RunnerConfig.{name}")
+        for size, rank in (("cp_size", "cp_rank"), ("cfg_parallel_size", "cfg_parallel_rank")):
+            value = getattr(config, rank)
+            if type(value) is not int or not 0 <= value < getattr(config, size):
+                raise ValidationError(
+                    f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
+                )
+        self.dcp_merger = dcp_merger
         self.platform = platform
         self.config = config
         self.device = torch.device(config.device) if config.device is not None else platform.device()
@@ -268,6 +306,7 @@ class RunnerBackend:
                 f"KV-cache layout layers differ from the registered ones: registered={sorted(self.layers)}, "
                 f"configured={sorted(configured)}"
             )
+        c_cp = self.config.cp_size
         for g, group in enumerate(layout.groups):
             for name in group.layer_names:
                 geom = self.layers[name]
@@ -285,13 +324,32 @@ class RunnerBackend:
                     f"KV-cache group {g} block size {group.block_size} is not supported by platform "
                     f"{self.platform.name!r} ({', '.join(str(r) for r in self.platform.capabilities.kernel_block_sizes)})"
                 )
-        parts = self._build_parts(layout)  # raises before anything is published
+            if c_cp > 1 and group.block_size % self.config.cp_interleave:
+                raise ValidationError(
+                    f"cp_interleave={self.config.cp_interleave} must divide the block size {group.block_size} "
+                    f"of KV-cache group {g}"
+                )
+        merger = self._dcp_merger()
+        parts = self._build_parts(layout, merger)  # raises before anything is published
         self.layout = layout
+        self.dcp_merger = merger
         (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches) = parts
         return layout
 
+    def _dcp_merger(self) -> PartialMerger | None:
+        c = self.config
+        if c.cp_size == 1:
+            return None
+        merger = self.dcp_merger if self.dcp_merger is not None else DCPMerger(RankGroup.of(None))
+        if (merger.size, merger.rank) != (c.cp_size, c.cp_rank):
+            raise ValidationError(
+                f"the DCP process group has size {merger.size} and this rank is {merger.rank}; "
+                f"RunnerConfig says cp_size={c.cp_size}, cp_rank={c.cp_rank}"
+            )
+        return merger
+
     def _build_parts(
-        self, layout: CacheLayout
+        self, layout: CacheLayout, merger: PartialMerger | None
     ) -> tuple[BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache]]:
         c = self.config
         platform = self.platform
@@ -299,7 +357,9 @@ class RunnerBackend:
             block_sizes=layout.block_sizes,
             max_num_reqs=layout.max_num_reqs,
             max_num_batched_tokens=layout.max_num_batched_tokens,
-            max_num_blocks_per_group=layout.max_blocks_per_row(),
+            max_num_blocks_per_group=[
+                cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
+            ],
             device=self.device,
             kernel_block_sizes=layout.block_sizes,
             cp_size=c.cp_size,
@@ -342,7 +402,7 @@ class RunnerBackend:
         policy = platform.kv_write_policy
         if not isinstance(policy, KVWritePolicy):
             raise ValidationError(f"platform {platform.name!r} declares no KVWritePolicy")
-        executor = PagedExecutor(translator, self.layers, backends, caches, policy)
+        executor = PagedExecutor(translator, self.layers, backends, caches, policy, merger)
         return block_tables, registry, translator, executor, caches
 
     # -- per request --------------------------------------------------------------------------
@@ -353,7 +413,10 @@ class RunnerBackend:
         return self.registry, self.translator, self.executor
 
     def install(self, snapshot: RequestAllocation) -> bool:
-        return self._require()[0].install(snapshot)
+        """Install a snapshot (under CFG-parallel: only this rank's branch, validated first)."""
+        registry = self._require()[0]
+        c = self.config
+        return registry.install(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
     def remove(self, requests: Iterable[str | tuple[str, int]]) -> int:
         if self.registry is None:
@@ -372,7 +435,11 @@ class RunnerBackend:
     @contextmanager
     def activate(self, phases: PhaseRows) -> Iterator[PagedRuntime]:
         """A runtime for one denoise loop; closed (and deactivated) on exit."""
-        _, translator, _ = self._require()
+        registry, translator, _ = self._require()
+        if self.config.cfg_parallel_size > 1:
+            installed = {r.request_id for r in (*phases.prefill, *phases.denoise)}
+            branches = [s for s in map(registry.snapshot_of, sorted(installed)) if s is not None]
+            phases = select_cfg_rows(phases, branches)
         runtime = PagedRuntime(translator, phases)
         with runtime.activate():
             yield runtime
@@ -401,4 +468,4 @@ class RunnerBackend:
     def blocks_for(self, num_tokens: int) -> list[int]:
         if self.layout is None:
             raise StateError("the paged KV cache is not initialised")
-        return [cdiv(num_tokens, g.block_size) for g in self.layout.groups]
+        return [cdiv(num_tokens, g.block_size * self.config.cp_size) for g in self.layout.groups]

@@ -177,9 +177,10 @@ class Translator:
         seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         qsl, seq = self._stage(qsl_cpu, seq_cpu)
         bt = self.block_tables
-        dcp = None
+        dcp = dcp_cpu = None
         if bt.cp_size > 1:
-            dcp = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave).to(self.device)
+            dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
+            dcp = dcp_cpu.to(self.device, non_blocking=True)
         return CommonBatchMetadata(
             num_reqs=len(query_lens),
             num_tokens=int(qsl_cpu[-1]),
@@ -194,6 +195,7 @@ class Translator:
             slot_mappings=slot_mappings,
             causal=causal,
             dcp_local_seq_lens=dcp,
+            dcp_local_seq_lens_cpu=dcp_cpu,
         )
 
     def _stage(self, *host: torch.Tensor) -> list[torch.Tensor]:

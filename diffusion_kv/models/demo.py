@@ -314,4 +314,13 @@ def format_result(r: DemoResult) -> str:
         f"{r.kv_bytes_dense_max_len / mib:.2f} MiB (max_model_len {s['max_model_len']})",
         f"block utilisation: {r.block_utilisation:.1%} of {r.blocks_used} blocks",
     ]
+    par = r.extra.get("parallel")
+    if par:
+        lines.insert(
+            3,
+            f"parallel: {par['world_size']} ranks ({par['backend']}), Ulysses degree {par['ulysses_degree']}, "
+            f"CFG-parallel size {par['cfg_parallel_size']}; per rank {par['rank_local_heads']} heads "
+            f"(kv {par['rank_local_kv_heads']}); agreement is the largest difference over all ranks",
+        )
+        lines[-2] += " (rank 0's share)"
     return "\n".join(lines)

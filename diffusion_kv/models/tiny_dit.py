@@ -147,6 +147,18 @@ class TinyDiT(nn.Module):
 
         return self.run(x, torch.arange(S, device=prefix.device), attention, T)
 
+    def paged_inputs(
+        self, prefix: torch.Tensor, target: torch.Tensor, t: float, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The paged step's input tokens, their absolute positions and the attention spans."""
+        B, P, _ = prefix.shape
+        S = P + target.shape[1]
+        spans = AttentionMetadata(full_attn_spans=[[(P, S)]] * B)
+        x_target = target + self.timestep(t, target.device)
+        if step == 0:
+            return torch.cat([prefix, x_target], dim=1), torch.arange(S, device=target.device), spans
+        return x_target, torch.arange(P, S, device=target.device), spans
+
     def paged_step(
         self,
         prefix: torch.Tensor,
@@ -158,17 +170,8 @@ class TinyDiT(nn.Module):
         ],
     ) -> torch.Tensor:
         """Step 0: the whole sequence (writes every K/V). Later: target tokens only."""
-        B, P, _ = prefix.shape
         T = target.shape[1]
-        S = P + T
-        spans = AttentionMetadata(full_attn_spans=[[(P, S)]] * B)
-        x_target = target + self.timestep(t, target.device)
-        if step == 0:
-            x = torch.cat([prefix, x_target], dim=1)
-            positions = torch.arange(S, device=target.device)
-        else:
-            x = x_target
-            positions = torch.arange(P, S, device=target.device)
+        x, positions, spans = self.paged_inputs(prefix, target, t, step)
 
         def attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return paged_attention(name, q, k, v, spans)

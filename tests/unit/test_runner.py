@@ -52,17 +52,21 @@ class FlakyPlatform(CpuPlatform):
         return super().allocate_kv_cache(*args, **kwargs)
 
 
+class NoUlyssesCpu(CpuPlatform):
+    """The cpu platform declaring no Ulysses support (as a plugin without it would)."""
+
+    capabilities = CpuPlatform.capabilities.__class__(
+        **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": False}
+    )
+
+
 def test_registration_gives_rank_local_geometry() -> None:
-    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    backend = RunnerBackend(NoUlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=2)))
     with pytest.raises(UnsupportedRequirementsError, match="Ulysses sequence parallelism"):
         backend.register_kv_cache_layers({"a": spec()})
+    assert backend.layers == {}
 
-    class UlyssesCpu(CpuPlatform):
-        capabilities = CpuPlatform.capabilities.__class__(
-            **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": True}
-        )
-
-    backend = RunnerBackend(UlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=2)))
     geom = backend.register_kv_cache_layers(
         {"a": spec(), "b": spec(skip_sequence_parallel=True, num_heads=2, num_kv_heads=1)}
     )
@@ -110,12 +114,7 @@ def test_registration_rejections_keep_previous(layers: dict, exc: type[Exception
 
 
 def test_ulysses_divisibility() -> None:
-    class UlyssesCpu(CpuPlatform):
-        capabilities = CpuPlatform.capabilities.__class__(
-            **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": True}
-        )
-
-    backend = RunnerBackend(UlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=4)))
+    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=4)))
     with pytest.raises(ValidationError, match="divisible by ulysses_degree=4"):
         backend.register_kv_cache_layers({"a": spec()})
 

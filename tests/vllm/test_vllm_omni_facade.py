@@ -42,6 +42,14 @@ def vllm_config(max_num_seqs: int = 2) -> SimpleNamespace:
     )
 
 
+class NoUlyssesCpu(CpuPlatform):
+    """The cpu platform declaring no Ulysses support (as a plugin without it would)."""
+
+    capabilities = CpuPlatform.capabilities.__class__(
+        **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": False}
+    )
+
+
 def od_config(mode: str = "paged_scheduler", **parallel: Any) -> SimpleNamespace:
     return SimpleNamespace(
         diffusion_kv_mode=SimpleNamespace(value=mode),
@@ -209,7 +217,7 @@ def test_registration_rejections() -> None:
     with pytest.raises(NotImplementedError, match="Ring or hybrid Ulysses\\+Ring"):
         ring.register_kv_cache_layers(layers())
     uly = DiffusionKVRunnerBackend(
-        platform=CpuPlatform(), vllm_config=vllm_config(), od_config=od_config(ulysses_degree=2)
+        platform=NoUlyssesCpu(), vllm_config=vllm_config(), od_config=od_config(ulysses_degree=2)
     )
     with pytest.raises(UnsupportedRequirementsError, match="Ulysses sequence parallelism \\(degree 2\\)"):
         uly.register_kv_cache_layers(layers())
@@ -221,10 +229,13 @@ def test_platform_hooks_delegate_to_the_plugin() -> None:
     assert hooks.requires_diffusion_paged_kv_prewrite() is True
     sentinel = type("Backend", (), {})
     assert hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=1) is sentinel
+    assert hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=2) is sentinel
     with pytest.raises(
         NotImplementedError, match="cannot page under Ulysses degree 2: Ulysses sequence parallelism"
     ):
-        hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=2)
+        DiffusionKVPlatformHooks(NoUlyssesCpu()).get_diffusion_paged_kv_attn_backend(
+            sentinel, ulysses_degree=2
+        )
     # the metadata hook with the plugin's builder: upstream keyword arguments in, native metadata out
     be = backend()
     specs = be.register_kv_cache_layers(layers())

@@ -41,8 +41,8 @@ class CpuPlatform(Platform):
         slot_mapping_dtype=torch.int64,
         attention_modes=frozenset(AttentionMode),
         supports_gqa=True,
-        supports_ulysses=False,
-        supports_dcp=False,
+        supports_ulysses=True,
+        supports_dcp=True,
         supports_graph_capture=False,
     )
     kv_write_policy: ClassVar[KVWritePolicy] = KVWritePolicy.PREWRITE

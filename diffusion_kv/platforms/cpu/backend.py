@@ -4,6 +4,12 @@ This is the oracle other platforms are compared with, so it favours obviously-co
 speed: per row it gathers the row's pages into contiguous K/V and applies the exact mask
 (bottom-right causal, or full) in float32 (float64 for float64 inputs), with GQA by head
 repetition.
+
+Decode context parallelism: with ``cp_size > 1`` a rank holds only the keys of its interleave
+slots (the core's slot mapping writes nothing else), and the metadata carries the rank-local
+KV lengths. :meth:`CpuPagedBackend.forward_partial` attends over those local keys, with the
+causal mask applied on absolute key positions, and returns the output with its log-sum-exp;
+the core merges the partials across the DCP group.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import CacheLayout, cdiv
+from diffusion_kv.core.parallel import dcp_key_positions
+from diffusion_kv.core.translate import dcp_local_seq_lens
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,11 @@ class CpuPagedMetadata:
     causal: bool
     block_size: int
     """Kernel block size (tokens per cache block)."""
+    local_seq_lens: tuple[int, ...] | None = None
+    """Keys of each row held by this DCP rank (``None`` without DCP)."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
 
 
 class CpuMetadataBuilder:
@@ -41,16 +54,26 @@ class CpuMetadataBuilder:
     reorder_batch_threshold: int | None = None
 
     def __init__(self, layout: CacheLayout, block_tables: BlockTables) -> None:
-        if block_tables.cp_size > 1:
-            raise NotImplementedError(
-                "the cpu reference backend does not implement decode context parallelism yet"
-            )
         self.layout = layout
         self.kernel_block_sizes = list(block_tables.kernel_block_sizes)
+        self.cp_size = block_tables.cp_size
+        self.cp_rank = block_tables.cp_rank
+        self.cp_interleave = block_tables.cp_interleave
+        if self.cp_size > 1 and any(kbs % self.cp_interleave for kbs in self.kernel_block_sizes):
+            raise ValidationError(
+                f"cp_interleave={self.cp_interleave} must divide every kernel block size "
+                f"{self.kernel_block_sizes} of the cpu backend"
+            )
 
     def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
         qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
         seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
+        local: tuple[int, ...] | None = None
+        if self.cp_size > 1:
+            host = batch.dcp_local_seq_lens_cpu
+            if host is None:
+                host = dcp_local_seq_lens(batch.seq_lens_cpu, self.cp_size, self.cp_rank, self.cp_interleave)
+            local = tuple(int(x) for x in host.tolist())
         out: dict[str, CpuPagedMetadata] = {}
         for g, group in enumerate(self.layout.groups):
             md = CpuPagedMetadata(
@@ -60,6 +83,10 @@ class CpuMetadataBuilder:
                 slot_mapping=batch.slot_mappings[g],
                 causal=batch.causal_for_group(g),
                 block_size=self.kernel_block_sizes[g],
+                local_seq_lens=local,
+                cp_size=self.cp_size,
+                cp_rank=self.cp_rank,
+                cp_interleave=self.cp_interleave,
             )
             for name in group.layer_names:
                 out[name] = md
@@ -107,6 +134,11 @@ class CpuPagedBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md: CpuPagedMetadata = metadata
+        if md.cp_size > 1:
+            raise ValidationError(
+                f"cpu backend metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's "
+                "keys is partial; use forward_partial and merge across the DCP group"
+            )
         if (key is None) != (value is None):
             raise ValidationError("key and value must both be given or both be None")
         if key is not None and value is not None:
@@ -138,3 +170,55 @@ class CpuPagedBackend:
             o = torch.matmul(probs, v.to(compute).transpose(0, 1))  # [H, Lq, D]
             result[q0:q1] = o.transpose(0, 1).to(result.dtype)
         return result
+
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over this rank's keys: ``(out [T, H, D], lse [T, H] float32)``.
+
+        Without DCP the local keys are all keys, and ``out`` equals :meth:`forward`'s.
+        """
+        md: CpuPagedMetadata = metadata
+        if (key is None) != (value is None):
+            raise ValidationError("key and value must both be given or both be None")
+        if key is not None and value is not None:
+            self.write_kv(key, value, kv_cache, md.slot_mapping)
+        key_cache, value_cache = _cache_views(kv_cache)
+        layer = self.layer
+        groups = layer.num_heads // layer.num_kv_heads
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        device = query.device
+        out = torch.zeros(query.shape, dtype=query.dtype, device=device)
+        lse_out = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=device)
+        local_lens = md.local_seq_lens if md.local_seq_lens is not None else md.seq_lens
+        for r in range(len(md.seq_lens)):
+            q0, q1 = md.query_start_loc[r], md.query_start_loc[r + 1]
+            n_local = local_lens[r]
+            if q1 == q0 or n_local == 0:
+                continue
+            sl = md.seq_lens[r]
+            blocks = md.block_table[r, : cdiv(n_local, md.block_size)].to(torch.long)
+            shape = (-1, layer.num_kv_heads, layer.head_size)
+            k = key_cache.index_select(0, blocks).reshape(shape)[:n_local]
+            v = value_cache.index_select(0, blocks).reshape(shape)[:n_local]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
+            scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_local]
+            if md.causal:
+                key_pos = dcp_key_positions(n_local, md.cp_size, md.cp_rank, md.cp_interleave, device)
+                qpos = torch.arange(sl - (q1 - q0), sl, device=device)[:, None]
+                scores = scores.masked_fill(~(key_pos[None, :] <= qpos), float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where no local key is visible
+            finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+            probs = torch.exp(scores - finite[..., None])
+            o = torch.matmul(probs, v.to(compute).transpose(0, 1))  # [H, Lq, D]
+            out[q0:q1] = o.transpose(0, 1).to(out.dtype)
+            lse_out[q0:q1] = lse.transpose(0, 1).to(torch.float32)
+        return out, lse_out

@@ -1,0 +1,250 @@
+"""The demo across ranks: strict Ulysses and CFG-parallel on torch.distributed.
+
+Launched with ``torchrun`` (one process per device): the world is split into CFG-parallel
+groups of 2 (with ``cfg_parallel``) and Ulysses groups of ``ulysses`` ranks
+(rank = cfg_rank * ulysses + ulysses_rank). Every rank
+
+* computes the dense reference on its own (the whole model on one device), then
+* runs the paged model on its share: the rows of its CFG branch, a shard of the sequence, and
+  ``heads / ulysses`` heads inside each paged attention call (the all-to-all of
+  :class:`~diffusion_kv.core.parallel.UlyssesParallel`, with the padding to a multiple of the
+  degree stripped before the paged call);
+* gathers the sequence and the CFG branches, combines them, and compares with the dense run.
+
+The largest difference over all ranks decides agreement, so every rank reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.parallel import (
+    ParallelGroups,
+    SequencePadding,
+    UlyssesParallel,
+    gather_cfg_branches,
+)
+from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.models.demo import (
+    TOLERANCE,
+    DemoConfig,
+    DemoResult,
+    Progress,
+    _combine,
+    _inputs,
+    _sync,
+    run_dense,
+)
+from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.platforms.interface import Platform
+
+
+def check_parallel_config(cfg: DemoConfig, ulysses: int, cfg_parallel: bool) -> None:
+    """Every reason the demo cannot run this split, before any process group is touched."""
+    if type(ulysses) is not int or ulysses <= 0:
+        raise ValidationError(f"--ulysses must be a positive integer; got {ulysses!r}")
+    if cfg_parallel and cfg.cfg_rows != 2:
+        raise ValidationError(f"--cfg-parallel needs 2 CFG rows (one per rank); got --cfg {cfg.cfg_rows}")
+    if cfg.heads % ulysses or cfg.kv_heads % ulysses:
+        raise ValidationError(
+            f"heads={cfg.heads} and kv_heads={cfg.kv_heads} must be divisible by --ulysses {ulysses}"
+        )
+
+
+def _shard(x: torch.Tensor, degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s sequence shard of ``x [B, L, ...]`` padded with zeros to a multiple of degree."""
+    pad = (-x.shape[1]) % degree
+    if pad:
+        x = F.pad(x, (0, 0) * (x.ndim - 2) + (0, pad))
+    per_rank = x.shape[1] // degree
+    return x[:, rank * per_rank : (rank + 1) * per_rank]
+
+
+def run_paged_parallel(
+    model: TinyDiT,
+    cfg: DemoConfig,
+    platform: Platform,
+    groups: ParallelGroups,
+    device: torch.device,
+    progress: Progress,
+) -> tuple[torch.Tensor, list[float], dict[str, Any]]:
+    uly = UlyssesParallel(groups.ulysses)
+    cfg_group = groups.cfg
+    degree, sp_rank = uly.degree, groups.ulysses.rank
+    block = cfg.block_size or platform.default_block_size
+    seq_len = cfg.prefix_len + cfg.target_len
+    rows = cfg.cfg_rows
+    num_blocks = rows * cdiv(seq_len, block) + 1
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=cfg.max_model_len,
+            max_rows_per_request=rows,
+            max_num_seqs=1,
+            max_num_batched_tokens=rows * seq_len,
+            device=device,
+            parallel=ParallelConfig(ulysses_degree=degree),
+            cfg_parallel_size=cfg_group.size,
+            cfg_parallel_rank=cfg_group.rank,
+        ),
+    )
+    mc = model.cfg
+    geometry = runner.register_kv_cache_layers(
+        {
+            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype, causal=True)
+            for name in model.layer_names
+        }
+    )
+    runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
+    # The scheduler side is replicated: every rank reserves the same blocks for every CFG row.
+    allocator = DiffusionKVAllocator(
+        block_size=block,
+        max_model_len=cfg.max_model_len,
+        max_rows_per_request=rows,
+        worker_rows=rows,
+        pool=FreeListPool(num_blocks),
+    )
+    snapshot = allocator.reserve(
+        KVRequest("demo", tuple(SequenceRequest(i, cfg.prefix_len, cfg.target_len) for i in range(rows)))
+    )
+    if snapshot is None:  # pragma: no cover - the pool is sized for the request
+        raise RuntimeError("the demo's block pool cannot hold the request")
+    prefixes, latent = _inputs(cfg, device)
+    branch = slice(cfg_group.rank, cfg_group.rank + 1) if cfg_group.size > 1 else slice(0, rows)
+    my_prefixes = prefixes[branch]
+    my_rows = my_prefixes.shape[0]
+    phases = PhaseRows(
+        tuple(PagedRow("demo", seq_len, seq_len, 0, sequence_id=i) for i in range(rows)),
+        tuple(PagedRow("demo", cfg.target_len, seq_len, cfg.prefix_len, sequence_id=i) for i in range(rows)),
+    )
+    times: list[float] = []
+    dt = 1.0 / cfg.steps
+    try:
+        runner.install(snapshot)
+        with torch.no_grad(), runner.activate(phases) as runtime:
+            for step in range(cfg.steps):
+                t0 = time.perf_counter()
+                runtime.ensure_active(step)
+                target = latent.expand(my_rows, -1, -1)
+                x, positions, spans = model.paged_inputs(my_prefixes, target, 1.0 - step * dt, step)
+                length = x.shape[1]
+                padding = SequencePadding.rear(length, degree)
+                x_local = _shard(x, degree, sp_rank)
+                pos_local = _shard(positions[None, :, None], degree, sp_rank)[0, :, 0]
+
+                def attention(
+                    name: str,
+                    q: torch.Tensor,
+                    k: torch.Tensor,
+                    v: torch.Tensor,
+                    _spans: Any = spans,
+                    _padding: SequencePadding = padding,
+                ) -> torch.Tensor:
+                    return uly.attention(runner.forward, name, q, k, v, _spans, padding=_padding)
+
+                local = model.run(x_local, pos_local, attention, x_local.shape[1])
+                tokens = uly.gather_sequence(local)[:, :length]
+                velocity = gather_cfg_branches(tokens[:, -cfg.target_len :], cfg_group)
+                latent = latent - dt * _combine(cfg, velocity)
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+                progress("paged", step + 1, cfg.steps)
+        rows_here = runner.registry.rows if runner.registry is not None else {}
+    finally:
+        runner.remove(["demo"])
+        allocator.free("demo")
+    installed = [s for s in snapshot.sequences if ("demo", s.sequence_id, None) in rows_here]
+    blocks_used = sum(len(s.block_ids[0]) for s in installed)
+    any_geom = next(iter(geometry.values()))
+    info = {
+        "block_size": block,
+        "blocks_used": blocks_used,
+        "kv_bytes_paged": blocks_used * runner.kv_bytes_per_block(),
+        "tokens": len(installed) * seq_len,
+        "rank_local_heads": any_geom.num_heads,
+        "rank_local_kv_heads": any_geom.num_kv_heads,
+        "worker_rows": {f"{rid}/{sid}": row for (rid, sid, _), row in rows_here.items()},
+    }
+    return latent, times, info
+
+
+def run_parallel_demo(
+    platform: Platform,
+    cfg: DemoConfig,
+    groups: ParallelGroups,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> DemoResult:
+    """Dense on every rank, paged across ranks; agreement is decided on the largest difference."""
+    check_parallel_config(cfg, groups.ulysses.size, groups.cfg.size > 1)
+    progress = progress or (lambda _mode, _i, _n: None)
+    model_cfg = TinyDiTConfig(
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        layers=cfg.layers,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+    )
+    model = TinyDiT(model_cfg).to(device).eval()
+    dense_out, dense_ms = run_dense(model, cfg, device, progress)
+    paged_out, paged_ms, info = run_paged_parallel(model, cfg, platform, groups, device, progress)
+    local_diff = (dense_out.float() - paged_out.float()).abs().max()
+    if not bool(torch.isfinite(paged_out).all()):
+        local_diff = torch.tensor(float("inf"))
+    worst = local_diff.reshape(1).to(device)
+    if groups.world.size > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.world.group)
+    diff = float(worst.item())
+    tol = TOLERANCE.get(cfg.dtype, 1e-1)
+    seq_len = cfg.prefix_len + cfg.target_len
+    per_token = 2 * model_cfg.kv_heads * model_cfg.head_size * torch.empty((), dtype=cfg.dtype).element_size()
+    return DemoResult(
+        platform=platform.name,
+        device=str(device),
+        dtype=str(cfg.dtype).removeprefix("torch."),
+        shapes={
+            "prefix_len": cfg.prefix_len,
+            "target_len": cfg.target_len,
+            "seq_len": seq_len,
+            "hidden": cfg.hidden,
+            "heads": cfg.heads,
+            "kv_heads": cfg.kv_heads,
+            "head_size": model_cfg.head_size,
+            "layers": cfg.layers,
+            "max_model_len": cfg.max_model_len,
+        },
+        steps=cfg.steps,
+        cfg_rows=cfg.cfg_rows,
+        block_size=info["block_size"],
+        max_abs_diff=diff,
+        tolerance=tol,
+        agree=diff <= tol,
+        dense_step_ms=dense_ms,
+        paged_step_ms=paged_ms,
+        kv_bytes_paged=info["kv_bytes_paged"],
+        kv_bytes_dense_max_len=cfg.cfg_rows * cfg.max_model_len * per_token * cfg.layers,
+        blocks_used=info["blocks_used"],
+        block_utilisation=info["tokens"] / (info["blocks_used"] * info["block_size"]),
+        extra={
+            "parallel": {
+                "world_size": groups.world.size,
+                "rank": groups.world.rank,
+                "ulysses_degree": groups.ulysses.size,
+                "cfg_parallel_size": groups.cfg.size,
+                "rank_local_heads": info["rank_local_heads"],
+                "rank_local_kv_heads": info["rank_local_kv_heads"],
+                "worker_rows": info["worker_rows"],
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+            }
+        },
+    )
