@@ -152,3 +152,29 @@ def test_cuda_platform_capabilities_are_honest() -> None:
     assert caps.head_sizes == frozenset({64, 128})
     assert torch.float32 not in caps.dtypes
     assert not caps.supports_dcp
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's sync debug mode turns any host synchronisation into an error."""
+    from diffusion_kv.bench.attention import AttentionCase, build_setup
+
+    monkeypatch.setenv("DIFFUSION_KV_CUDA_BACKEND", backend)
+    dev = torch.device("cuda")
+    case = AttentionCase(
+        "B", rows=4, heads=8, kv_heads=2, head_size=128, prefix=600, target=40, block_size=16, cfg=1
+    )
+    setup = build_setup(get_platform("cuda"), case, dev, torch.bfloat16)
+    translator, executor = setup.runner.translator, setup.runner.executor
+    assert translator is not None and executor is not None
+    k = torch.randn(4 * 40, 2, 128, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = translator.prepare(setup.denoise_rows)
+        with translator.activate(batch):
+            out = executor.forward("bench.attn", setup.query, k, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert out.shape == setup.query.shape and bool(torch.isfinite(out).all())
