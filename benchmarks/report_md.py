@@ -16,6 +16,9 @@ def attention_table(report: dict[str, Any]) -> list[str]:
     head += " | bandwidth bound (ms) |"
     lines = [head, "|" + " --- |" * (3 + len(variants))]
     for r in report["attention"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | failed: {r['error'][:80]} |")
+            continue
         best = r["best_dense"]
         cells = [f"{r['case']}", f"{best['backend']} {best['ms']:.3f}, {best['tflops']:.0f}"]
         for v in variants:

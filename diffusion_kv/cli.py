@@ -312,11 +312,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     disagreements = [
         f"{r['case']} {variant}"
         for r in report.get("attention", [])
-        for variant, p in r["paged"].items()
+        for variant, p in r.get("paged", {}).items()
         if "agrees" in p and not p["agrees"]
     ]
     if "e2e" in report and not report["e2e"]["agrees"]:
         disagreements.append("tiny-DiT end to end")
+    if report["errors"]:
+        print(f"diffusion-kv: error: bench parts failed: {', '.join(report['errors'])}", file=sys.stderr)
+        return EXIT_ERROR
     if disagreements:
         print(
             f"diffusion-kv: error: paged output disagrees with dense in: {', '.join(disagreements)}",

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.translate import resolve_device
 from diffusion_kv.platforms.interface import Platform
 
 SECTIONS = ("attention", "host", "e2e")
@@ -71,7 +72,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
     from diffusion_kv.bench import attention, e2e, host
 
     say = progress or (lambda _m: None)
-    device = platform.device()
+    device = resolve_device(platform.device())
     sizes = config.sizes if config.sizes != "auto" else ("full" if device.type == "cuda" else "small")
     dtype = config.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in platform.capabilities.dtypes:
@@ -92,17 +93,29 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
         results = []
         for i, case in enumerate(cases):
             say(f"attention {i + 1}/{len(cases)}: {case.name}")
-            results.append(attention.run_case(platform, case, device, dtype, bw, min_ms=config.min_ms))
+            try:
+                results.append(attention.run_case(platform, case, device, dtype, bw, min_ms=config.min_ms))
+            except Exception as exc:  # one failing case is reported; the others still run
+                results.append({"case": case.name, "error": f"{type(exc).__name__}: {exc}"})
+                say(f"  failed: {type(exc).__name__}: {exc}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         report["attention"] = results
+    errors: dict[str, str] = {}
     if "host" in config.sections:
         say("host overhead: prepare and per-layer context")
-        tokens = 4096
-        report["host"] = host.host_overhead(platform, device, dtype, tokens=tokens, iters=config.host_iters)
+        try:
+            report["host"] = host.host_overhead(platform, device, dtype, tokens=4096, iters=config.host_iters)
+        except Exception as exc:  # reported, and the command exits 1
+            errors["host"] = f"{type(exc).__name__}: {exc}"
     if "e2e" in config.sections:
         say("tiny-DiT end to end")
-        report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)
+        try:
+            report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)
+        except Exception as exc:
+            errors["e2e"] = f"{type(exc).__name__}: {exc}"
+    errors.update({r["case"]: r["error"] for r in report.get("attention", []) if "error" in r})
+    report["errors"] = errors
     return report
 
 
@@ -121,6 +134,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("attention (ms; ratio = paged / best dense SDPA in this run)")
         for r in report["attention"]:
+            if "error" in r:
+                lines.append(f"  {r['case']}: FAILED: {r['error']}")
+                continue
             best = r["best_dense"]
             lines.append(
                 f"  {r['case']}: dense {best['backend']} {_fmt_ms(best['ms'])} ms ({best['tflops']:.3g} TFLOP/s)"
@@ -171,6 +187,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"(target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
             + ("" if e["agrees"] else f"  DISAGREES (max diff {e['max_abs_diff']:.3g})")
         )
+    for where, error in report.get("errors", {}).items():
+        lines.append(f"error in {where}: {error}")
     return "\n".join(lines)
 
 

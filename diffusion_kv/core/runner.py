@@ -52,7 +52,7 @@ from diffusion_kv.core.parallel import (
 from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry
 from diffusion_kv.core.rows import PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
-from diffusion_kv.core.translate import Translator
+from diffusion_kv.core.translate import Translator, resolve_device
 
 if TYPE_CHECKING:  # the core knows plugins only through this structural view
     from diffusion_kv.platforms.interface import Platform
@@ -140,7 +140,7 @@ class RunnerBackend:
         self.dcp_merger = dcp_merger
         self.platform = platform
         self.config = config
-        self.device = torch.device(config.device) if config.device is not None else platform.device()
+        self.device = resolve_device(config.device if config.device is not None else platform.device())
         self.layers: dict[str, LayerGeometry] = {}
         self.cache_roles: frozenset[str] = frozenset()
         self.layout: CacheLayout | None = None

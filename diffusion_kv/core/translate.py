@@ -72,7 +72,7 @@ class Translator:
         self.block_tables = block_tables
         self.builder = builder
         self.resolve_row = resolve_row
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self._owner = object()
         self._generation = 0
         self._active: _ActiveState | None = None
@@ -352,6 +352,14 @@ class Translator:
             keep = torch.arange(tokens_per_row)[None, :] < lens[:, None]
             state.packing[key] = grid[keep].to(self.device)
         return state.packing[key]
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``cuda`` -> ``cuda:0``), as tensors report it."""
+    dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.empty(0, device=dev).device
+    return dev
 
 
 def dcp_local_seq_lens(seq_lens: torch.Tensor, cp_size: int, cp_rank: int, interleave: int) -> torch.Tensor:

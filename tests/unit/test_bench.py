@@ -43,7 +43,15 @@ def test_paged_case_agrees_with_dense_on_cpu(kv_heads: int) -> None:
 def test_run_bench_small_all_sections() -> None:
     report = run_bench(
         CpuPlatform(),
-        BenchConfig(sizes="small", regimes=("B",), block_sizes=(16,), cfgs=(1,), gqa=(True,), min_ms=0.5, host_iters=10),
+        BenchConfig(
+            sizes="small",
+            regimes=("B",),
+            block_sizes=(16,),
+            cfgs=(1,),
+            gqa=(True,),
+            min_ms=0.5,
+            host_iters=10,
+        ),
     )
     assert report["sizes"] == "small" and report["dtype"] == "float32"
     assert [r["case"] for r in report["attention"]] == ["B cfg1 rows4 H4/kv2 bs16"]
@@ -63,3 +71,20 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown or empty sections ['nope']" in capsys.readouterr().err
     assert main(["bench", "--cfg", "3", "--no-progress"]) == 1
     assert "CFG 1 or 2" in capsys.readouterr().err
+
+
+def test_a_failing_section_is_reported_and_fails_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffusion_kv.bench import host
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("prepare exploded")
+
+    monkeypatch.setattr(host, "host_overhead", broken)
+    report = run_bench(CpuPlatform(), BenchConfig(sizes="small", sections=("host",)))
+    assert report["errors"] == {"host": "RuntimeError: prepare exploded"} and "host" not in report
+    assert main(["bench", "--sections", "host", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "error in host: RuntimeError: prepare exploded" in captured.out
+    assert "bench parts failed: host" in captured.err

@@ -31,7 +31,9 @@ from diffusion_kv.core.layout import CacheLayout, cdiv
 ENV_BACKEND = "DIFFUSION_KV_CUDA_BACKEND"
 BACKENDS = ("triton", "sdpa")
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
-TARGET_PROGRAMS = 2 * 132  # two waves of an H100/H200's SMs
+RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
+"""Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128)."""
+DEFAULT_NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class CudaPagedMetadata:
     block_m: int = 64
     block_n: int = 64
     num_splits: int = 1
+    num_warps: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,6 +107,10 @@ class CudaMetadataBuilder:
         self.group = heads // kv_heads
         self.kv_heads = kv_heads
         self.head_size = head_size
+        self.num_sms = DEFAULT_NUM_SMS
+        device = getattr(block_tables, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def _schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device, causal: bool
@@ -122,10 +129,14 @@ class CudaMetadataBuilder:
         programs = len(rows) * self.kv_heads
         max_keys = max(seq)
         block_n = 64 if self.head_size > 64 or block_m >= 128 else 128
+        # Split the keys until the launch roughly fills every SM with as many programs as fit
+        # at once (fewer fit as the query tile grows); tuned on an H200 with
+        # benchmarks/tune_cuda_paged.py (docs/benchmarks.md).
+        target = int(0.9 * self.num_sms * RESIDENT_PROGRAMS.get(block_m, 2))
         splits = 1
         for s in SPLIT_CHOICES:
             splits = s
-            if programs * s >= TARGET_PROGRAMS or cdiv(max_keys, s) <= 4 * block_n:
+            if programs * s >= target or cdiv(max_keys, s) <= 4 * block_n:
                 break
         sched = torch.tensor([rows, q0s], dtype=torch.int32)
         if device.type == "cuda":  # pinned: the copy does not block the host
@@ -149,7 +160,12 @@ class CudaMetadataBuilder:
                     qsl, seq, batch.query_start_loc.device, causal
                 )
                 extra = dict(
-                    tile_row=tile_row, tile_q0=tile_q0, block_m=block_m, block_n=block_n, num_splits=splits
+                    tile_row=tile_row,
+                    tile_q0=tile_q0,
+                    block_m=block_m,
+                    block_n=block_n,
+                    num_splits=splits,
+                    num_warps=8 if block_m >= 128 else 4,
                 )
             md = CudaPagedMetadata(
                 query_start_loc=batch.query_start_loc,
@@ -240,6 +256,7 @@ class CudaPagedBackend:
                 block_m=md.block_m,
                 block_n=md.block_n,
                 num_splits=md.num_splits,
+                num_warps=md.num_warps,
             )
             return result
         return self._gather_sdpa(query, k_cache, v_cache, md, result)
