@@ -236,6 +236,8 @@ class CudaPagedBackend:
         if key is not None and value is not None:
             self.write_kv(key, value, kv_cache, md.slot_mapping)
         k_cache, v_cache = _caches(kv_cache)
+        if md.backend != "triton":
+            return self._gather_sdpa(query, kv_cache, md, out)
         result = out if out is not None else torch.empty_like(query)
         if md.backend == "triton":
             from diffusion_kv.platforms.cuda import kernels
@@ -258,21 +260,20 @@ class CudaPagedBackend:
                 num_splits=md.num_splits,
                 num_warps=md.num_warps,
             )
-            return result
-        return self._gather_sdpa(query, k_cache, v_cache, md, result)
+        return result
 
     def _gather_sdpa(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: KVCache,
         md: CudaPagedMetadata,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
 
         layer = self.layer
+        hkv, hd = layer.num_kv_heads, layer.head_size
         qsl, seq = md.host_query_start_loc, md.host_seq_lens
         groups: dict[tuple[int, int], list[int]] = {}
         for r in range(len(seq)):
@@ -283,6 +284,10 @@ class CudaPagedBackend:
             SDPBackend.EFFICIENT_ATTENTION,
             SDPBackend.MATH,
         ]
+        # One group covering every row in order: SDPA's own output (already [tokens, H, D] in
+        # memory) is returned as is, without a copy into ``out``.
+        single = len(groups) == 1 and out is None
+        result = out
         for (ql, sl), rows in groups.items():
             if ql == 0:
                 continue
@@ -294,14 +299,24 @@ class CudaPagedBackend:
             else:
                 table = md.block_table[torch.tensor(rows, device=md.block_table.device), :nblk]
             flat = table.reshape(-1).long()
-            k = k_cache.index_select(0, flat).view(R, nblk * md.page, layer.num_kv_heads, layer.head_size)[
-                :, :sl
-            ]
-            v = v_cache.index_select(0, flat).view(R, nblk * md.page, layer.num_kv_heads, layer.head_size)[
-                :, :sl
-            ]
+            if isinstance(kv_cache, torch.Tensor):  # [2, NB, page, Hkv, D]: K and V in one gather
+                kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, flat)
+                kv = kv.view(2, R, nblk * md.page, hkv, hd)[:, :, :sl]
+                k, v = kv[0], kv[1]
+            else:
+                k_cache, v_cache = kv_cache
+                k = (
+                    k_cache.view(k_cache.shape[0], -1)
+                    .index_select(0, flat)
+                    .view(R, nblk * md.page, hkv, hd)[:, :sl]
+                )
+                v = (
+                    v_cache.view(v_cache.shape[0], -1)
+                    .index_select(0, flat)
+                    .view(R, nblk * md.page, hkv, hd)[:, :sl]
+                )
             if contiguous:
-                q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, layer.head_size)
+                q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
             else:
                 q = torch.stack([query[qsl[r] : qsl[r] + ql] for r in rows])
             mask: Any = None
@@ -321,11 +336,13 @@ class CudaPagedBackend:
                     enable_gqa=layer.num_heads != layer.num_kv_heads,
                 )
             o = o.transpose(1, 2)
+            if single and contiguous and R * ql == query.shape[0]:
+                return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]
+            if result is None:
+                result = torch.empty_like(query)
             if contiguous:
-                out[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, layer.head_size).copy_(
-                    o
-                )
+                result[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd).copy_(o)
             else:
                 for i, r in enumerate(rows):
-                    out[qsl[r] : qsl[r] + ql] = o[i]
-        return out
+                    result[qsl[r] : qsl[r] + ql] = o[i]
+        return result if result is not None else torch.zeros_like(query)
