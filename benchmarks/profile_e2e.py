@@ -45,6 +45,16 @@ def main() -> int:
         print(f"== {name}: per-step ms {[round(x, 2) for x in ms]}")
         key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
+    import cProfile
+    import pstats
+
+    run_paged(model, cfg, platform, device, quiet)  # warm: kernels compiled, graphs cached
+    prof2 = cProfile.Profile()
+    prof2.enable()
+    _, ms, _ = run_paged(model, cfg, platform, device, quiet)
+    prof2.disable()
+    print(f"== paged (warm) per-step ms {[round(x, 2) for x in ms]}; host profile:")
+    pstats.Stats(prof2).sort_stats("tottime").print_stats(22)
     return 0
 
 

@@ -299,22 +299,9 @@ class CudaPagedBackend:
             else:
                 table = md.block_table[torch.tensor(rows, device=md.block_table.device), :nblk]
             flat = table.reshape(-1).long()
-            if isinstance(kv_cache, torch.Tensor):  # [2, NB, page, Hkv, D]: K and V in one gather
-                kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, flat)
-                kv = kv.view(2, R, nblk * md.page, hkv, hd)[:, :, :sl]
-                k, v = kv[0], kv[1]
-            else:
-                k_cache, v_cache = kv_cache
-                k = (
-                    k_cache.view(k_cache.shape[0], -1)
-                    .index_select(0, flat)
-                    .view(R, nblk * md.page, hkv, hd)[:, :sl]
-                )
-                v = (
-                    v_cache.view(v_cache.shape[0], -1)
-                    .index_select(0, flat)
-                    .view(R, nblk * md.page, hkv, hd)[:, :sl]
-                )
+            k_cache, v_cache = _caches(kv_cache)
+            k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
+            v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
             if contiguous:
                 q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
             else:
