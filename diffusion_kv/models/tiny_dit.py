@@ -51,15 +51,30 @@ class TinyDiTConfig:
             raise ValueError(f"RoPE needs an even head size; got {self.head_size}")
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over the last dim of ``x [B, L, H, D]`` at absolute ``positions [L]``."""
-    d = x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_tables(positions: torch.Tensor, head_size: int) -> RopeTables:
+    """``(cos, sin)`` of shape ``[1, L, 1, D/2]`` (float32) for absolute ``positions [L]``;
+    computed once per model call and shared by every layer."""
+    inv = 1.0 / (
+        10000 ** (torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size)
+    )
     angles = positions.to(torch.float32)[:, None] * inv[None, :]  # [L, D/2]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """Rotary embedding over the last dim of ``x [B, L, H, D]``."""
+    cos, sin = tables
     x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return out.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the last dim of ``x [B, L, H, D]`` at absolute ``positions [L]``."""
+    return apply_rope(x, rope_tables(positions, x.shape[-1]))
 
 
 class Block(nn.Module):
@@ -78,7 +93,7 @@ class Block(nn.Module):
             nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden),
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: RopeTables | None, attention: AttentionFn) -> torch.Tensor:
         cfg = self.cfg
         B, L, _ = x.shape
         d = cfg.head_size
@@ -87,8 +102,8 @@ class Block(nn.Module):
         q = q.reshape(B, L, cfg.heads, d)
         k = k.reshape(B, L, cfg.kv_heads, d)
         v = v.reshape(B, L, cfg.kv_heads, d)
-        if cfg.rope:
-            q, k = rope(q, positions), rope(k, positions)
+        if tables is not None:
+            q, k = apply_rope(q, tables), apply_rope(k, tables)
         attn = attention(self.name, q, k, v).reshape(B, L, cfg.hidden)
         x = x + self.out(attn)
         out: torch.Tensor = x + self.mlp(self.norm2(x))
@@ -109,6 +124,7 @@ class TinyDiT(nn.Module):
         self.final = nn.Linear(cfg.hidden, cfg.hidden)
         torch.random.set_rng_state(gen_state)
         self.to(cfg.dtype)
+        self._dense_masks: dict[tuple[int, int, str], torch.Tensor] = {}
 
     @property
     def layer_names(self) -> list[str]:
@@ -122,8 +138,9 @@ class TinyDiT(nn.Module):
     def run(
         self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn, target_len: int
     ) -> torch.Tensor:
+        tables = rope_tables(positions, self.cfg.head_size) if self.cfg.rope else None
         for block in self.blocks:
-            x = block(x, positions, attention)
+            x = block(x, tables, attention)
         return self.final(self.final_norm(x[:, -target_len:]))  # type: ignore[no-any-return]
 
     # -- the two modes ------------------------------------------------------------------------
@@ -134,7 +151,10 @@ class TinyDiT(nn.Module):
         T = target.shape[1]
         S = P + T
         x = torch.cat([prefix, target + self.timestep(t, prefix.device)], dim=1)
-        mask = dense_piecewise_mask([(P, S)], 0, S, S).to(prefix.device)
+        key = (P, S, str(prefix.device))
+        mask = self._dense_masks.get(key)
+        if mask is None:  # built once per shape, not per step: a fair dense baseline
+            mask = self._dense_masks[key] = dense_piecewise_mask([(P, S)], 0, S, S).to(prefix.device)
         groups = self.cfg.heads // self.cfg.kv_heads
 
         def attention(_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
