@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,13 @@ class PreparedBatch:
     @property
     def query_lens(self) -> tuple[int, ...]:
         return tuple(r.query_len for r in self.rows)
+
+
+class _HostLengths(NamedTuple):
+    query_start_loc: torch.Tensor  # int32 [rows + 1]
+    seq_lens: torch.Tensor  # int32 [rows]
+    max_query_len: int
+    max_seq_len: int
 
 
 @dataclass
@@ -162,34 +169,39 @@ class Translator:
             )
         return bindings
 
+    @staticmethod
+    def _lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> _HostLengths:
+        qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        return _HostLengths(
+            qsl_cpu, torch.tensor(seq_lens, dtype=torch.int32), max(query_lens), max(seq_lens)
+        )
+
     def _common(
         self,
-        query_lens: Sequence[int],
-        seq_lens: Sequence[int],
+        host: _HostLengths,
+        lengths: Sequence[torch.Tensor],
         positions: torch.Tensor,
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
         causal: bool | Mapping[int, bool],
     ) -> CommonBatchMetadata:
-        """Common metadata of one segment (piecewise plans) over the batch's tables and slots."""
-        qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        qsl, seq = self._stage(qsl_cpu, seq_cpu)
+        """Common metadata from host lengths and their device copies (already staged)."""
+        qsl_cpu, seq_cpu = host.query_start_loc, host.seq_lens
         bt = self.block_tables
         dcp = dcp_cpu = None
         if bt.cp_size > 1:
             dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
             dcp = dcp_cpu.to(self.device, non_blocking=True)
         return CommonBatchMetadata(
-            num_reqs=len(query_lens),
+            num_reqs=len(seq_cpu),
             num_tokens=int(qsl_cpu[-1]),
-            query_start_loc=qsl,
+            query_start_loc=lengths[0],
             query_start_loc_cpu=qsl_cpu,
-            max_query_len=max(query_lens),
-            seq_lens=seq,
+            max_query_len=host.max_query_len,
+            seq_lens=lengths[1],
             seq_lens_cpu=seq_cpu,
-            max_seq_len=max(seq_lens),
+            max_seq_len=host.max_seq_len,
             positions=positions,
             block_tables=block_tables,
             slot_mappings=slot_mappings,
@@ -228,33 +240,14 @@ class Translator:
         positions_cpu = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
             starts - offsets, lens, output_size=num_tokens
         )
-        qsl_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = lens.cumsum(0)
-        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        host = self._lengths(query_lens, seq_lens)
         row_cpu = torch.tensor([b.row_index for b in bindings], dtype=torch.int32)
-        qsl, seq, row_indices = self._stage(qsl_cpu, seq_cpu, row_cpu)
+        qsl, seq, row_indices = self._stage(host.query_start_loc, host.seq_lens, row_cpu)  # one transfer
         (positions,) = self._stage(positions_cpu)
         bt = self.block_tables
         tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
         slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
-        dcp = None
-        if bt.cp_size > 1:
-            dcp = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave).to(self.device)
-        common = CommonBatchMetadata(
-            num_reqs=len(rows),
-            num_tokens=num_tokens,
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl_cpu,
-            max_query_len=max(query_lens),
-            seq_lens=seq,
-            seq_lens_cpu=seq_cpu,
-            max_seq_len=max(seq_lens),
-            positions=positions,
-            block_tables=tuple(tables),
-            slot_mappings=slots,
-            causal=self._causal,
-            dcp_local_seq_lens=dcp,
-        )
+        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._causal)
         attn_metadata = dict(self.builder.build(common))
         by_layer: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.layout.groups):
@@ -335,8 +328,14 @@ class Translator:
             else:
                 positions = batch.common.positions.index_select(0, seg.query_indices)
                 slots = batch.common.slot_mappings.index_select(1, seg.query_indices)
+            host = self._lengths(q_lens, kv_lens)
             common = self._common(
-                q_lens, kv_lens, positions, batch.common.block_tables, slots, seg.mode == CAUSAL
+                host,
+                self._stage(host.query_start_loc, host.seq_lens),
+                positions,
+                batch.common.block_tables,
+                slots,
+                seg.mode == CAUSAL,
             )
             out.append(dict(self.builder.build(common)))
         state.segment_metadata = tuple(out)

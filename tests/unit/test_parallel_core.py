@@ -20,6 +20,7 @@ from diffusion_kv.core.parallel import (
     verify_replicated,
 )
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
 from tests.parallel import scenarios
 
@@ -241,3 +242,16 @@ def test_process_group_helpers_without_torchrun(monkeypatch: pytest.MonkeyPatch)
     verify_replicated({"anything": 1}, RankGroup.single(), "rows")  # a group of one agrees with itself
     with pytest.raises(ValidationError, match=r"rank must lie in \[0, 2\); got 2"):
         RankGroup(2, 2)
+
+
+def test_prepare_hands_the_host_local_seq_lens_to_the_builder() -> None:
+    """Under DCP the builder gets each row's rank-local key count on the host (no device read)."""
+    runner = scenarios.make_runner(cp_size=2, cp_rank=1, cp_interleave=1, dcp_merger=Capture(2, 1))
+    runner.install(scenarios.snapshot(cp_size=2))
+    assert runner.translator is not None
+    batch = runner.translator.prepare(scenarios.phases().prefill)
+    common = batch.common
+    expected = dcp_local_seq_lens(common.seq_lens_cpu, 2, 1, 1)
+    assert common.dcp_local_seq_lens_cpu is not None
+    assert common.dcp_local_seq_lens_cpu.tolist() == expected.tolist()
+    assert common.dcp_local_seq_lens is not None and common.dcp_local_seq_lens.tolist() == expected.tolist()
