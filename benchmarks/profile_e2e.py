@@ -12,8 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_kv.bench.e2e import FULL, SMALL
-from diffusion_kv.models.demo import DemoConfig, run_dense, run_paged
-from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.models.demo import DemoConfig, build_model, run_dense, run_paged
 from diffusion_kv.platforms.selection import get_platform
 
 
@@ -28,11 +27,7 @@ def main() -> int:
     cfg = DemoConfig(
         **shape, cfg_rows=2, dtype=dtype, max_model_len=shape["prefix_len"] + shape["target_len"]
     )  # type: ignore[arg-type]
-    model = TinyDiT(
-        TinyDiTConfig(
-            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, layers=cfg.layers, dtype=dtype
-        )
-    ).to(device)
+    model = build_model(cfg, device)
     quiet = lambda _m, _i, _n: None  # noqa: E731
     run_dense(model, cfg, device, quiet)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.models.demo import TOLERANCE, DemoConfig, run_dense, run_paged
-from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.models.demo import TOLERANCE, DemoConfig, build_model, max_difference, run_dense, run_paged
 from diffusion_kv.platforms.interface import Platform
 
 FULL = dict(prefix_len=4096, target_len=1024, hidden=1536, heads=12, kv_heads=12, layers=8, steps=6)
@@ -26,12 +25,7 @@ def end_to_end(
         block_size=block_size,
         max_model_len=shape["prefix_len"] + shape["target_len"],
     )
-    model = TinyDiT(
-        TinyDiTConfig(
-            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, layers=cfg.layers, dtype=dtype, seed=0
-        )
-    ).to(device)
-    model.eval()
+    model = build_model(cfg, device)
     quiet = lambda _m, _i, _n: None  # noqa: E731
     run_dense(model, cfg, device, quiet)  # warm-up (kernel selection, allocator)
     dense_out, dense_ms = run_dense(model, cfg, device, quiet)
@@ -40,7 +34,7 @@ def end_to_end(
     dense_step = statistics.median(dense_ms[1:])
     paged_step = statistics.median(paged_ms[2:]) if len(paged_ms) > 2 else paged_ms[-1]
     ideal = (cfg.prefix_len + cfg.target_len) / cfg.target_len
-    diff = float((dense_out.float() - paged_out.float()).abs().max())
+    diff = float(max_difference(dense_out, paged_out).item())
     return {
         "shape": {**shape, "cfg_rows": cfg.cfg_rows, "block_size": info["block_size"]},
         "dense_step_ms": dense_step,

@@ -234,11 +234,7 @@ def _corrupt(runner: RunnerBackend, block_id: int) -> None:
     tensors[0][block_id].add_(1.0)
 
 
-def run_demo(
-    platform: Platform, cfg: DemoConfig, progress: Progress | None = None, device: torch.device | None = None
-) -> DemoResult:
-    device = device or platform.device()
-    progress = progress or (lambda _mode, _i, _n: None)
+def build_model(cfg: DemoConfig, device: torch.device) -> TinyDiT:
     model_cfg = TinyDiTConfig(
         hidden=cfg.hidden,
         heads=cfg.heads,
@@ -247,13 +243,23 @@ def run_demo(
         dtype=cfg.dtype,
         seed=cfg.seed,
     )
-    model = TinyDiT(model_cfg).to(device).eval()
-    dense_out, dense_ms = run_dense(model, cfg, device, progress)
-    paged_out, paged_ms, info = run_paged(model, cfg, platform, device, progress)
-    diff = float((dense_out.float() - paged_out.float()).abs().max())
+    return TinyDiT(model_cfg).to(device).eval()
+
+
+def make_result(
+    platform: Platform,
+    cfg: DemoConfig,
+    device: torch.device,
+    max_abs_diff: float,
+    dense_ms: list[float],
+    paged_ms: list[float],
+    info: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> DemoResult:
+    """The demo's report; ``max_abs_diff`` is ``inf`` when the paged output is not finite."""
+    head_size = cfg.hidden // cfg.heads
     tol = TOLERANCE.get(cfg.dtype, 1e-1)
-    seq_len = cfg.prefix_len + cfg.target_len
-    per_token = 2 * model_cfg.kv_heads * model_cfg.head_size * torch.empty((), dtype=cfg.dtype).element_size()
+    per_token = 2 * cfg.kv_heads * head_size * torch.empty((), dtype=cfg.dtype).element_size()
     return DemoResult(
         platform=platform.name,
         device=str(device),
@@ -261,27 +267,47 @@ def run_demo(
         shapes={
             "prefix_len": cfg.prefix_len,
             "target_len": cfg.target_len,
-            "seq_len": seq_len,
+            "seq_len": cfg.prefix_len + cfg.target_len,
             "hidden": cfg.hidden,
             "heads": cfg.heads,
             "kv_heads": cfg.kv_heads,
-            "head_size": model_cfg.head_size,
+            "head_size": head_size,
             "layers": cfg.layers,
             "max_model_len": cfg.max_model_len,
         },
         steps=cfg.steps,
         cfg_rows=cfg.cfg_rows,
         block_size=info["block_size"],
-        max_abs_diff=diff,
+        max_abs_diff=max_abs_diff,
         tolerance=tol,
-        agree=diff <= tol and bool(torch.isfinite(paged_out).all()),
+        agree=max_abs_diff <= tol,
         dense_step_ms=dense_ms,
         paged_step_ms=paged_ms,
         kv_bytes_paged=info["kv_bytes_paged"],
         kv_bytes_dense_max_len=cfg.cfg_rows * cfg.max_model_len * per_token * cfg.layers,
         blocks_used=info["blocks_used"],
         block_utilisation=info["tokens"] / (info["blocks_used"] * info["block_size"]),
+        extra=extra or {},
     )
+
+
+def max_difference(dense: torch.Tensor, paged: torch.Tensor) -> torch.Tensor:
+    """Largest absolute difference as a 1-element tensor; ``inf`` if paged is not finite."""
+    if not bool(torch.isfinite(paged).all()):
+        return torch.full((1,), float("inf"), device=paged.device)
+    return (dense.float() - paged.float()).abs().max().reshape(1)
+
+
+def run_demo(
+    platform: Platform, cfg: DemoConfig, progress: Progress | None = None, device: torch.device | None = None
+) -> DemoResult:
+    device = device or platform.device()
+    progress = progress or (lambda _mode, _i, _n: None)
+    model = build_model(cfg, device)
+    dense_out, dense_ms = run_dense(model, cfg, device, progress)
+    paged_out, paged_ms, info = run_paged(model, cfg, platform, device, progress)
+    diff = float(max_difference(dense_out, paged_out).item())
+    return make_result(platform, cfg, device, diff, dense_ms, paged_ms, info)
 
 
 def text_progress(stream: Any = sys.stderr) -> Progress:

@@ -35,16 +35,18 @@ from diffusion_kv.core.parallel import (
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.models.demo import (
-    TOLERANCE,
     DemoConfig,
     DemoResult,
     Progress,
     _combine,
     _inputs,
     _sync,
+    build_model,
+    make_result,
+    max_difference,
     run_dense,
 )
-from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.models.tiny_dit import TinyDiT
 from diffusion_kv.platforms.interface import Platform
 
 
@@ -187,55 +189,21 @@ def run_parallel_demo(
     """Dense on every rank, paged across ranks; agreement is decided on the largest difference."""
     check_parallel_config(cfg, groups.ulysses.size, groups.cfg.size > 1)
     progress = progress or (lambda _mode, _i, _n: None)
-    model_cfg = TinyDiTConfig(
-        hidden=cfg.hidden,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        layers=cfg.layers,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-    )
-    model = TinyDiT(model_cfg).to(device).eval()
+    model = build_model(cfg, device)
     dense_out, dense_ms = run_dense(model, cfg, device, progress)
     paged_out, paged_ms, info = run_paged_parallel(model, cfg, platform, groups, device, progress)
-    local_diff = (dense_out.float() - paged_out.float()).abs().max()
-    if not bool(torch.isfinite(paged_out).all()):
-        local_diff = torch.tensor(float("inf"))
-    worst = local_diff.reshape(1).to(device)
+    worst = max_difference(dense_out, paged_out).to(device)
     if groups.world.size > 1:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.world.group)
-    diff = float(worst.item())
-    tol = TOLERANCE.get(cfg.dtype, 1e-1)
-    seq_len = cfg.prefix_len + cfg.target_len
-    per_token = 2 * model_cfg.kv_heads * model_cfg.head_size * torch.empty((), dtype=cfg.dtype).element_size()
-    return DemoResult(
-        platform=platform.name,
-        device=str(device),
-        dtype=str(cfg.dtype).removeprefix("torch."),
-        shapes={
-            "prefix_len": cfg.prefix_len,
-            "target_len": cfg.target_len,
-            "seq_len": seq_len,
-            "hidden": cfg.hidden,
-            "heads": cfg.heads,
-            "kv_heads": cfg.kv_heads,
-            "head_size": model_cfg.head_size,
-            "layers": cfg.layers,
-            "max_model_len": cfg.max_model_len,
-        },
-        steps=cfg.steps,
-        cfg_rows=cfg.cfg_rows,
-        block_size=info["block_size"],
-        max_abs_diff=diff,
-        tolerance=tol,
-        agree=diff <= tol,
-        dense_step_ms=dense_ms,
-        paged_step_ms=paged_ms,
-        kv_bytes_paged=info["kv_bytes_paged"],
-        kv_bytes_dense_max_len=cfg.cfg_rows * cfg.max_model_len * per_token * cfg.layers,
-        blocks_used=info["blocks_used"],
-        block_utilisation=info["tokens"] / (info["blocks_used"] * info["block_size"]),
-        extra={
+    return make_result(
+        platform,
+        cfg,
+        device,
+        float(worst.item()),
+        dense_ms,
+        paged_ms,
+        info,
+        {
             "parallel": {
                 "world_size": groups.world.size,
                 "rank": groups.world.rank,
