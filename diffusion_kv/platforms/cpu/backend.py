@@ -139,37 +139,12 @@ class CpuPagedBackend:
                 f"cpu backend metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's "
                 "keys is partial; use forward_partial and merge across the DCP group"
             )
-        if (key is None) != (value is None):
-            raise ValidationError("key and value must both be given or both be None")
-        if key is not None and value is not None:
-            self.write_kv(key, value, kv_cache, md.slot_mapping)
-        key_cache, value_cache = _cache_views(kv_cache)
-        layer = self.layer
-        groups = layer.num_heads // layer.num_kv_heads
-        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-        result = out if out is not None else query.new_empty(query.shape)
-        for r in range(len(md.seq_lens)):
-            q0, q1 = md.query_start_loc[r], md.query_start_loc[r + 1]
-            if q1 == q0:
-                continue
-            sl = md.seq_lens[r]
-            blocks = md.block_table[r, : cdiv(sl, md.block_size)].to(torch.long)
-            k = key_cache.index_select(0, blocks).reshape(-1, layer.num_kv_heads, layer.head_size)[:sl]
-            v = value_cache.index_select(0, blocks).reshape(-1, layer.num_kv_heads, layer.head_size)[:sl]
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
-            scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, sl]
-            if md.causal:
-                lq = q1 - q0
-                qpos = torch.arange(sl - lq, sl, device=query.device)[:, None]
-                allowed = torch.arange(sl, device=query.device)[None, :] <= qpos
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.matmul(probs, v.to(compute).transpose(0, 1))  # [H, Lq, D]
-            result[q0:q1] = o.transpose(0, 1).to(result.dtype)
-        return result
+        # Without DCP the partial over this rank's keys is the whole attention.
+        result, _ = self.forward_partial(query, key, value, kv_cache, md)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
 
     def forward_partial(
         self,
