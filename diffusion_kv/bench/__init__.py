@@ -7,6 +7,7 @@ structure at sizes a CPU finishes in seconds: CI's smoke run). ``auto`` picks ``
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import platform as _pyplatform
 import sys
 from collections.abc import Callable, Sequence
@@ -59,11 +60,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:
+    try:  # package metadata only: the bench does not import vendor modules
+        env["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         env["triton"] = None
     return env
 

@@ -37,6 +37,36 @@ DEFAULT_NUM_SMS = 132
 
 
 @dataclass(frozen=True)
+class SdpaRowGroup:
+    """Rows sharing one (query_len, seq_len) shape: one gather + one SDPA call per layer."""
+
+    query_len: int
+    seq_len: int
+    rows: tuple[int, ...]
+    row_index: torch.Tensor | None  # device indices when the rows are not consecutive
+
+    @property
+    def contiguous(self) -> bool:
+        return self.row_index is None
+
+
+def sdpa_row_groups(
+    qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
+) -> tuple[SdpaRowGroup, ...]:
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for r in range(len(seq)):
+        shapes.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
+    groups = []
+    for (ql, sl), rows in shapes.items():
+        if ql == 0:  # a row without queries in this (piecewise) segment
+            continue
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        groups.append(SdpaRowGroup(ql, sl, tuple(rows), index))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
 class CudaPagedMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -54,6 +84,7 @@ class CudaPagedMetadata:
     block_n: int = 64
     num_splits: int = 1
     num_warps: int = 4
+    sdpa_groups: tuple[SdpaRowGroup, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,7 +144,7 @@ class CudaMetadataBuilder:
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def _schedule(
-        self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device, causal: bool
+        self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
@@ -151,22 +182,23 @@ class CudaMetadataBuilder:
         backend, reason = choose_backend(
             lens, seq, triton_ok=self.triton_ok, forced=os.environ.get(ENV_BACKEND)
         )
+        device = batch.query_start_loc.device
+        extra: dict[str, Any]  # the plan is the same for every KV-cache group: built once
+        if backend == "triton":
+            tile_row, tile_q0, block_m, block_n, splits = self._schedule(qsl, seq, device)
+            extra = dict(
+                tile_row=tile_row,
+                tile_q0=tile_q0,
+                block_m=block_m,
+                block_n=block_n,
+                num_splits=splits,
+                num_warps=8 if block_m >= 128 else 4,
+            )
+        else:
+            extra = dict(sdpa_groups=sdpa_row_groups(qsl, seq, device))
         out: dict[str, CudaPagedMetadata] = {}
         for g, group in enumerate(self.layout.groups):
             causal = batch.causal_for_group(g)
-            extra: dict[str, Any] = {}
-            if backend == "triton":
-                tile_row, tile_q0, block_m, block_n, splits = self._schedule(
-                    qsl, seq, batch.query_start_loc.device, causal
-                )
-                extra = dict(
-                    tile_row=tile_row,
-                    tile_q0=tile_q0,
-                    block_m=block_m,
-                    block_n=block_n,
-                    num_splits=splits,
-                    num_warps=8 if block_m >= 128 else 4,
-                )
             md = CudaPagedMetadata(
                 query_start_loc=batch.query_start_loc,
                 seq_lens=batch.seq_lens,
@@ -274,10 +306,7 @@ class CudaPagedBackend:
 
         layer = self.layer
         hkv, hd = layer.num_kv_heads, layer.head_size
-        qsl, seq = md.host_query_start_loc, md.host_seq_lens
-        groups: dict[tuple[int, int], list[int]] = {}
-        for r in range(len(seq)):
-            groups.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
+        qsl = md.host_query_start_loc
         order = [
             SDPBackend.CUDNN_ATTENTION,
             SDPBackend.FLASH_ATTENTION,
@@ -286,18 +315,17 @@ class CudaPagedBackend:
         ]
         # One group covering every row in order: SDPA's own output (already [tokens, H, D] in
         # memory) is returned as is, without a copy into ``out``.
-        single = len(groups) == 1 and out is None
+        single = len(md.sdpa_groups) == 1 and out is None
         result = out
-        for (ql, sl), rows in groups.items():
-            if ql == 0:
-                continue
+        for grp in md.sdpa_groups:
+            ql, sl, rows = grp.query_len, grp.seq_len, grp.rows
             nblk = cdiv(sl, md.page)
             R = len(rows)
-            contiguous = rows == list(range(rows[0], rows[0] + R))
-            if contiguous:
+            contiguous = grp.row_index is None
+            if grp.row_index is None:
                 table = md.block_table[rows[0] : rows[0] + R, :nblk]
             else:
-                table = md.block_table[torch.tensor(rows, device=md.block_table.device), :nblk]
+                table = md.block_table[grp.row_index, :nblk]
             flat = table.reshape(-1).long()
             k_cache, v_cache = _caches(kv_cache)
             k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
