@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.bench.attention import FULL_REGIMES, _dense_fn, dense_backends
+from diffusion_kv.bench.attention import attention_cases, dense_backends, dense_fn
 from diffusion_kv.bench.timing import time_device
 
 
 def _shape(regime: str, kv_grouped: bool, page: int) -> dict[str, int]:
-    r = FULL_REGIMES[regime]
+    """The bench's CFG-2 case of ``regime`` (the issue's reference shape) as the sweep's dict."""
+    (case,) = attention_cases("full", regimes=(regime,), block_sizes=(page,), cfgs=(2,), gqa=(kv_grouped,))
     return dict(
-        rows=2 * r["rows_per_branch"],
-        heads=r["heads"],
-        kv_heads=r["gqa_kv_heads"] if kv_grouped else r["heads"],
-        head_size=r["head_size"],
-        prefix=r["prefix"],
-        target=r["target"],
+        rows=case.rows,
+        heads=case.heads,
+        kv_heads=case.kv_heads,
+        head_size=case.head_size,
+        prefix=case.prefix,
+        target=case.target,
         page=page,
     )
 
@@ -64,7 +65,7 @@ def sweep(shape: dict[str, int], configs: list[tuple[int, int, int, int, int]]) 
             (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False, name + "+expand"),
         ):
             try:
-                fn = _dense_fn(b, dq, kk, vv, D**-0.5, flag)
+                fn = dense_fn(b, dq, kk, vv, D**-0.5, flag)
                 fn()
                 dense[label] = time_device(fn, dev, min_ms=10)
             except RuntimeError:

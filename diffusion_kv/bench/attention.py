@@ -134,7 +134,7 @@ def dense_backends(device: torch.device) -> list[tuple[str, Any]]:
     return [("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)]
 
 
-def _dense_fn(
+def dense_fn(
     backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool
 ) -> Callable[[], torch.Tensor]:
     from torch.nn.attention import sdpa_kernel
@@ -246,7 +246,7 @@ def run_case(
                 )
             )
         for name, k, v, flag in variants:
-            fn = _dense_fn(sdp, setup.dense_q, k, v, scale, flag)
+            fn = dense_fn(sdp, setup.dense_q, k, v, scale, flag)
             try:
                 out = fn()
                 synchronize(device)
