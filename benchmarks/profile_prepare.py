@@ -22,10 +22,10 @@ def main() -> int:
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     platform = get_platform()
     device = platform.device()
-    runner = _runner(platform, rows, tokens, platform.default_block_size, device, torch.bfloat16)
+    target = tokens // 4
+    runner = _runner(platform, rows, tokens, target, platform.default_block_size, device, torch.bfloat16)
     translator = runner.translator
     assert translator is not None
-    target = tokens // 4
     rows_ = tuple(PagedRow("host", target, tokens, tokens - target, sequence_id=i) for i in range(rows))
     print(
         f"{platform.name}: prepare {rows} rows median {time_host(lambda: translator.prepare(rows_)):.1f} us"

@@ -2,7 +2,7 @@
 
 Every case builds the platform's real parts through :class:`RunnerBackend` (BlockTables,
 metadata builder, backend, caches), installs one request whose blocks are physically shuffled,
-writes the whole sequence's K/V through the backend's writer, prepares the denoise rows
+writes the whole sequence's K/V with one prefill forward, prepares the denoise rows
 (queries = target tokens, full attention over prefix + target) and times the backend's
 ``forward`` with ``key``/``value`` None (pages only). The dense side gets the same logical
 tensors, contiguous, and every SDPA backend that accepts them is timed; the fastest is the
@@ -198,16 +198,17 @@ def build_setup(
     v = torch.randn(R, S, case.kv_heads, case.head_size, generator=dgen, device=device, dtype=dtype)
     translator = runner.translator
     assert translator is not None
+    # The prefill step writes every token through the executor (the pages become readable).
     prefill = translator.prepare(tuple(PagedRow("bench", S, S, 0, sequence_id=i) for i in range(R)))
-    backend = runner.executor.backends[LAYER] if runner.executor else None
-    assert backend is not None
-    backend.write_kv(
-        k.reshape(R * S, case.kv_heads, case.head_size),
-        v.reshape(R * S, case.kv_heads, case.head_size),
-        runner.kv_caches[LAYER],
-        prefill.slot_mappings_by_layer[LAYER],
-    )
-    del prefill
+    prefill_q = torch.randn(R * S, case.heads, case.head_size, generator=dgen, device=device, dtype=dtype)
+    with translator.activate(prefill):
+        runner.forward(
+            LAYER,
+            prefill_q,
+            k.reshape(R * S, case.kv_heads, case.head_size),
+            v.reshape(R * S, case.kv_heads, case.head_size),
+        )
+    del prefill, prefill_q
     return PagedSetup(
         runner=runner,
         query=q.reshape(R * case.target, case.heads, case.head_size),

@@ -18,8 +18,19 @@ LAYER = "bench.host"
 
 
 def _runner(
-    platform: Platform, rows: int, tokens: int, block: int, device: torch.device, dtype: torch.dtype
+    platform: Platform,
+    rows: int,
+    tokens: int,
+    target: int,
+    block: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> RunnerBackend:
+    """Rows whose prefix is declared a prefix-cache hit (``cached_prefix_len``): the bench times
+    translation only, so no K/V is computed, and the denoise rows may read the prefix pages."""
+    prefix = tokens - target
+    if prefix % block:
+        raise ValueError(f"host bench: prefix {prefix} must be a multiple of the block size {block}")
     runner = RunnerBackend(
         platform,
         RunnerConfig(
@@ -35,7 +46,9 @@ def _runner(
     runner.initialize_kv_cache(num_blocks=rows * nblk + 1, block_size=block)
     order = torch.randperm(rows * nblk + 1, generator=torch.Generator().manual_seed(0)).tolist()
     seqs = tuple(
-        SequenceAllocation(i, 0, tokens, tokens, (tuple(order[i * nblk : (i + 1) * nblk]),))
+        SequenceAllocation(
+            i, prefix, target, tokens, (tuple(order[i * nblk : (i + 1) * nblk]),), cached_prefix_len=prefix
+        )
         for i in range(rows)
     )
     runner.install(RequestAllocation("host", 0, seqs))
@@ -94,10 +107,10 @@ def _measure(
     block: int,
     iters: int,
 ) -> dict[str, Any]:
-    runner = _runner(platform, rows, tokens, block, device, dtype)
+    target = tokens // 4
+    runner = _runner(platform, rows, tokens, target, block, device, dtype)
     translator, executor = runner.translator, runner.executor
     assert translator is not None and executor is not None
-    target = tokens // 4
     denoise = tuple(PagedRow("host", target, tokens, tokens - target, sequence_id=i) for i in range(rows))
     prepare_us = time_host(lambda: translator.prepare(denoise), iters=iters)
     synchronize(device)

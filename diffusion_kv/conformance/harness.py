@@ -19,6 +19,7 @@ from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedAttentionBacken
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.layout import cdiv, single_group_layout
 from diffusion_kv.core.registry import RowRegistry
+from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.translate import Translator
 from diffusion_kv.platforms.interface import Platform
 
@@ -113,19 +114,20 @@ class PagedHarness:
             )
             for name in self.layer_names
         }
-        self.registry: RowRegistry
         self.translator = Translator(
             layout=self.layout,
             block_tables=self.block_tables,
             builder=self.platform.metadata_builder(
                 self.layout, self.block_tables, list(self.geometry.values()), self.device
             ),
-            resolve_row=lambda rid, sid, cid: self.registry.resolve(rid, sid, cid),
+            rows=None,
             device=self.device,
+            platform_name=self.platform.name,
         )
         self.registry = RowRegistry(
             self.layout, self.block_tables, before_mutation=self.translator.invalidate
         )
+        self.translator.rows = self.registry
         self.backends = {
             name: CountingBackend(self.platform.paged_backend(geom, self.device))
             for name, geom in self.geometry.items()
@@ -137,7 +139,12 @@ class PagedHarness:
             for name in self.layer_names
         }
         self.executor = PagedExecutor(
-            self.translator, self.geometry, self.backends, self.kv_caches, self.platform.kv_write_policy
+            self.translator,
+            self.geometry,
+            self.backends,
+            self.kv_caches,
+            self.platform.kv_write_policy,
+            platform_name=self.platform.name,
         )
         gen = torch.Generator().manual_seed(self.placement_seed)
         self._block_order = torch.randperm(self.num_blocks, generator=gen).tolist()
@@ -182,3 +189,38 @@ class PagedHarness:
 
     def writes(self) -> int:
         return sum(len(b.writes) for b in self.backends.values())
+
+    def prefill(
+        self,
+        request_id: str,
+        seq_lens: Sequence[int],
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Write the whole sequence of rows ``0..len(seq_lens)-1`` through every layer (the
+        prefill step), so later batches may read those pages; counts restart from zero.
+
+        ``kv[i]`` is row ``i``'s ``(key, value)`` of shape ``[seq_len, Hkv, D]``; random when
+        omitted."""
+        rows = tuple(PagedRow(request_id, n, n, 0, sequence_id=i) for i, n in enumerate(seq_lens))
+        total = sum(seq_lens)
+        gen = torch.Generator().manual_seed(seed)
+        if kv is None:
+            shape = (total, self.num_kv_heads, self.head_size)
+            key, value = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        else:
+            key, value = torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+        query = torch.randn(total, self.num_heads, self.head_size, generator=gen)
+        device, dtype = self.device, self.dtype
+        q, k, v = (t.to(device=device, dtype=dtype) for t in (query, key, value))
+        batch = self.translator.prepare(rows)
+        with self.translator.activate(batch):
+            for name in self.layer_names:
+                self.executor.forward(name, q, k, v)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Forget the recorded writes and forwards (after a setup step)."""
+        for backend in self.backends.values():
+            backend.writes.clear()
+            backend.forwards.clear()

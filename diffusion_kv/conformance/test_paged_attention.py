@@ -106,6 +106,12 @@ def run(
     return outs[0]
 
 
+def prefill(h: PagedHarness, request_id: str, data: list[RowData]) -> None:
+    """Write every row's whole sequence through every layer (the prefill step), so that later
+    rows may read those pages; the call counts start again from zero afterwards."""
+    h.prefill(request_id, [len(d.k) for d in data], [(d.k, d.v) for d in data])
+
+
 def expected(
     h: PagedHarness,
     rows: Sequence[PagedRow],
@@ -402,6 +408,7 @@ def test_bad_inputs_rejected_before_any_cache_write(dkv_platform: Platform, case
     h = harness(dkv_platform)
     h.install("r", [9, 9])
     data = make_rows(h, [9, 9], seed=16)
+    prefill(h, "r", data)
     rows = rows_for("r", [(3, 9), (3, 9)])
     q, k, v = packed(data, rows)
     q, k, v, meta = BAD_INPUTS[case](q, k, v)
@@ -419,6 +426,7 @@ def test_non_suffix_causal_rows_rejected_before_write(dkv_platform: Platform) ->
     h = harness(dkv_platform)
     h.install("r", [12])
     data = make_rows(h, [12], seed=17)
+    prefill(h, "r", data)
     rows = (PagedRow("r", 4, 12, 2, sequence_id=0),)
     q, k, v = packed(data, rows)
     before = h.cache_snapshot()

@@ -62,6 +62,18 @@ class UnknownIdentityError(DiffusionKVError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownLayerError(DiffusionKVError, KeyError):
+    """A paged call named a layer that was never registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedFeatureError(DiffusionKVError, NotImplementedError):
+    """A mode or metadata field that paged attention cannot honour (ring attention, an arbitrary
+    mask, unknown metadata); refused rather than silently approximated."""
+
+
 class StaleBatchError(ValidationError):
     """A prepared batch was activated after a newer preparation or a BlockTables mutation."""
 
@@ -71,4 +83,6 @@ class GenerationError(ValidationError):
 
 
 class NativeBackendError(DiffusionKVError, RuntimeError):
-    """A platform part (BlockTables, builder, backend) failed; staged state was rolled back."""
+    """A platform part (BlockTables, metadata builder, backend) failed; staged state was rolled
+    back. The message names the platform, the part and the layer; the original exception is
+    ``__cause__``."""

@@ -26,7 +26,13 @@ from diffusion_kv.core.batch import (
     PagedAttentionBackend,
     PartialAttentionBackend,
 )
-from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.errors import (
+    DiffusionKVError,
+    NativeBackendError,
+    StateError,
+    UnknownLayerError,
+    ValidationError,
+)
 from diffusion_kv.core.layer_context import LayerContext, build_layer_context
 from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.piecewise import run_piecewise_plan
@@ -89,6 +95,7 @@ class PagedExecutor:
         kv_caches: Mapping[str, KVCache],
         policy: KVWritePolicy,
         merger: PartialMerger | None = None,
+        platform_name: str = "?",
     ) -> None:
         missing = sorted(set(layers) - set(backends)) + sorted(set(layers) - set(kv_caches))
         if missing:
@@ -105,6 +112,7 @@ class PagedExecutor:
                     f"log-sum-exp (forward_partial); these layers' backends do not: {lacking}"
                 )
         self.merger = merger
+        self.platform_name = platform_name
         self.translator = translator
         self.layers = dict(layers)
         self.backends = dict(backends)
@@ -121,8 +129,10 @@ class PagedExecutor:
     ) -> LayerContext:
         try:
             layer = self.layers[layer_name]
-        except KeyError:
-            raise KeyError(f"unknown paged attention layer {layer_name!r}") from None
+        except (KeyError, TypeError):
+            raise UnknownLayerError(
+                f"unknown paged attention layer {layer_name!r}; registered: {sorted(self.layers)}"
+            ) from None
         return build_layer_context(self.translator, layer, query, key, value, attn_metadata)
 
     def forward(
@@ -135,4 +145,16 @@ class PagedExecutor:
     ) -> torch.Tensor:
         """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
         ctx = self.context(layer_name, query, key, value, attn_metadata)
-        return run_layer(ctx, self.backends[layer_name], self.kv_caches[layer_name], self.policy, self.merger)
+        backend = self.backends[layer_name]
+        try:
+            out = run_layer(ctx, backend, self.kv_caches[layer_name], self.policy, self.merger)
+        except DiffusionKVError:
+            raise
+        except Exception as exc:  # a plugin's kernel or writer failed: name where, keep the cause
+            raise NativeBackendError(
+                f"platform {self.platform_name!r} backend {getattr(backend, 'name', type(backend).__name__)!r} "
+                f"failed in layer {layer_name!r} ({type(exc).__name__}: {exc}); the layer's write is not "
+                "counted as done, so its tokens stay unreadable until rewritten"
+            ) from exc
+        self.translator.layer_done(layer_name)
+        return out

@@ -12,14 +12,14 @@ All checks run here, before the execution driver writes anything into the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diffusion_kv.core.batch import LayerGeometry
-from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.piecewise import PiecewisePlan
 from diffusion_kv.core.translate import Translator
 
@@ -39,10 +39,19 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None = None
 
 
+KNOWN_METADATA_FIELDS = ("full_attn_spans", "attn_mask", "extra", *UNSUPPORTED_METADATA_FIELDS)
+
+
 def spans_from_metadata(metadata: Any | None) -> Sequence[Sequence[Sequence[int]]] | None:
-    """The spans to use, or ``NotImplementedError`` naming every field that cannot be honoured."""
+    """The spans to use, or :class:`UnsupportedFeatureError` naming every field that cannot be
+    honoured (and for objects that carry none of the known fields, e.g. a plain mapping)."""
     if metadata is None:
         return None
+    if isinstance(metadata, Mapping) or not any(hasattr(metadata, f) for f in KNOWN_METADATA_FIELDS):
+        raise UnsupportedFeatureError(
+            f"paged attention cannot read attention metadata of type {type(metadata).__name__}; pass "
+            f"diffusion_kv.AttentionMetadata or an object with attributes {list(KNOWN_METADATA_FIELDS)}"
+        )
     spans = getattr(metadata, "full_attn_spans", None)
     mask = getattr(metadata, "attn_mask", None)
     unsupported = [name for name in UNSUPPORTED_METADATA_FIELDS if getattr(metadata, name, None) is not None]
@@ -57,7 +66,7 @@ def spans_from_metadata(metadata: Any | None) -> Sequence[Sequence[Sequence[int]
     if extra:
         unsupported.append(f"extra={sorted(extra)}")
     if unsupported:
-        raise NotImplementedError(
+        raise UnsupportedFeatureError(
             f"paged attention cannot translate attention metadata field(s) {unsupported!r}"
         )
     return spans
@@ -94,18 +103,44 @@ class LayerContext:
 
 
 def _flatten(
-    tensor: torch.Tensor, heads: int, head_size: int, name: str
+    tensor: torch.Tensor,
+    heads: int,
+    head_size: int,
+    name: str,
+    token_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """``[*tokens, heads, head_size]`` or ``[*tokens, heads * head_size]`` -> ``[T, heads, D]``.
+
+    With ``token_shape`` (the query's), key and value must use the same token dimensions; this
+    is what tells ``[B, 1, Hkv*D]`` (batched, one token per row) from ``[T, Hkv, D]`` when
+    ``Hkv == 1``.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise ValidationError(f"paged attention {name} must be a tensor; got {type(tensor).__name__}")
-    if tensor.ndim >= 3 and tuple(tensor.shape[-2:]) == (heads, head_size):
-        return tensor.reshape(-1, heads, head_size), tuple(tensor.shape[:-2]), True
-    if tensor.ndim >= 2 and tensor.shape[-1] == heads * head_size:
-        return tensor.reshape(-1, heads, head_size), tuple(tensor.shape[:-1]), False
-    raise ValidationError(
-        f"paged attention {name} must end in ({heads}, {head_size}) or ({heads * head_size},); "
-        f"got shape {tuple(tensor.shape)}"
-    )
+    shape = tuple(tensor.shape)
+    forms: list[tuple[tuple[int, ...], bool]] = []
+    if tensor.ndim >= 3 and shape[-2:] == (heads, head_size):
+        forms.append((shape[:-2], True))
+    if tensor.ndim >= 2 and shape[-1] == heads * head_size:
+        forms.append((shape[:-1], False))
+    if token_shape is not None:
+        matching = [f for f in forms if f[0] == token_shape]
+        if not matching and forms:
+            raise ValidationError(
+                f"paged attention {name} token layout {forms[0][0]} must match the query's {token_shape}"
+            )
+        forms = matching
+    if not forms:
+        raise ValidationError(
+            f"paged attention {name} must end in ({heads}, {head_size}) or ({heads * head_size},); "
+            f"got shape {shape}"
+        )
+    tokens, has_heads = forms[0]
+    return tensor.reshape(-1, heads, head_size), tokens, has_heads
+
+
+def _detached(t: Any) -> Any:
+    return t.detach() if isinstance(t, torch.Tensor) else t
 
 
 def _inner_packed(t: torch.Tensor) -> bool:
@@ -126,13 +161,10 @@ def build_layer_context(
     batch = state.batch
     spans = spans_from_metadata(attn_metadata)
     q, q_shape, has_heads = _flatten(query, layer.num_heads, layer.head_size, "query")
-    k, k_shape, _ = _flatten(key, layer.num_kv_heads, layer.head_size, "key")
-    v, v_shape, _ = _flatten(value, layer.num_kv_heads, layer.head_size, "value")
-    for name, shape in (("key", k_shape), ("value", v_shape)):
-        if shape != q_shape:
-            raise ValidationError(
-                f"paged attention {name} token layout {shape} must match the query's {q_shape}"
-            )
+    # The cache never joins autograd: what is written is detached (no grad path, no activations
+    # kept alive through the cache); the output's gradient reaches the query only.
+    k, _, _ = _flatten(_detached(key), layer.num_kv_heads, layer.head_size, "key", q_shape)
+    v, _, _ = _flatten(_detached(value), layer.num_kv_heads, layer.head_size, "value", q_shape)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.device != translator.device:
             raise ValidationError(f"paged attention {name} must be on {translator.device}; got {t.device}")
@@ -173,7 +205,7 @@ def build_layer_context(
         raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
     plan = None
     segment_metadata: tuple[Any, ...] = ()
-    if spans is not None:
+    if spans is not None and layer.causal:  # spans refine causal layers; a full layer sees all keys
         plan = translator.piecewise_plan(spans)
         try:
             segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))

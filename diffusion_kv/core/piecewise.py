@@ -81,9 +81,27 @@ class PiecewisePlan:
     """``(rows, L)`` when every row has ``L`` queries and every segment a shared local range."""
 
 
-def freeze_spans(full_attn_spans: Sequence[Sequence[Sequence[int]]]) -> Spans:
+def _bound(value: object) -> int:
+    """A span bound: a Python or 0-d integer tensor/NumPy value, never a float or a bool."""
+    if type(value) is int:
+        return value
     try:
-        return tuple(tuple((int(a), int(b)) for a, b in row) for row in full_attn_spans)
+        if isinstance(value, bool):
+            raise TypeError
+        return int(value.__index__())  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        raise ValidationError(f"full_attn_spans bounds must be integers; got {value!r}") from None
+
+
+def freeze_spans(full_attn_spans: Sequence[Sequence[Sequence[int]]]) -> Spans:
+    if isinstance(full_attn_spans, (str, bytes, torch.Tensor)):
+        raise ValidationError(
+            f"full_attn_spans must be per-row lists of (start, end) pairs; got {type(full_attn_spans).__name__}"
+        )
+    try:
+        return tuple(tuple((_bound(a), _bound(b)) for a, b in row) for row in full_attn_spans)
+    except ValidationError:
+        raise
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"full_attn_spans must be per-row lists of (start, end) pairs: {exc}") from exc
 

@@ -13,6 +13,17 @@ Rules (each has a test):
   with the same snapshot is recorded and keeps the rows;
 * removal may be generation-scoped, ``(request_id, generation)``, so a late cleanup of an old
   allocation cannot remove a newer reinstall; removal is idempotent;
+* generations stay monotonic after removal: a snapshot whose generation is not newer than
+  the one a removed request had is refused (late or duplicated delivery). The registry
+  remembers the last generation of at most ``generation_memory`` removed request ids (least
+  recently removed forgotten first; about 200 bytes each);
+* block ownership, per KV-cache group: a block that backs a token a row will write (anything
+  outside its declared cached prefix) belongs to that row alone. A block lying wholly inside
+  a row's cached prefix is read-only for it and may be held by several rows, provided none of
+  them writes it. A block listed twice in one row is refused;
+* page provenance: a row may read only tokens written since its install (recorded by the
+  translator once every paged layer ran over them) or declared computed by its snapshot
+  (``cached_prefix_len``, block-aligned); it may never write inside its cached prefix;
 * free rows are handed out lowest first;
 * the registry never frees scheduler blocks: it only clears its worker rows.
 """
@@ -20,7 +31,8 @@ Rules (each has a test):
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from diffusion_kv.core.allocation import RequestAllocation
@@ -36,6 +48,41 @@ from diffusion_kv.core.layout import CacheLayout, cdiv
 
 Identity = tuple[str, int | None, str | None]
 """``(request_id, sequence_id, context_id)``; exactly one of the last two is not None."""
+
+TokenSpans = tuple[tuple[int, int], ...]
+"""Sorted, disjoint, non-adjacent half-open token ranges ``[a, b)``."""
+
+DEFAULT_GENERATION_MEMORY = 16384
+"""Removed request ids whose last generation the registry remembers (see module rules)."""
+
+
+def add_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
+    """``spans`` with ``[start, end)`` merged in."""
+    if end <= start:
+        return spans
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b < start or a > end:
+            out.append((a, b))
+        else:
+            start, end = min(a, start), max(b, end)
+    out.append((start, end))
+    return tuple(sorted(out))
+
+
+def missing_spans(spans: TokenSpans, start: int, end: int) -> TokenSpans:
+    """The parts of ``[start, end)`` that ``spans`` does not cover."""
+    out: list[tuple[int, int]] = []
+    cursor = start
+    for a, b in spans:
+        if b <= cursor or a >= end:
+            continue
+        if a > cursor:
+            out.append((cursor, a))
+        cursor = max(cursor, b)
+    if cursor < end:
+        out.append((cursor, end))
+    return tuple(out)
 
 
 class KVCacheMode(enum.Enum):
@@ -53,6 +100,8 @@ class RowInstall:
     token_len: int
     block_ids: tuple[tuple[int, ...], ...]
     cache_role: str | None = None
+    read_only_tokens: int = 0
+    """The declared cached prefix: computed elsewhere, never written by this row."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +112,16 @@ class RowBinding:
     max_seq_len: int
     block_ids: tuple[tuple[int, ...], ...] = ()
     cache_role: str | None = None
+    read_only_tokens: int = 0
+    """Tokens ``[0, read_only_tokens)`` are the row's cached prefix: readable, never written."""
+    written: TokenSpans = ()
+    """Tokens readable now: written since the install, or declared computed."""
+    install_serial: int = -1
+    """Which install of the identity this binding describes (writes are recorded against it)."""
+
+
+WrittenSpan = tuple[Identity, int, int, int]
+"""``(identity, install_serial, start, end)``: tokens a finished forward wrote into a row."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +142,8 @@ class RowRegistry:
     ``before_mutation`` is called before any BlockTables mutation (the translator uses it to
     invalidate prepared batches; it raises when a batch is active, which leaves everything
     unchanged). ``cache_roles``, when given, is the set of context roles some paged layer
-    serves; a context with another role is rejected.
+    serves; a context with another role is rejected. ``generation_memory`` bounds how many
+    removed request ids keep their last generation (see module rules).
     """
 
     def __init__(
@@ -94,19 +154,28 @@ class RowRegistry:
         mode: KVCacheMode = KVCacheMode.PAGED,
         before_mutation: Callable[[], None] | None = None,
         cache_roles: frozenset[str] | None = None,
+        generation_memory: int = DEFAULT_GENERATION_MEMORY,
     ) -> None:
         if len(block_tables.block_sizes) != len(layout.groups):
             raise ValidationError(
                 f"BlockTables has {len(block_tables.block_sizes)} groups; the layout has {len(layout.groups)}"
             )
+        if type(generation_memory) is not int or generation_memory < 0:
+            raise ValidationError(f"generation_memory must be an int >= 0; got {generation_memory!r}")
         self.layout = layout
         self.block_tables = block_tables
         self.mode = mode
         self.before_mutation = before_mutation
         self.cache_roles = cache_roles
+        self.generation_memory = generation_memory
         self._rows: dict[Identity, int] = {}
         self._states: dict[str, _RequestState] = {}
         self._free: list[int] = list(range(block_tables.max_num_reqs - 1, -1, -1))  # pop() gives lowest
+        # Per group: block id -> {holding identity: writes it}.
+        self._holders: list[dict[int, dict[Identity, bool]]] = [{} for _ in layout.groups]
+        self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
+        self._serial = 0
+        self._removed: OrderedDict[str, int] = OrderedDict()  # request id -> last generation
 
     # -- views --------------------------------------------------------------------------------
 
@@ -134,6 +203,19 @@ class RowRegistry:
         state = self._states.get(request_id)
         return state.snapshot if state is not None else None
 
+    def removed_generation(self, request_id: str) -> int | None:
+        """The last generation of a removed request, while the registry remembers it."""
+        return self._removed.get(request_id)
+
+    def holders_of(self, group: int, block_id: int) -> dict[Identity, bool]:
+        """The live rows holding ``block_id`` in KV-cache ``group``, each with whether it writes it."""
+        return dict(self._holders[group].get(block_id, {}))
+
+    def written_spans(self, identity: Identity) -> TokenSpans:
+        """Tokens of an installed row that may be read (written since install, or declared)."""
+        entry = self._written.get(identity)
+        return entry[1] if entry is not None else ()
+
     # -- validation ---------------------------------------------------------------------------
 
     def _validate_row(
@@ -143,6 +225,7 @@ class RowRegistry:
         block_ids: object,
         seen: set[Identity],
         cache_role: str | None = None,
+        read_only_tokens: int = 0,
     ) -> RowInstall:
         if identity in seen:
             raise ValidationError(f"duplicate row identity {identity!r} in one snapshot")
@@ -176,15 +259,27 @@ class RowRegistry:
                     f"row {identity!r} group {g} needs {len(ids)} blocks; row capacity is {capacity} "
                     f"(max_model_len {self.layout.max_model_len})"
                 )
-            for block_id in ids:
+            first_at: dict[int, int] = {}
+            for position, block_id in enumerate(ids):
                 if type(block_id) is not int:
                     raise ValidationError(f"row {identity!r} group {g} has non-integer block id {block_id!r}")
                 if not 0 <= block_id < self.layout.num_blocks:
                     raise ValidationError(
                         f"row {identity!r} group {g} block id {block_id} is outside [0, {self.layout.num_blocks})"
                     )
+                if block_id in first_at:
+                    raise ValidationError(
+                        f"row {identity!r} group {g} lists block {block_id} twice (positions "
+                        f"{first_at[block_id]} and {position}); a block backs one place of one row"
+                    )
+                first_at[block_id] = position
+            if read_only_tokens % tokens_per_block:
+                raise ValidationError(
+                    f"row {identity!r} cached_prefix_len {read_only_tokens} must be a multiple of group {g}'s "
+                    f"{tokens_per_block} tokens per block (a cached prefix is whole blocks)"
+                )
             normalized.append(ids)
-        return RowInstall(identity, token_len, tuple(normalized), cache_role)
+        return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
 
     def _prepare(self, snapshot: RequestAllocation) -> list[RowInstall]:
         if not isinstance(snapshot, RequestAllocation):
@@ -228,7 +323,9 @@ class RowRegistry:
                 raise ValidationError(
                     f"row {identity!r} refers to context id(s) {unknown} not in the snapshot"
                 )
-            installs.append(self._validate_row(identity, seq.seq_len, seq.block_ids, seen))
+            installs.append(
+                self._validate_row(identity, seq.seq_len, seq.block_ids, seen, None, seq.cached_prefix_len)
+            )
         for ctx in snapshot.contexts:
             cid = ctx.context_id
             if type(cid) is not str or not cid:
@@ -248,6 +345,36 @@ class RowRegistry:
                 f"request {rid!r} requires {len(installs)} rows; the per-request limit is {limit}"
             )
         return installs
+
+    def _check_ownership(self, installs: Sequence[RowInstall]) -> None:
+        """Refuse any block a new row writes that another live (or new) row holds, and any
+        cached-prefix block another row writes (module rules)."""
+        for g, group in enumerate(self.layout.groups):
+            tokens_per_block = group.block_size * self.block_tables.cp_size
+            proposed: dict[int, tuple[Identity, bool]] = {}
+            for install in installs:
+                read_only_blocks = install.read_only_tokens // tokens_per_block
+                for position, block_id in enumerate(install.block_ids[g]):
+                    writes = position >= read_only_blocks
+                    holders = dict(self._holders[g].get(block_id, {}))
+                    if block_id in proposed:
+                        other, other_writes = proposed[block_id]
+                        holders[other] = other_writes
+                    for owner, owner_writes in holders.items():
+                        if writes:
+                            raise ValidationError(
+                                f"row {install.identity!r} group {g}: block {block_id} backs tokens this row "
+                                f"writes, but row {owner!r} of request {owner[0]!r} holds it; a written block "
+                                "belongs to one live row"
+                            )
+                        if owner_writes:
+                            raise ValidationError(
+                                f"row {install.identity!r} group {g}: block {block_id} lies in its cached prefix, "
+                                f"but row {owner!r} of request {owner[0]!r} writes it; only blocks no live row "
+                                "writes may be shared"
+                            )
+                    if block_id not in proposed or writes:
+                        proposed[block_id] = (install.identity, writes)
 
     # -- mutation -----------------------------------------------------------------------------
 
@@ -278,6 +405,12 @@ class RowRegistry:
         installs = self._prepare(snapshot)
         rid, gen = snapshot.request_id, snapshot.allocation_generation
         state = self._states.get(rid)
+        removed_at = self._removed.get(rid)
+        if state is None and removed_at is not None and gen <= removed_at:
+            raise GenerationError(
+                f"stale allocation generation {gen} for request {rid!r}: the request was removed at "
+                f"generation {removed_at}; only a newer snapshot may install it again (late or duplicated delivery)"
+            )
         if state is not None:
             if gen < state.generation:
                 raise GenerationError(
@@ -294,6 +427,7 @@ class RowRegistry:
         orphans = [i.identity for i in installs if i.identity in self._rows]
         if orphans:
             raise StateError(f"row registry holds orphaned identities for request {rid!r}: {orphans!r}")
+        self._check_ownership(installs)
         if len(installs) > len(self._free):
             raise ValidationError(
                 f"request {rid!r} requires {len(installs)} rows, but only {len(self._free)} of "
@@ -304,33 +438,54 @@ class RowRegistry:
         del self._free[len(self._free) - len(installs) :]
         for install, row in zip(installs, rows, strict=True):
             self._rows[install.identity] = row
+            self._serial += 1
+            declared: TokenSpans = ((0, install.read_only_tokens),) if install.read_only_tokens else ()
+            self._written[install.identity] = (self._serial, declared)
+            self._hold(install)
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
+        self._removed.pop(rid, None)
         return True
 
-    def remove(self, requests: Iterable[str | tuple[str, int]]) -> int:
+    def _hold(self, install: RowInstall, release: bool = False) -> None:
+        for g, group in enumerate(self.layout.groups):
+            read_only_blocks = install.read_only_tokens // (group.block_size * self.block_tables.cp_size)
+            holders = self._holders[g]
+            for position, block_id in enumerate(install.block_ids[g]):
+                if release:
+                    entry = holders.get(block_id)
+                    if entry is not None:
+                        entry.pop(install.identity, None)
+                        if not entry:
+                            del holders[block_id]
+                else:
+                    holders.setdefault(block_id, {})[install.identity] = position >= read_only_blocks
+
+    def record_writes(self, spans: Iterable[WrittenSpan]) -> None:
+        """Mark tokens as written (the translator calls this when every paged layer of a batch
+        ran); spans of an identity that was removed or reinstalled since are ignored."""
+        for identity, serial, start, end in spans:
+            entry = self._written.get(identity)
+            if entry is not None and entry[0] == serial:
+                self._written[identity] = (serial, add_span(entry[1], start, end))
+
+    def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
         """Clear the rows of the given requests; returns the number of rows cleared.
 
-        An entry ``(request_id, generation)`` removes only if that generation is installed.
+        ``requests`` is one entry or an iterable of entries; an entry is a request id, or
+        ``(request_id, generation)``, which removes only if that generation is installed.
         Unknown requests are ignored (idempotent). Scheduler blocks are never freed here.
         """
+        entries = removal_entries(requests)
         if self.mode is not KVCacheMode.PAGED:
             return 0
         targets: set[str] = set()
-        for entry in requests:
+        for entry in entries:
             if isinstance(entry, tuple):
-                if len(entry) != 2 or type(entry[0]) is not str or type(entry[1]) is not int:
-                    raise ValidationError(
-                        f"removal entry must be request_id or (request_id, generation); got {entry!r}"
-                    )
                 state = self._states.get(entry[0])
                 if state is not None and state.generation == entry[1]:
                     targets.add(entry[0])
-            elif type(entry) is str:
+            elif entry in self._states:
                 targets.add(entry)
-            else:
-                raise ValidationError(
-                    f"removal entry must be request_id or (request_id, generation); got {entry!r}"
-                )
         doomed = [(identity, row) for identity, row in self._rows.items() if identity[0] in targets]
         rows = [row for _, row in doomed]
         if rows:
@@ -338,11 +493,23 @@ class RowRegistry:
             self._write_rows(rows, [empty] * len(rows))
         for identity, _ in doomed:
             del self._rows[identity]
+            self._written.pop(identity, None)
         for rid in targets:
-            self._states.pop(rid, None)
+            state = self._states.pop(rid)
+            for install in state.installs:
+                self._hold(install, release=True)
+            self._remember_removed(rid, state.generation)
         self._free.extend(rows)
         self._free.sort(reverse=True)
         return len(rows)
+
+    def _remember_removed(self, request_id: str, generation: int) -> None:
+        if self.generation_memory == 0:
+            return
+        self._removed.pop(request_id, None)
+        self._removed[request_id] = generation
+        while len(self._removed) > self.generation_memory:
+            self._removed.popitem(last=False)
 
     def refresh_layout(self) -> None:
         """Rebuild BlockTables layout tensors (after KV-cache storage was reallocated)."""
@@ -370,5 +537,45 @@ class RowRegistry:
         if state is not None:
             for install in state.installs:
                 if install.identity == identity:
-                    return RowBinding(row, install.token_len, install.block_ids, install.cache_role)
+                    serial, written = self._written[identity]
+                    return RowBinding(
+                        row,
+                        install.token_len,
+                        install.block_ids,
+                        install.cache_role,
+                        install.read_only_tokens,
+                        written,
+                        serial,
+                    )
         raise StateError(f"registry state is missing the logical length of {identity!r}")
+
+
+def removal_entries(requests: object) -> list[str | tuple[str, int]]:
+    """Normalise what ``remove`` accepts: one entry or an iterable of entries (module rules)."""
+
+    def entry_ok(entry: object) -> bool:
+        if isinstance(entry, tuple):
+            return (
+                len(entry) == 2
+                and type(entry[0]) is str
+                and bool(entry[0])
+                and type(entry[1]) is int
+                and entry[1] >= 0
+            )
+        return type(entry) is str and bool(entry)
+
+    if type(requests) is str or (isinstance(requests, tuple) and len(requests) == 2 and type(requests[1]) is int):
+        candidates: list[object] = [requests]
+    elif isinstance(requests, (bytes, Mapping)) or not isinstance(requests, Iterable):
+        raise ValidationError(
+            "remove takes a request id, a (request_id, generation) pair, or an iterable of them; "
+            f"got {type(requests).__name__} {requests!r}"
+        )
+    else:
+        candidates = list(requests)
+    for entry in candidates:
+        if not entry_ok(entry):
+            raise ValidationError(
+                f"removal entry must be a non-empty request_id or (request_id, generation >= 0); got {entry!r}"
+            )
+    return candidates  # type: ignore[return-value]

@@ -23,6 +23,7 @@ rank installs and attends with its branch's rows only; under decode context para
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,12 @@ from diffusion_kv.core.batch import (
     PagedAttentionBackend,
 )
 from diffusion_kv.core.block_tables import BlockTables
-from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import (
+    StateError,
+    UnsupportedFeatureError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
 from diffusion_kv.core.parallel import (
@@ -49,7 +55,7 @@ from diffusion_kv.core.parallel import (
     select_cfg_branch,
     select_cfg_rows,
 )
-from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry
+from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry, removal_entries
 from diffusion_kv.core.rows import PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import Translator, resolve_device
@@ -161,13 +167,13 @@ class RunnerBackend:
             return 1
         p = self.config.parallel
         if p.ring_degree > 1:
-            raise NotImplementedError(
+            raise UnsupportedFeatureError(
                 "paged attention does not support Ring or hybrid Ulysses+Ring attention"
             )
         if p.allgather_degree > 1:
-            raise NotImplementedError("paged attention does not support all-gather-KV sequence parallelism")
+            raise UnsupportedFeatureError("paged attention does not support all-gather-KV sequence parallelism")
         if p.ulysses_degree > 1 and p.ulysses_mode != "strict":
-            raise NotImplementedError(
+            raise UnsupportedFeatureError(
                 f"paged attention supports only strict Ulysses; got ulysses_mode={p.ulysses_mode!r}"
             )
         return _positive(p.ulysses_degree, "ulysses_degree")
@@ -201,6 +207,19 @@ class RunnerBackend:
                 raise ValidationError(
                     f"layer {name!r}: num_heads={heads} and num_kv_heads={kv_heads} must be divisible by "
                     f"ulysses_degree={degree}"
+                )
+            if not isinstance(spec.dtype, torch.dtype):
+                raise ValidationError(f"layer {name!r}: dtype must be a torch.dtype; got {spec.dtype!r}")
+            if type(spec.causal) is not bool:
+                raise ValidationError(f"layer {name!r}: causal must be a bool; got {spec.causal!r}")
+            if spec.scale is not None and (
+                isinstance(spec.scale, bool)
+                or not isinstance(spec.scale, (int, float))
+                or not math.isfinite(spec.scale)
+                or spec.scale <= 0
+            ):
+                raise ValidationError(
+                    f"layer {name!r}: scale must be a finite positive number or None; got {spec.scale!r}"
                 )
             if spec.cache_role is not None:
                 if type(spec.cache_role) is not str or not spec.cache_role:
@@ -369,13 +388,13 @@ class RunnerBackend:
         builder: MetadataBuilder = platform.metadata_builder(
             layout, block_tables, list(self.layers.values()), self.device
         )
-        holder: dict[str, RowRegistry] = {}
-
-        def resolve(rid: str, sid: int | None, cid: str | None) -> RowBinding:
-            return holder["registry"].resolve(rid, sid, cid)
-
         translator = Translator(
-            layout=layout, block_tables=block_tables, builder=builder, resolve_row=resolve, device=self.device
+            layout=layout,
+            block_tables=block_tables,
+            builder=builder,
+            rows=None,
+            device=self.device,
+            platform_name=platform.name,
         )
         registry = RowRegistry(
             layout,
@@ -384,7 +403,7 @@ class RunnerBackend:
             before_mutation=translator.invalidate,
             cache_roles=self.cache_roles or None,
         )
-        holder["registry"] = registry
+        translator.rows = registry
         backends: dict[str, PagedAttentionBackend] = {}
         caches: dict[str, KVCache] = {}
         for group in layout.groups:
@@ -402,7 +421,7 @@ class RunnerBackend:
         policy = platform.kv_write_policy
         if not isinstance(policy, KVWritePolicy):
             raise ValidationError(f"platform {platform.name!r} declares no KVWritePolicy")
-        executor = PagedExecutor(translator, self.layers, backends, caches, policy, merger)
+        executor = PagedExecutor(translator, self.layers, backends, caches, policy, merger, platform.name)
         return block_tables, registry, translator, executor, caches
 
     # -- per request --------------------------------------------------------------------------
@@ -418,8 +437,10 @@ class RunnerBackend:
         c = self.config
         return registry.install(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
-    def remove(self, requests: Iterable[str | tuple[str, int]]) -> int:
+    def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
+        """Clear the rows of requests (one id, ``(id, generation)``, or an iterable of them)."""
         if self.registry is None:
+            removal_entries(requests)  # bad input is an error even before initialisation
             return 0
         return self.registry.remove(requests)
 

@@ -8,26 +8,38 @@ Prepared batches are stamped with their translator and a generation. Any BlockTa
 (through :meth:`Translator.invalidate`, the registry's ``before_mutation`` hook) or a newer
 preparation makes older batches stale; activating a stale batch is an error. While a batch is
 active, preparation and BlockTables mutation are refused.
+
+Page provenance: ``prepare`` refuses a row that would read a token its row source does not
+report as written (:class:`~diffusion_kv.core.errors.StateError`) or that would write inside
+its read-only cached prefix. A batch's write spans are reported back to the row source when
+its activation ends, and only if every paged layer of the layout ran on it: a token counts as
+written once it is in the pages of every layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from diffusion_kv.core.batch import CommonBatchMetadata, MetadataBuilder
 from diffusion_kv.core.block_tables import BlockTables
-from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.errors import DiffusionKVError, NativeBackendError, StaleBatchError, StateError, ValidationError
 from diffusion_kv.core.layout import CacheLayout, cdiv
 from diffusion_kv.core.piecewise import CAUSAL, PiecewisePlan, build_piecewise_plan, freeze_spans
-from diffusion_kv.core.registry import RowBinding
+from diffusion_kv.core.registry import RowBinding, WrittenSpan, missing_spans
 from diffusion_kv.core.rows import PagedRow
 
-RowResolver = Callable[[str, int | None, str | None], RowBinding]
+
+class RowSource(Protocol):
+    """Where the translator resolves identities and reports written tokens (the registry)."""
+
+    def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding: ...
+
+    def record_writes(self, spans: Iterable[WrittenSpan]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,8 @@ class PreparedBatch:
     num_tokens: int
     owner: object = field(repr=False, compare=False)
     generation: int = field(repr=False, compare=False)
+    write_spans: tuple[WrittenSpan, ...] = field(default=(), repr=False, compare=False)
+    """What the batch writes into each row; recorded once every paged layer ran on it."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -61,6 +75,7 @@ class _ActiveState:
     plan: PiecewisePlan | None = None
     segment_metadata: tuple[Mapping[str, Any], ...] | None = None
     packing: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    layers_done: set[str] = field(default_factory=set)
 
 
 class Translator:
@@ -72,13 +87,18 @@ class Translator:
         layout: CacheLayout,
         block_tables: BlockTables,
         builder: MetadataBuilder,
-        resolve_row: RowResolver,
+        rows: RowSource | None,
         device: torch.device,
+        platform_name: str = "?",
     ) -> None:
+        """``rows`` may be bound later (``translator.rows = registry``) when the registry is
+        built after the translator; ``platform_name`` appears in wrapped builder errors."""
         self.layout = layout
         self.block_tables = block_tables
         self.builder = builder
-        self.resolve_row = resolve_row
+        self.rows = rows
+        self.platform_name = platform_name
+        self._layer_names = frozenset(layout.layer_names)
         self.device = resolve_device(device)
         self._owner = object()
         self._generation = 0
@@ -123,7 +143,10 @@ class Translator:
         if len(set(identities)) != len(identities):
             dup = sorted({i for i in identities if identities.count(i) > 1}, key=repr)
             raise ValidationError(f"paged batch contains duplicate row identities {dup!r}")
-        bindings = [self.resolve_row(r.request_id, r.sequence_id, r.context_id) for r in rows]
+        if self.rows is None:
+            raise StateError("the translator has no row source (registry) bound")
+        source = self.rows
+        bindings = [source.resolve(r.request_id, r.sequence_id, r.context_id) for r in rows]
         indices = [b.row_index for b in bindings]
         if len(set(indices)) != len(indices):
             raise ValidationError(f"paged batch resolves several rows to the same worker row: {indices}")
@@ -140,6 +163,11 @@ class Translator:
                 raise ValidationError(
                     f"row {row.identity!r} uses seq_len={row.seq_len}, but its installed allocation has logical "
                     f"length {binding.max_seq_len}"
+                )
+            if row.kv_start_pos < binding.read_only_tokens:
+                raise ValidationError(
+                    f"row {row.identity!r} would write tokens [{row.kv_start_pos}, {row.kv_start_pos + row.query_len}) "
+                    f"inside its read-only cached prefix [0, {binding.read_only_tokens})"
                 )
         threshold = self._reorder_threshold
         if threshold is not None:
@@ -167,6 +195,17 @@ class Translator:
             raise ValidationError(
                 f"paged batch has {num_tokens} tokens; worker capacity is {bt.max_num_batched_tokens}"
             )
+        for row, binding in zip(rows, bindings, strict=True):
+            end = row.kv_start_pos + row.query_len
+            unread = missing_spans(binding.written, 0, row.kv_start_pos) + missing_spans(
+                binding.written, end, row.seq_len
+            )
+            if unread:
+                raise StateError(
+                    f"row {row.identity!r} would read tokens {list(unread)} that were never written since its "
+                    f"install (readable: {list(binding.written)}); write them first (the prefill phase) or "
+                    "declare them computed with cached_prefix_len"
+                )
         return bindings
 
     @staticmethod
@@ -248,7 +287,7 @@ class Translator:
         tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
         slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
         common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._causal)
-        attn_metadata = dict(self.builder.build(common))
+        attn_metadata = self._build(common)
         by_layer: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.layout.groups):
             for name in group.layer_names:
@@ -262,7 +301,23 @@ class Translator:
             num_tokens=num_tokens,
             owner=self._owner,
             generation=generation,
+            write_spans=tuple(
+                (r.identity, b.install_serial, r.kv_start_pos, r.kv_start_pos + r.query_len)
+                for r, b in zip(rows, bindings, strict=True)
+            ),
         )
+
+    def _build(self, common: CommonBatchMetadata) -> dict[str, Any]:
+        """The builder's native metadata; a failure inside the plugin is a NativeBackendError."""
+        try:
+            return dict(self.builder.build(common))
+        except DiffusionKVError:
+            raise
+        except Exception as exc:
+            raise NativeBackendError(
+                f"platform {self.platform_name!r} metadata builder {type(self.builder).__name__} failed for "
+                f"layers {sorted(self._layer_names)} ({type(exc).__name__}: {exc})"
+            ) from exc
 
     @contextmanager
     def activate(self, batch: PreparedBatch) -> Iterator[PreparedBatch]:
@@ -276,11 +331,18 @@ class Translator:
             )
         if self._active is not None:
             raise StateError("a prepared batch is already active")
-        self._active = _ActiveState(batch)
+        state = self._active = _ActiveState(batch)
         try:
             yield batch
         finally:
             self._active = None
+            if self.rows is not None and state.layers_done >= self._layer_names:
+                self.rows.record_writes(batch.write_spans)
+
+    def layer_done(self, layer_name: str) -> None:
+        """A paged layer finished on the active batch (its K/V are in the pages)."""
+        if self._active is not None:
+            self._active.layers_done.add(layer_name)
 
     # -- per-batch caches used by layer contexts -------------------------------------------------
 
@@ -337,7 +399,7 @@ class Translator:
                 slots,
                 seg.mode == CAUSAL,
             )
-            out.append(dict(self.builder.build(common)))
+            out.append(self._build(common))
         state.segment_metadata = tuple(out)
         return state.segment_metadata
 

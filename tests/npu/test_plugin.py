@@ -227,6 +227,8 @@ def test_block_tables_give_int32_slots_only() -> None:
 def test_metadata_builder_produces_the_fia_arguments(npu_emulator: TorchNpuEmulator) -> None:
     h = make_harness(NpuPlatform())
     h.install("r", [200, 9], placement="reversed")  # row 0: blocks 11, 10; row 1: block 9
+    h.prefill("r", [200, 9])
+    npu_emulator.calls.clear()
     batch = h.translator.prepare(rows([(190, 200), (0, 9)]))
     md = batch.attn_metadata["layer.0"]
     assert isinstance(md, NpuAttentionMetadata)
@@ -244,6 +246,7 @@ def test_metadata_builder_produces_the_fia_arguments(npu_emulator: TorchNpuEmula
 def test_full_attention_metadata_has_no_mask(npu_emulator: TorchNpuEmulator) -> None:
     h = make_harness(NpuPlatform(), causal=False)
     h.install("r", [5])
+    h.prefill("r", [5])
     md = h.translator.prepare(rows([(2, 5)])).attn_metadata["layer.0"]
     assert not md.causal and md.attn_mask is None
     assert (md.actual_seq_lengths, md.actual_seq_lengths_kv) == ((3,), (5,))

@@ -96,4 +96,7 @@ def state_of(reg: RowRegistry) -> tuple:
         bt.num_blocks.cpu.clone().tolist(),
         bt.num_blocks.gpu.clone().tolist(),  # type: ignore[attr-defined]
         [t.gpu.clone().tolist() for t in bt.block_tables],  # type: ignore[attr-defined]
+        [{b: dict(h) for b, h in group.items()} for group in reg._holders],
+        dict(reg._written),
+        dict(reg._removed),
     )

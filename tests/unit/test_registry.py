@@ -15,7 +15,7 @@ from diffusion_kv.core.errors import (
     UnknownIdentityError,
     ValidationError,
 )
-from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry
+from diffusion_kv.core.registry import KVCacheMode, RowRegistry
 
 from .registry_helpers import context, layout, make_registry, request, seq, state_of
 
@@ -28,7 +28,9 @@ def test_install_assigns_lowest_rows_and_writes_tables() -> None:
     assert reg.free_rows == (2, 3, 4, 5)
     assert bt.gather_block_tables(torch.tensor([0, 1]), 2)[0].tolist()[0][:2] == [7, 3]
     assert bt.num_blocks.cpu[0, :2].tolist() == [2, 1]
-    assert reg.resolve("a", 1) == RowBinding(1, 4, ((9,),), None)
+    binding = reg.resolve("a", 1)
+    assert (binding.row_index, binding.max_seq_len, binding.block_ids, binding.cache_role) == (1, 4, ((9,),), None)
+    assert (binding.read_only_tokens, binding.written) == (0, ())
 
 
 def test_shared_context_is_one_row_across_sequences() -> None:
@@ -41,14 +43,22 @@ def test_shared_context_is_one_row_across_sequences() -> None:
     )
     reg.install(snap)
     assert reg.row_of("a", 0, "ref") == reg.row_of("a", 1, "ref") == 2
-    assert reg.resolve("a", None, "ref") == RowBinding(2, 6, ((5, 6),), "image")
+    binding = reg.resolve("a", None, "ref")
+    assert (binding.row_index, binding.max_seq_len, binding.block_ids, binding.cache_role) == (
+        2,
+        6,
+        ((5, 6),),
+        "image",
+    )
     assert len(reg.rows) == 3
 
 
-def test_repeated_block_ids_are_allowed() -> None:
+def test_repeated_block_ids_within_a_row_are_refused() -> None:
     reg, bt = make_registry()
-    reg.install(request("a", 0, (seq(0, 12, [4, 4, 4]),)))
-    assert bt.gather_block_tables(torch.tensor([0]), 1)[0].tolist()[0][:3] == [4, 4, 4]
+    before = state_of(reg)
+    with pytest.raises(ValidationError, match=r"row \('a', 0, None\) group 0 lists block 4 twice \(positions 0 and 2\)"):
+        reg.install(request("a", 0, (seq(0, 12, [4, 5, 4]),)))
+    assert state_of(reg) == before and bt.appends == 0
 
 
 def test_zero_length_row_has_no_blocks() -> None:
@@ -100,14 +110,14 @@ def test_remove_is_idempotent_and_rows_are_reused_lowest_first() -> None:
 def test_remove_never_touches_other_requests() -> None:
     reg, _ = make_registry()
     reg.install(request("a"))
-    reg.install(request("ab"))
+    reg.install(request("ab", 0, (seq(0, 5, [3, 4]),)))
     reg.remove(["a"])
     assert reg.rows == {("ab", 0, None): 1}
 
 
 def test_native_append_failure_rolls_back() -> None:
     reg, bt = make_registry()
-    reg.install(request("x", 0, (seq(0, 4, [1]),)))
+    reg.install(request("x", 0, (seq(0, 4, [7]),)))
     before = state_of(reg)
     bt.fail_append_at = bt.appends + 2  # the second row of the next install fails
     with pytest.raises(NativeBackendError, match="injected append failure.*rolled back"):
@@ -152,7 +162,7 @@ def test_before_mutation_hook_runs_and_can_veto() -> None:
     veto["on"] = True
     before = state_of(reg)
     with pytest.raises(StateError, match="a batch is active"):
-        reg.install(request("b"))
+        reg.install(request("b", 0, (seq(0, 5, [8, 9]),)))
     with pytest.raises(StateError):
         reg.remove(["a"])
     assert state_of(reg) == before
@@ -191,7 +201,7 @@ def test_not_enough_free_rows() -> None:
     reg.install(request("a", 0, (seq(0, 4, [1]), seq(1, 4, [2]))))
     before = state_of(reg)
     with pytest.raises(ValidationError, match=r"request 'b' requires 2 rows, but only 1 of 3 rows are free"):
-        reg.install(request("b", 0, (seq(0, 4, [1]), seq(1, 4, [2]))))
+        reg.install(request("b", 0, (seq(0, 4, [3]), seq(1, 4, [4]))))
     assert state_of(reg) == before
 
 
@@ -295,7 +305,7 @@ def test_non_snapshot_is_rejected() -> None:
 def test_malformed_removal_entries(entry: object) -> None:
     reg, _ = make_registry()
     reg.install(request("a"))
-    with pytest.raises(ValidationError, match="removal entry must be request_id or"):
+    with pytest.raises(ValidationError, match="removal entry must be a non-empty request_id or"):
         reg.remove([entry])  # type: ignore[list-item]
     assert reg.rows == {("a", 0, None): 0}
 

@@ -43,7 +43,7 @@ def make(threshold: int | None = None, **kw: Any) -> tuple[PagedHarness, Recordi
         layout=h.layout,
         block_tables=h.block_tables,
         builder=rec,
-        resolve_row=h.registry.resolve,
+        rows=h.registry,
         device=h.device,
     )
     h.registry.before_mutation = h.translator.invalidate
@@ -129,6 +129,8 @@ def test_segments_keep_span_end() -> None:
 def test_worked_example_segment_metadata() -> None:
     h, rec = make()
     h.install("r", [9, 9], placement="contiguous")
+    h.prefill("r", [9, 9])
+    rec.calls.clear()
     rows = (PagedRow("r", 6, 9, 3, sequence_id=0), PagedRow("r", 6, 9, 3, sequence_id=1))
     q, k, v = qkv(h, 12)
     batch = h.translator.prepare(rows)
@@ -181,6 +183,7 @@ def test_plan_rejections(spans: list, offsets: list, lens: list, seq: list, mess
 def test_prepare_builds_common_metadata() -> None:
     h, rec = make()
     h.install("r", [6, 9], placement="contiguous")
+    h.prefill("r", [6, 9])
     rows = (PagedRow("r", 2, 6, 4, sequence_id=0), PagedRow("r", 9, 9, sequence_id=1))
     batch = h.translator.prepare(rows)
     common = rec.calls[-1]
@@ -234,8 +237,16 @@ def test_prepare_rejections() -> None:
 def test_prepare_checks_installed_blocks_and_tokens() -> None:
     h, _ = make(max_num_seqs=1, max_rows_per_request=2)
     h.install("r", [8], placement="contiguous")
-    # a resolver claiming a longer logical length than the installed blocks cover
-    h.translator.resolve_row = lambda rid, sid, cid: RowBinding(0, 16)
+    # a row source claiming a longer logical length than the installed blocks cover
+
+    class LyingRows:
+        def resolve(self, rid: str, sid: int | None, cid: str | None = None) -> RowBinding:
+            return RowBinding(0, 16, written=((0, 16),))
+
+        def record_writes(self, spans: Any) -> None:
+            pass
+
+    h.translator.rows = LyingRows()
     prepare_error(
         h,
         (PagedRow("r", 1, 12, 11, sequence_id=0),),
@@ -291,6 +302,7 @@ def test_activation_rules() -> None:
 def test_layer_context_rejections_leave_cache_untouched() -> None:
     h, _ = make()
     h.install("r", [9, 9])
+    h.prefill("r", [9, 9])
     rows = (PagedRow("r", 6, 9, 3, sequence_id=0), PagedRow("r", 6, 9, 3, sequence_id=1))
     q, k, v = qkv(h, 12)
     before = h.cache_snapshot()
@@ -382,9 +394,12 @@ def test_runtime_prepares_once_per_phase() -> None:
         (PagedRow("r", 6, 9, 3, sequence_id=0), PagedRow("r", 6, 9, 3, sequence_id=1)),
     )
     runtime = PagedRuntime(h.translator, phases)
+    q, k, v = qkv(h, 18)
     with runtime.activate():
         assert runtime.ensure_active(0).num_tokens == 18
         assert runtime.ensure_active(0).num_tokens == 18
+        for name in h.layer_names:  # step 0 writes every layer's pages
+            h.executor.forward(name, q, k, v)
         b1 = runtime.ensure_active(1)
         assert runtime.ensure_active(2) is b1 and runtime.ensure_active(5) is b1
         assert runtime.preparations == 2 and len(rec.calls) == 2
