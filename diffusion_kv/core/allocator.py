@@ -11,8 +11,13 @@ installs. ``reserve`` answers:
 * :class:`AdmissionError`, when it can never fit (too many rows, longer than
   ``max_model_len``, more blocks than the pool has).
 
-Reserving an already-reserved request returns the same blocks with a new generation.
-``free`` is idempotent. Generations increase monotonically across all requests.
+Reserving an already-reserved request again with the same :class:`KVRequest` returns the same
+blocks with a new generation; a different request under a reserved id is an
+:class:`AdmissionError` (free it first). The allocator applies the worker's rules to ids,
+lengths and contexts (non-empty string ids, integer ``sequence_id >= 0``, integer lengths
+``>= 0``, never a bool or a float), so nothing the worker would refuse is ever reserved.
+``free`` is idempotent per request; :meth:`FreeListPool.free` refuses a block listed twice and
+any double free, atomically. Generations increase monotonically across all requests.
 
 The block source is a :class:`BlockPool`; vLLM's own ``KVCacheManager`` can take the
 allocator's place in vLLM-Omni, since the worker only sees snapshots.
@@ -21,7 +26,7 @@ allocator's place in vLLM-Omni, since the worker only sees snapshots.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,10 +79,20 @@ class FreeListPool:
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
+        """Return blocks to the pool; all or nothing (a bad id frees none of them)."""
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):
+            raise ValidationError(f"free takes a sequence of block ids; got {block_ids!r}")
+        ids = list(block_ids)
+        seen: set[int] = set()
+        for b in ids:
+            if type(b) is not int or not 0 <= b < self._total:
+                raise ValidationError(f"block id {b!r} is not an int in [0, {self._total})")
+            if b in seen:
+                raise ValidationError(f"block {b} is listed twice in one free call")
             if b not in self._used:
                 raise ValidationError(f"block {b} is not allocated (double free?)")
-        for b in block_ids:
+            seen.add(b)
+        for b in ids:
             self._used.discard(b)
             self._free.append(b)
 
@@ -112,8 +127,13 @@ class KVRequest:
 
 @dataclass
 class _Reservation:
+    request: KVRequest
     allocation: RequestAllocation
     block_ids: list[int] = field(default_factory=list)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
 
 
 class DiffusionKVAllocator:
@@ -165,11 +185,51 @@ class DiffusionKVAllocator:
 
     def _check(self, request: KVRequest) -> list[int]:
         """Blocks each row needs, in order (sequences, then contexts); AdmissionError if never."""
+        if not isinstance(request, KVRequest):
+            raise AdmissionError(f"reserve takes a KVRequest; got {type(request).__name__}")
         rid = request.request_id
         if type(rid) is not str or not rid:
             raise AdmissionError(f"request_id must be a non-empty string; got {rid!r}")
+        for name, kind in (("sequences", SequenceRequest), ("contexts", ContextRequest)):
+            items = getattr(request, name)
+            if not isinstance(items, tuple) or any(not isinstance(i, kind) for i in items):
+                raise AdmissionError(
+                    f"request {rid!r} {name} must be a tuple of {kind.__name__}; got {items!r}"
+                )
         if not request.sequences:
             raise AdmissionError(f"request {rid!r} has no sequences")
+        for s in request.sequences:
+            if not _count(s.sequence_id):
+                raise AdmissionError(
+                    f"request {rid!r} sequence_id must be an int >= 0; got {s.sequence_id!r}"
+                )
+            for name in ("prefix_len", "target_len"):
+                if not _count(getattr(s, name)):
+                    raise AdmissionError(
+                        f"request {rid!r} sequence {s.sequence_id} {name} must be an int >= 0; "
+                        f"got {getattr(s, name)!r}"
+                    )
+            if not isinstance(s.context_ids, tuple) or any(
+                type(c) is not str or not c for c in s.context_ids
+            ):
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id} context_ids must be a tuple of non-empty "
+                    f"strings; got {s.context_ids!r}"
+                )
+        for c in request.contexts:
+            if type(c.context_id) is not str or not c.context_id:
+                raise AdmissionError(
+                    f"request {rid!r} context_id must be a non-empty string; got {c.context_id!r}"
+                )
+            if type(c.cache_role) is not str or not c.cache_role:
+                raise AdmissionError(
+                    f"request {rid!r} context {c.context_id!r} cache_role must be a non-empty string; "
+                    f"got {c.cache_role!r}"
+                )
+            if not _count(c.num_tokens):
+                raise AdmissionError(
+                    f"request {rid!r} context {c.context_id!r} num_tokens must be an int >= 0; got {c.num_tokens!r}"
+                )
         if request.num_rows > self.max_rows_per_request:
             raise AdmissionError(
                 f"request {rid!r} needs {request.num_rows} rows; the per-request limit is {self.max_rows_per_request}"
@@ -186,7 +246,7 @@ class DiffusionKVAllocator:
             raise AdmissionError(f"request {rid!r} lists a sequence more than once: {seq_ids}")
         needs = []
         for s in request.sequences:
-            if min(s.prefix_len, s.target_len) < 0 or s.prefix_len + s.target_len <= 0:
+            if s.prefix_len + s.target_len <= 0:
                 raise AdmissionError(
                     f"request {rid!r} sequence {s.sequence_id}: lengths must be >= 0 and not both 0"
                 )
@@ -211,8 +271,13 @@ class DiffusionKVAllocator:
 
     def reserve(self, request: KVRequest) -> RequestAllocation | None:
         """Reserve every row of ``request`` (see module docstring for the three outcomes)."""
-        existing = self._reserved.get(request.request_id)
+        existing = self._reserved.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
         if existing is not None:
+            if request != existing.request:
+                raise AdmissionError(
+                    f"request {request.request_id!r} is already reserved with a different shape "
+                    f"({existing.request!r}); free it before reserving it again"
+                )
             self._generation += 1
             old = existing.allocation
             existing.allocation = RequestAllocation(
@@ -248,11 +313,13 @@ class DiffusionKVAllocator:
         )
         self._generation += 1
         allocation = RequestAllocation(request.request_id, self._generation, sequences, contexts)
-        self._reserved[request.request_id] = _Reservation(allocation, taken)
+        self._reserved[request.request_id] = _Reservation(request, allocation, taken)
         return allocation
 
     def free(self, request_id: str) -> int:
         """Release a request's blocks (idempotent); returns how many were released."""
+        if type(request_id) is not str or not request_id:
+            raise ValidationError(f"free takes a non-empty request id string; got {request_id!r}")
         res = self._reserved.pop(request_id, None)
         if res is None:
             return 0

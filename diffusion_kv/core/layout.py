@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.errors import UnknownLayerError, ValidationError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -126,7 +126,7 @@ class CacheLayout:
         for index, g in enumerate(self.groups):
             if layer_name in g.layer_names:
                 return index
-        raise KeyError(f"layer {layer_name!r} is not in any KV-cache group")
+        raise UnknownLayerError(f"layer {layer_name!r} is not in any KV-cache group")
 
     def max_blocks_per_row(self) -> list[int]:
         """Blocks a row at ``max_model_len`` occupies, per group."""

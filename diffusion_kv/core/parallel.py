@@ -139,7 +139,7 @@ class UlyssesParallel:
 
     def __init__(self, group: RankGroup) -> None:
         if not isinstance(group, RankGroup):
-            raise TypeError(f"UlyssesParallel needs a RankGroup; got {type(group).__name__}")
+            raise ValidationError(f"UlyssesParallel needs a RankGroup; got {type(group).__name__}")
         self.group = group
 
     @property
@@ -362,7 +362,7 @@ class DCPMerger:
 
     def __init__(self, group: RankGroup) -> None:
         if not isinstance(group, RankGroup):
-            raise TypeError(f"DCPMerger needs a RankGroup; got {type(group).__name__}")
+            raise ValidationError(f"DCPMerger needs a RankGroup; got {type(group).__name__}")
         self.group = group
 
     @property

@@ -564,7 +564,9 @@ def removal_entries(requests: object) -> list[str | tuple[str, int]]:
             )
         return type(entry) is str and bool(entry)
 
-    if type(requests) is str or (isinstance(requests, tuple) and len(requests) == 2 and type(requests[1]) is int):
+    if type(requests) is str or (
+        isinstance(requests, tuple) and len(requests) == 2 and type(requests[1]) is int
+    ):
         candidates: list[object] = [requests]
     elif isinstance(requests, (bytes, Mapping)) or not isinstance(requests, Iterable):
         raise ValidationError(

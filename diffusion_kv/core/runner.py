@@ -194,7 +194,7 @@ class RunnerBackend:
             if type(name) is not str or not name:
                 raise ValidationError(f"paged layer names must be non-empty strings; got {name!r}")
             if not isinstance(spec, PagedLayerSpec):
-                raise TypeError(f"paged layer {name!r} needs a PagedLayerSpec; got {type(spec).__name__}")
+                raise ValidationError(f"paged layer {name!r} needs a PagedLayerSpec; got {type(spec).__name__}")
             heads = _positive(spec.num_heads, f"layer {name!r} num_heads")
             kv_heads = _positive(spec.num_kv_heads, f"layer {name!r} num_kv_heads")
             _positive(spec.head_size, f"layer {name!r} head_size")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from diffusion_kv.core.errors import StateError
+from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.rows import PhaseRows
 from diffusion_kv.core.translate import PreparedBatch, Translator
 
@@ -18,7 +18,7 @@ from diffusion_kv.core.translate import PreparedBatch, Translator
 class PagedRuntime:
     def __init__(self, translator: Translator, phases: PhaseRows) -> None:
         if not isinstance(phases, PhaseRows):
-            raise TypeError(f"PagedRuntime needs PhaseRows; got {type(phases).__name__}")
+            raise ValidationError(f"PagedRuntime needs PhaseRows; got {type(phases).__name__}")
         self.translator = translator
         self.phases = phases
         self._phase: bool | None = None  # True: prefill, False: denoise

@@ -27,7 +27,13 @@ import torch
 
 from diffusion_kv.core.batch import CommonBatchMetadata, MetadataBuilder
 from diffusion_kv.core.block_tables import BlockTables
-from diffusion_kv.core.errors import DiffusionKVError, NativeBackendError, StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.errors import (
+    DiffusionKVError,
+    NativeBackendError,
+    StaleBatchError,
+    StateError,
+    ValidationError,
+)
 from diffusion_kv.core.layout import CacheLayout, cdiv
 from diffusion_kv.core.piecewise import CAUSAL, PiecewisePlan, build_piecewise_plan, freeze_spans
 from diffusion_kv.core.registry import RowBinding, WrittenSpan, missing_spans
@@ -37,7 +43,9 @@ from diffusion_kv.core.rows import PagedRow
 class RowSource(Protocol):
     """Where the translator resolves identities and reports written tokens (the registry)."""
 
-    def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding: ...
+    def resolve(
+        self, request_id: str, sequence_id: int | None, context_id: str | None = None
+    ) -> RowBinding: ...
 
     def record_writes(self, spans: Iterable[WrittenSpan]) -> None: ...
 

@@ -101,7 +101,7 @@ def test_unsupported_sequence_parallel_modes(parallel: ParallelConfig, message: 
         ({"a": spec(), "b": spec(head_size=16)}, ValidationError, "one rank-local attention geometry"),
         ({"a": spec(num_kv_heads=0)}, ValidationError, "num_kv_heads must be a positive integer"),
         ({"a": spec(dtype=torch.int8)}, UnsupportedRequirementsError, "dtype=int8"),
-        ({"a": "not a spec"}, TypeError, "needs a PagedLayerSpec"),
+        ({"a": "not a spec"}, ValidationError, "needs a PagedLayerSpec"),
         ({"a": spec(cache_role="")}, ValidationError, "cache_role must be a non-empty string"),
     ],
 )
