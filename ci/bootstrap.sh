@@ -18,7 +18,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 echo "[bootstrap] installing diffusion-kv[test] and the test plugin distributions"
 "$py" -m pip install -q --disable-pip-version-check -e '.[test]' \
-  ./tests/fixtures/dkv-test-plugins ./tests/fixtures/dkv-test-plugins-dup
+  ./tests/fixtures/dkv-test-plugins ./tests/fixtures/dkv-test-plugins-dup ./tests/fixtures/dkv-test-plugins-hostile
 # Triton runs the CUDA tier's kernels under its interpreter on CPU in the tests; Triton 3.6's
 # interpreter needs NumPy < 2.4 (it converts 1-element arrays with int()).
 "$py" -m pip install -q --disable-pip-version-check "triton==3.6.0" "numpy<2.4"

@@ -1,18 +1,24 @@
 """The ``diffusion-kv`` command.
 
-Exit codes: 0 success; 1 a selection or run error (message on stderr); 2 usage errors.
+Exit codes: 0 success; 1 a run error (platform unavailable or ambiguous, paged output disagreeing
+with dense, a failed bench part, an internal error); 2 a usage error (any invalid argument value,
+including what the selected platform cannot serve), found before any work starts; 130
+interrupted. Every error is one line ``diffusion-kv: error: ...`` on stderr; with ``--json`` the
+command also prints one JSON error object on stdout. ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from diffusion_kv.core.errors import PlatformError
-from diffusion_kv.platforms.interface import Platform, Requirements
+from diffusion_kv.core.errors import DiffusionKVError, PlatformError, PlatformNotFoundError
+from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 from diffusion_kv.platforms.selection import (
     ENV_PLATFORM,
     ENV_PLUGINS,
@@ -30,6 +36,106 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+SECTION_NAMES = ("attention", "host", "e2e")
+"""``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
+
+
+class UsageError(Exception):
+    """An invalid argument value (exit 2)."""
+
+
+class RunError(Exception):
+    """A failure after the arguments were accepted (exit 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument raises :class:`UsageError` (one line, exit 2) instead of
+    printing the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _fail(code: int, message: str, kind: str, as_json: bool) -> int:
+    print(f"diffusion-kv: error: {_one_line(message)}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": {"kind": kind, "message": _one_line(message), "exit_code": code}}))
+    return code
+
+
+# --- argument types: every value is checked while parsing ---------------------------------------
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _list_of(
+    item: Callable[[str], Any], choices: Sequence[Any] | None = None
+) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        parts = [p.strip() for p in text.split(",")]
+        if not text.strip() or any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"expected a comma list without empty items, got {text!r}")
+        values = tuple(item(p) for p in parts)
+        if choices is not None:
+            bad = [v for v in values if v not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"unknown value(s) {', '.join(map(str, bad))}; choose from {', '.join(map(str, choices))}"
+                )
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"lists a value twice: {text!r}")
+        return values
+
+    parse.__name__ = "comma list"
+    return parse
+
+
+def _select(name: str | None, warn: Callable[[str], None] | None = None) -> Platform:
+    """The platform for a command: an unknown ``--platform`` is a usage error, an unusable one a
+    run error."""
+    try:
+        return select_platform(name, warn=warn).platform
+    except PlatformNotFoundError as exc:
+        if name is not None:
+            raise UsageError(f"argument --platform: {exc}") from exc
+        raise RunError(str(exc)) from exc
+    except PlatformError as exc:
+        raise RunError(str(exc)) from exc
+
+
+def _stderr_warning(message: str) -> None:
+    print(f"warning: {_one_line(message)}", file=sys.stderr)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -75,6 +181,15 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             "selected_how": how,
             "error": error,
             "platforms": [s.as_dict() for s in statuses],
+            "skipped_entry_points": [
+                {
+                    "name": r.name,
+                    "entry_point": r.entry_point,
+                    "distribution": " | ".join(r.distributions),
+                    "error": str(r.error),
+                }
+                for r in plugins.shadowed
+            ],
         }
         print(json.dumps(payload, indent=2, sort_keys=True))
     else:
@@ -99,11 +214,20 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         for s in statuses:
             print(f"{s.name}: {_caps_line(s)}")
         broken = [s for s in statuses if s.error is not None]
-        if broken:
+        if broken or plugins.shadowed:
             print()
             print("plugins that failed to load:")
             for s in broken:
                 print(f"  {s.name}: {s.error}")
+            for r in plugins.shadowed:
+                print(f"  {r.name} (skipped entry point): {r.error}")
+        noted = [s for s in statuses if s.notes]
+        if noted:
+            print()
+            print("plugin warnings:")
+            for s in noted:
+                for note in s.notes:
+                    print(f"  {s.name}: {note}")
         print()
         if selected is not None:
             print(f"selected: {selected} ({how})")
@@ -112,9 +236,9 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             for line in platform.explain(Requirements()):
                 print(f"  {line}")
     if error is not None:
-        print(f"diffusion-kv: error: {error}", file=sys.stderr)
         print(
-            f"  (set {ENV_PLATFORM}=<name> to choose, or {ENV_PLUGINS}=<names> to limit loading)",
+            f"diffusion-kv: error: {_one_line(error)} (set {ENV_PLATFORM}=<name> to choose, or "
+            f"{ENV_PLUGINS}=<names> to limit loading)",
             file=sys.stderr,
         )
         return EXIT_ERROR
@@ -125,16 +249,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     try:
         import pytest
     except ImportError:
-        print(
-            "diffusion-kv: the conformance kit needs pytest: pip install 'diffusion-kv[test]'",
-            file=sys.stderr,
-        )
-        return EXIT_ERROR
-    try:
-        platform = select_platform(args.platform, warn=lambda _m: None).platform
-    except PlatformError as exc:
-        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        raise RunError("the conformance kit needs pytest: pip install 'diffusion-kv[test]'") from None
+    platform = _select(args.platform, warn=lambda _m: None)
     print(f"conformance kit on platform {platform.name!r}", flush=True)
     argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
     argv += ["-q"] if not args.verbose else ["-v"]
@@ -158,7 +274,66 @@ def preferred_dtype(platform: Platform) -> torch.dtype:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if dtype in platform.capabilities.dtypes:
             return dtype
-    raise ValueError(f"platform {platform.name!r} supports none of float32, bfloat16, float16")
+    raise UsageError(
+        f"platform {platform.name!r} supports none of float32, bfloat16, float16; choose --dtype"
+    )
+
+
+def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
+    """The demo's configuration, or a UsageError naming every problem with the arguments."""
+    import torch
+
+    from diffusion_kv.models.demo import DemoConfig
+
+    problems: list[str] = []
+    kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
+    if args.hidden % args.heads:
+        problems.append(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    elif (args.hidden // args.heads) % 2:
+        problems.append(f"head size --hidden/--heads = {args.hidden // args.heads} must be even (RoPE)")
+    if args.heads % kv_heads:
+        problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
+    if args.prefix + args.target > args.max_model_len:
+        problems.append(
+            f"--prefix {args.prefix} + --target {args.target} exceeds --max-model-len {args.max_model_len}"
+        )
+    if args.ulysses > 1 and (args.heads % args.ulysses or kv_heads % args.ulysses):
+        problems.append(
+            f"--heads {args.heads} and --kv-heads {kv_heads} must be divisible by --ulysses {args.ulysses}"
+        )
+    if args.cfg_parallel and args.cfg != 2:
+        problems.append(f"--cfg-parallel needs --cfg 2 (one branch per rank); got --cfg {args.cfg}")
+    if problems:
+        raise UsageError("; ".join(problems))
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else preferred_dtype(platform)
+    block = args.block_size if args.block_size is not None else platform.default_block_size
+    requirements = Requirements(
+        dtype=dtype,
+        head_size=args.hidden // args.heads,
+        num_heads=args.heads // args.ulysses,
+        num_kv_heads=kv_heads // args.ulysses,
+        block_size=block,
+        attention_modes=frozenset({AttentionMode.CAUSAL, AttentionMode.PIECEWISE}),
+        ulysses_degree=args.ulysses,
+    )
+    reasons = platform.not_supported_reasons(requirements)
+    if reasons:
+        raise UsageError(f"platform {platform.name!r} cannot serve this demo: " + "; ".join(reasons))
+    return DemoConfig(
+        prefix_len=args.prefix,
+        target_len=args.target,
+        steps=args.steps,
+        cfg_rows=args.cfg,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=kv_heads,
+        layers=args.layers,
+        block_size=args.block_size,
+        dtype=dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        inject_fault=args.inject_fault,
+    )
 
 
 def _device_for_rank(device_type: str) -> torch.device:
@@ -175,12 +350,13 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
     """``demo --ulysses N`` / ``--cfg-parallel`` under torchrun: every rank runs, rank 0 reports."""
     import torch.distributed as dist
 
-    from diffusion_kv.core.errors import DiffusionKVError
     from diffusion_kv.core.parallel import build_parallel_groups, init_distributed_from_env
     from diffusion_kv.models.demo import format_result, text_progress
     from diffusion_kv.models.parallel_demo import check_parallel_config, run_parallel_demo
 
     device_type = platform.capabilities.device_type
+    if "WORLD_SIZE" not in os.environ:
+        raise UsageError("--ulysses N and --cfg-parallel run under torchrun (WORLD_SIZE is not set)")
     try:
         check_parallel_config(cfg, args.ulysses, args.cfg_parallel)
         device = _device_for_rank(device_type)
@@ -192,8 +368,7 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
                 accel.set_device(device)
         world = init_distributed_from_env(device_type)
     except DiffusionKVError as exc:
-        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        raise RunError(str(exc)) from exc
     rank = world.rank
     try:
         try:
@@ -228,32 +403,10 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
+    from diffusion_kv.models.demo import format_result, run_demo, text_progress
 
-    from diffusion_kv.models.demo import DemoConfig, format_result, run_demo, text_progress
-
-    try:
-        platform = select_platform(
-            args.platform, warn=lambda m: print(f"warning: {m}", file=sys.stderr)
-        ).platform
-        cfg = DemoConfig(
-            prefix_len=args.prefix,
-            target_len=args.target,
-            steps=args.steps,
-            cfg_rows=args.cfg,
-            hidden=args.hidden,
-            heads=args.heads,
-            kv_heads=args.kv_heads or args.heads,
-            layers=args.layers,
-            block_size=args.block_size,
-            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else preferred_dtype(platform),
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            inject_fault=args.inject_fault,
-        )
-    except (PlatformError, ValueError) as exc:
-        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    platform = _select(args.platform, warn=_stderr_warning)
+    cfg = _demo_config(args, platform)
     if args.ulysses != 1 or args.cfg_parallel:
         return _cmd_demo_parallel(args, platform, cfg)
     show = not args.json and not args.no_progress
@@ -274,36 +427,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output path that cannot be written, before any work (nothing is left behind)."""
+    existed = os.path.exists(path)
+    if os.path.isdir(path):
+        raise UsageError(f"argument --output: {path!r} is a directory")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"argument --output: cannot write {path!r}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from diffusion_kv.bench import BenchConfig, format_report, parse_list, run_bench, text_progress
+    from diffusion_kv.bench import BenchConfig, format_report, run_bench, text_progress
 
+    if args.output:
+        _check_writable(args.output)
+    platform = _select(args.platform, warn=_stderr_warning)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    problems = []
+    if dtype is not None and dtype not in platform.capabilities.dtypes:
+        problems.append(
+            f"--dtype {args.dtype} (supported: {sorted(str(d).removeprefix('torch.') for d in platform.capabilities.dtypes)})"
+        )
+    bad_blocks = [b for b in args.block_sizes if not platform.capabilities.supports_block_size(b)]
+    if bad_blocks:
+        rules = ", ".join(str(r) for r in platform.capabilities.kernel_block_sizes)
+        problems.append(f"--block-sizes {','.join(map(str, bad_blocks))} (supported: {rules})")
+    if problems:
+        raise UsageError(f"platform {platform.name!r} cannot serve " + "; ".join(problems))
     try:
-        platform = select_platform(
-            args.platform, warn=lambda m: print(f"warning: {m}", file=sys.stderr)
-        ).platform
         config = BenchConfig(
             sizes=args.sizes,
-            sections=parse_list(args.sections, str),
-            regimes=parse_list(args.regimes, str),
-            block_sizes=parse_list(args.block_sizes, int),
-            cfgs=parse_list(args.cfg, int),
+            sections=args.sections,
+            regimes=args.regimes,
+            block_sizes=args.block_sizes,
+            cfgs=args.cfg,
             gqa={"both": (False, True), "no": (False,), "only": (True,)}[args.gqa],
-            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None,
+            dtype=dtype,
             min_ms=args.min_ms,
         )
-    except (PlatformError, ValueError) as exc:
-        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     progress = None if args.no_progress else text_progress()
     if progress:
         progress(f"platform {platform.name!r}, sections {','.join(config.sections)}")
     try:
         report = run_bench(platform, config, progress)
     except ValueError as exc:
-        print(f"diffusion-kv: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        raise RunError(str(exc)) from exc
     text = json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
@@ -330,28 +507,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusion-kv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("platforms", help="list installed platform plugins and the one that would be selected")
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = _Parser(prog="diffusion-kv", description=__doc__.splitlines()[0], parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "platforms",
+        help="list installed platform plugins and the one that would be selected",
+        parents=[common],
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="show how the selected platform picks its backend")
     p.set_defaults(func=_cmd_platforms)
-    c = sub.add_parser("conformance", help="run the conformance kit (paged vs dense cases) on a platform")
+    c = sub.add_parser(
+        "conformance", help="run the conformance kit (paged vs dense cases) on a platform", parents=[common]
+    )
     c.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
     c.add_argument("-v", "--verbose", action="store_true")
     c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     c.set_defaults(func=_cmd_conformance)
-    d = sub.add_parser("demo", help="the main job: a tiny DiT denoised densely and through paged KV")
+    d = sub.add_parser(
+        "demo", help="the main job: a tiny DiT denoised densely and through paged KV", parents=[common]
+    )
     d.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
-    d.add_argument("--prefix", type=int, default=1024, help="prefix (condition) tokens")
-    d.add_argument("--target", type=int, default=256, help="target (generated) tokens")
-    d.add_argument("--steps", type=int, default=8, help="denoise steps")
+    d.add_argument("--prefix", type=positive_int, default=1024, help="prefix (condition) tokens")
+    d.add_argument("--target", type=positive_int, default=256, help="target (generated) tokens")
+    d.add_argument("--steps", type=positive_int, default=8, help="denoise steps")
     d.add_argument("--cfg", type=int, default=2, choices=(1, 2), help="CFG rows (2: cond + uncond)")
-    d.add_argument("--hidden", type=int, default=256)
-    d.add_argument("--heads", type=int, default=4)
-    d.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads; fewer gives GQA)")
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
+    d.add_argument("--hidden", type=positive_int, default=256)
+    d.add_argument("--heads", type=positive_int, default=4)
+    d.add_argument(
+        "--kv-heads", type=positive_int, default=None, help="KV heads (default: --heads; fewer gives GQA)"
+    )
+    d.add_argument("--layers", type=positive_int, default=4)
+    d.add_argument(
+        "--block-size", type=positive_int, default=None, help="KV block size (default: the platform's)"
+    )
     d.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -359,9 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: float32 where supported, else bfloat16/float16",
     )
     d.add_argument(
-        "--max-model-len", type=int, default=4096, help="the dense cache's length for the memory comparison"
+        "--max-model-len",
+        type=positive_int,
+        default=4096,
+        help="the dense cache's length for the memory comparison",
     )
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=non_negative_int, default=0)
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument(
@@ -369,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--ulysses",
-        type=int,
+        type=positive_int,
         default=1,
         help="strict Ulysses degree (heads sharded across ranks); launch with torchrun",
     )
@@ -380,21 +574,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_cmd_demo)
     b = sub.add_parser(
-        "bench", help="benchmarks: attention regimes, translation overhead, tiny-DiT end to end"
+        "bench",
+        help="benchmarks: attention regimes, translation overhead, tiny-DiT end to end",
+        parents=[common],
     )
     b.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
     b.add_argument(
         "--sizes", choices=("auto", "small", "full"), default="auto", help="auto: full on CUDA, else small"
     )
-    b.add_argument("--sections", default="attention,host,e2e", help="comma list of attention, host, e2e")
-    b.add_argument("--regimes", default="A,B", help="attention regimes (A: compute-bound, B: memory-bound)")
-    b.add_argument("--block-sizes", default="128,16")
-    b.add_argument("--cfg", default="1,2", help="CFG branch counts")
+    b.add_argument(
+        "--sections",
+        type=_list_of(str, SECTION_NAMES),
+        default=SECTION_NAMES,
+        help="comma list of attention, host, e2e",
+    )
+    b.add_argument(
+        "--regimes",
+        type=_list_of(str, ("A", "B")),
+        default=("A", "B"),
+        help="attention regimes (A: compute-bound, B: memory-bound)",
+    )
+    b.add_argument("--block-sizes", type=_list_of(positive_int), default=(128, 16))
+    b.add_argument("--cfg", type=_list_of(int, (1, 2)), default=(1, 2), help="CFG branch counts (1, 2)")
     b.add_argument("--gqa", choices=("both", "no", "only"), default="both", help="GQA (8 KV heads) variants")
     b.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32"
     )
-    b.add_argument("--min-ms", type=float, default=20.0, help="minimum duration of one timed repetition")
+    b.add_argument(
+        "--min-ms", type=positive_float, default=20.0, help="minimum duration of one timed repetition"
+    )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--output", default=None, help="also write the report to this file")
     b.add_argument("--no-progress", action="store_true")
@@ -403,9 +611,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    """Run one command; see the module docstring for exit codes and error output."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except UsageError as exc:
+        return _fail(EXIT_USAGE, str(exc), "usage", as_json)
+    except KeyboardInterrupt:
+        print("diffusion-kv: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (RunError, DiffusionKVError) as exc:
+        if debug:
+            raise
+        return _fail(EXIT_ERROR, str(exc), "error", as_json)
+    except Exception as exc:
+        if debug:
+            raise
+        message = f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        return _fail(EXIT_ERROR, message, "internal", as_json)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ def _clean_platform_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         selection.ENV_GROUP,
         "DKV_TEST_FAKEACCEL",
         "DKV_TEST_FAKEACCEL2",
+        "DKV_TEST_LIMITED",
     ):
         monkeypatch.delenv(var, raising=False)
     selection.refresh()

@@ -4,10 +4,16 @@ Rules, in order:
 
 * ``DIFFUSION_KV_PLUGINS`` (comma list), when set, limits which entry points are loaded at all.
 * Two entry points claiming one name are a :class:`DuplicatePlatformError` for that name;
-  neither is loaded. Other plugins are unaffected.
-* A plugin that fails to import or fails validation is recorded with its entry point, the
-  exception and what to fix. Requesting it raises :class:`PluginLoadError`; automatic selection
-  skips it with a :class:`PluginLoadWarning` (never silently).
+  neither is loaded. Other plugins are unaffected. The exception: a built-in name (``cpu``,
+  ``cuda``, ``npu``) claimed by another entry point keeps the built-in; the claimant is reported
+  and skipped, so no installed distribution can disable a built-in platform.
+* A plugin that fails in any way — its import raises anything (``SystemExit`` included), its
+  class fails validation or raises while being inspected, its detector raises, its constructor
+  raises — is recorded with its entry point, the exception and what to fix. Requesting it
+  raises :class:`PluginLoadError`; automatic selection skips it with a
+  :class:`PluginLoadWarning` (never silently). ``KeyboardInterrupt`` always propagates.
+* Output a plugin prints to stdout while it is imported, detected or constructed is captured
+  (machine-readable output stays valid) and reported as a warning on that plugin.
 * An explicit name (argument, else ``DIFFUSION_KV_PLATFORM``) wins; an unknown name raises
   :class:`PlatformNotFoundError` listing the installed names.
 * Otherwise every loaded plugin's detector runs: exactly one available non-reference
@@ -20,15 +26,16 @@ Rules, in order:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
+import io
 import os
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
-from typing import Any
+from typing import Any, TypeVar
 
 from stevedore import ExtensionManager, NamedExtensionManager
 
@@ -55,6 +62,59 @@ ENV_PLATFORM = "DIFFUSION_KV_PLATFORM"
 ENV_PLUGINS = "DIFFUSION_KV_PLUGINS"
 ENV_GROUP = "DIFFUSION_KV_ENTRY_POINT_GROUP"
 REFERENCE_PLATFORM = "cpu"
+BUILTIN_ENTRY_POINTS = {
+    "cpu": "diffusion_kv.platforms.cpu:CpuPlatform",
+    "cuda": "diffusion_kv.platforms.cuda:CudaPlatform",
+    "npu": "diffusion_kv.platforms.npu:NpuPlatform",
+}
+"""The built-in platforms: their names cannot be taken over by another entry point."""
+
+T = TypeVar("T")
+
+
+class PluginFailure(Exception):
+    """What a plugin raised (anything but ``KeyboardInterrupt``), with its captured stdout."""
+
+    def __init__(self, exc: BaseException, printed: str) -> None:
+        super().__init__(f"{type(exc).__name__}: {safe_repr(exc, str)}")
+        self.original = exc
+        self.printed = printed
+
+
+def safe_repr(obj: object, how: Callable[[object], str] = repr) -> str:
+    """``repr(obj)`` (or ``how(obj)``), or a placeholder when that raises."""
+    try:
+        return how(obj)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return f"<{type(obj).__name__} whose {how.__name__} raised {type(exc).__name__}>"
+
+
+def guarded(call: Callable[[], T]) -> tuple[T, str]:
+    """Run plugin code: ``(result, captured stdout)``, or :class:`PluginFailure` for anything it
+    raises except ``KeyboardInterrupt`` (``SystemExit`` included)."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            result = call()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise PluginFailure(exc, buffer.getvalue()) from exc
+    return result, buffer.getvalue()
+
+
+def _printed_note(printed: str, when: str) -> str | None:
+    if not printed:
+        return None
+    shown = printed.strip().replace("\n", " | ")
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    return (
+        f"printed {len(printed)} characters to stdout {when} ({shown!r}); they were captured. "
+        "Fix: log through logging or warnings instead of print"
+    )
 
 
 class PluginLoadWarning(UserWarning):
@@ -70,6 +130,8 @@ class PluginRecord:
     distributions: tuple[str, ...]
     platform_cls: type[Platform] | None
     error: PlatformError | None
+    notes: tuple[str, ...] = ()
+    """Warnings about a plugin that still loaded (e.g. it printed at import)."""
 
     @property
     def entry_point(self) -> str:
@@ -96,9 +158,12 @@ class PlatformStatus:
     default_block_size: int | None
     selected: bool
     error: str | None = None
+    notes: tuple[str, ...] = field(default=())
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["notes"] = list(self.notes)
+        return out
 
 
 def _format_entry_point(ep: EntryPoint) -> str:
@@ -161,10 +226,20 @@ def _signature_problems(cls: type, member: str) -> list[str]:
 
 
 def validate_platform_class(obj: object, entry_point_name: str) -> list[str]:
-    """Every reason ``obj`` is not a valid platform plugin for ``entry_point_name``."""
+    """Every reason ``obj`` is not a valid platform plugin for ``entry_point_name``; a class
+    that raises while being inspected is reported, never propagated."""
+    try:
+        return _class_problems(obj, entry_point_name)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return [f"inspecting the class raised {type(exc).__name__}: {safe_repr(exc, str)}"]
+
+
+def _class_problems(obj: object, entry_point_name: str) -> list[str]:
     if not isinstance(obj, type) or not issubclass(obj, Platform):
         return [
-            f"the entry point resolved to {obj!r}, which is not a subclass of "
+            f"the entry point resolved to {safe_repr(obj)}, which is not a subclass of "
             "diffusion_kv.platforms.interface.Platform"
         ]
     problems: list[str] = []
@@ -208,8 +283,12 @@ class PluginSet:
         self.namespace = namespace
         self.allowlist = allowlist
         self.records: dict[str, PluginRecord] = {}
+        self.shadowed: list[PluginRecord] = []
+        """Entry points that claimed a built-in name: reported and skipped."""
         self.not_installed: tuple[str, ...] = ()
         self._instances: dict[str, Platform] = {}
+        self._construct_errors: dict[str, PluginLoadError] = {}
+        self._notes: dict[str, list[str]] = {}
         self._load()
 
     # -- loading -----------------------------------------------------------------------------
@@ -225,13 +304,39 @@ class PluginSet:
         def _distribution_of(ep: EntryPoint) -> str:
             return dists.get((ep.name, ep.value), "unknown distribution")
 
-        listed = [ep for ep in all_eps if self.allowlist is None or ep.name in self.allowlist]
-        counts = Counter(ep.name for ep in listed)
+        listed: list[EntryPoint] = []
+        for ep in all_eps:  # the same entry point seen twice (one distribution on two paths) is one
+            if (self.allowlist is None or ep.name in self.allowlist) and all(
+                (ep.name, ep.value) != (other.name, other.value) for other in listed
+            ):
+                listed.append(ep)
         if self.allowlist is not None:
             self.not_installed = tuple(sorted(self.allowlist - {ep.name for ep in all_eps}))
-        for name, count in counts.items():
-            if count > 1:
-                eps = [ep for ep in listed if ep.name == name]
+        by_name: dict[str, list[EntryPoint]] = {}
+        for ep in listed:
+            by_name.setdefault(ep.name, []).append(ep)
+        for name, eps in by_name.items():
+            builtin = [ep for ep in eps if ep.value == BUILTIN_ENTRY_POINTS.get(name)]
+            if len(eps) > 1 and builtin:
+                for ep in eps:
+                    if ep is builtin[0]:
+                        continue
+                    self.shadowed.append(
+                        PluginRecord(
+                            name,
+                            (_format_entry_point(ep),),
+                            (_distribution_of(ep),),
+                            None,
+                            PluginLoadError(
+                                f"entry point '{_format_entry_point(ep)}' ({_distribution_of(ep)}) claims the "
+                                f"built-in platform name {name!r}; it was skipped and the built-in kept. Fix: "
+                                "register the plugin under a name of its own, or add a backend to the built-in "
+                                "platform instead"
+                            ),
+                        )
+                    )
+                eps = [builtin[0]]
+            if len(eps) > 1:
                 shown = ", ".join(f"'{_format_entry_point(ep)}' ({_distribution_of(ep)})" for ep in eps)
                 self.records[name] = PluginRecord(
                     name=name,
@@ -239,51 +344,37 @@ class PluginSet:
                     distributions=tuple(_distribution_of(ep) for ep in eps),
                     platform_cls=None,
                     error=DuplicatePlatformError(
-                        f"platform name {name!r} is claimed by {count} entry points in group "
+                        f"platform name {name!r} is claimed by {len(eps)} entry points in group "
                         f"{self.namespace!r}: {shown}. Fix: uninstall one of the distributions, or "
                         f"rename one plugin (entry-point name and class attribute 'name')"
                     ),
                 )
-        unique = [ep for ep in listed if counts[ep.name] == 1]
-        failures: dict[str, BaseException] = {}
+                continue
+            self.records[name] = self._load_one(eps[0], _distribution_of(eps[0]))
 
-        def on_failure(_mgr: object, ep: EntryPoint, exc: BaseException) -> None:
-            failures[ep.name] = exc
-
-        manager: NamedExtensionManager[Any] = NamedExtensionManager(
-            self.namespace,
-            names=[ep.name for ep in unique],
-            on_load_failure_callback=on_failure,
-            on_missing_entrypoints_callback=None,
-        )
-        loaded = {ext.name: ext.plugin for ext in manager.extensions}
-        for ep in unique:
-            text = _format_entry_point(ep)
-            dist = _distribution_of(ep)
-            error: PlatformError | None = None
-            cls: type[Platform] | None = None
-            if ep.name in failures:
-                exc = failures[ep.name]
-                error = PluginLoadError(
-                    f"platform plugin {ep.name!r} (entry point '{text}', {dist}) failed to import: "
-                    f"{type(exc).__name__}: {exc}. Fix: install what the plugin needs, or leave it out "
-                    f"with {ENV_PLUGINS}=<names to load>"
-                )
-                error.__cause__ = exc
-            elif ep.name in loaded:
-                obj = loaded[ep.name]
-                problems = validate_platform_class(obj, ep.name)
-                if problems:
-                    error = PluginLoadError(
-                        f"platform plugin {ep.name!r} (entry point '{text}', {dist}) failed validation: "
-                        + "; ".join(problems)
-                        + ". Fix: make the class follow diffusion_kv.platforms.interface.Platform"
-                    )
-                else:
-                    cls = obj
-            else:  # pragma: no cover - stevedore skipped it without reporting a failure
-                error = PluginLoadError(f"platform plugin {ep.name!r} ('{text}') was not loaded by stevedore")
-            self.records[ep.name] = PluginRecord(ep.name, (text,), (dist,), cls, error)
+    def _load_one(self, ep: EntryPoint, dist: str) -> PluginRecord:
+        text = _format_entry_point(ep)
+        where = f"platform plugin {ep.name!r} (entry point '{text}', {dist})"
+        try:
+            obj, printed = guarded(ep.load)
+        except PluginFailure as failure:
+            error = PluginLoadError(
+                f"{where} failed to import: {failure}. Fix: install what the plugin needs, or leave it "
+                f"out with {ENV_PLUGINS}=<names to load>"
+            )
+            error.__cause__ = failure.original
+            return PluginRecord(ep.name, (text,), (dist,), None, error)
+        note = _printed_note(printed, "at import")
+        notes = (note,) if note else ()
+        problems = validate_platform_class(obj, ep.name)
+        if problems:
+            error = PluginLoadError(
+                f"{where} failed validation: "
+                + "; ".join(problems)
+                + ". Fix: make the class follow diffusion_kv.platforms.interface.Platform"
+            )
+            return PluginRecord(ep.name, (text,), (dist,), None, error, notes)
+        return PluginRecord(ep.name, (text,), (dist,), obj, None, notes)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -291,30 +382,70 @@ class PluginSet:
     def names(self) -> list[str]:
         return sorted(self.records)
 
-    def instance(self, name: str) -> Platform:
+    def error_of(self, name: str) -> PlatformError | None:
+        """Why ``name`` cannot be used (load, validation or construction), or None."""
         record = self.records[name]
-        if record.error is not None:
-            raise record.error
+        return record.error if record.error is not None else self._construct_errors.get(name)
+
+    def notes_of(self, name: str) -> tuple[str, ...]:
+        return self.records[name].notes + tuple(self._notes.get(name, ()))
+
+    def _note(self, name: str, note: str | None) -> None:
+        if note and note not in self._notes.setdefault(name, []):
+            self._notes[name].append(note)
+
+    def instance(self, name: str) -> Platform:
+        """The plugin's one instance; a constructor that raises is recorded as its load error."""
+        error = self.error_of(name)
+        if error is not None:
+            raise error
+        record = self.records[name]
         assert record.platform_cls is not None
         if name not in self._instances:
-            self._instances[name] = record.platform_cls()
+            try:
+                platform, printed = guarded(record.platform_cls)
+            except PluginFailure as failure:
+                err = PluginLoadError(
+                    f"platform plugin {name!r} (entry point '{record.entry_point}') failed to construct: "
+                    f"{failure}. Fix: make {record.platform_cls.__name__}() succeed with no arguments and "
+                    "no vendor work (do that lazily), or leave it out with "
+                    f"{ENV_PLUGINS}=<names to load>"
+                )
+                err.__cause__ = failure.original
+                self._construct_errors[name] = err
+                self._note(name, _printed_note(failure.printed, "while constructed"))
+                raise err from failure.original
+            self._note(name, _printed_note(printed, "while constructed"))
+            self._instances[name] = platform
         return self._instances[name]
 
     def availability(self, name: str) -> Availability:
+        """The detector's answer; whatever it raises (``SystemExit`` included) is the reason."""
+        error = self.error_of(name)
+        if error is not None:
+            return Availability(False, f"not loaded: {error}")
         record = self.records[name]
-        if record.error is not None:
-            return Availability(False, f"not loaded: {record.error}")
         assert record.platform_cls is not None
+        detector = record.platform_cls.is_available
         try:
-            result = record.platform_cls.is_available()
-        except Exception as exc:  # reported, never swallowed: it becomes the reason
-            return Availability(False, f"detector raised {type(exc).__name__}: {exc}")
+            result, printed = guarded(detector)
+        except PluginFailure as failure:
+            printed = failure.printed
+            result = Availability(False, f"detector raised {failure}")
         if not isinstance(result, Availability):
-            return Availability(False, f"detector returned {result!r}, not an Availability")
+            result = Availability(False, f"detector returned {safe_repr(result)}, not an Availability")
+        self._note(name, _printed_note(printed, "in its detector"))
         return result
 
     def broken(self) -> list[PluginRecord]:
-        return [r for r in self.records.values() if r.error is not None]
+        """Plugins that cannot be used, and entry points skipped for claiming a built-in name."""
+        out = [r for r in self.records.values() if r.error is not None]
+        out.extend(
+            PluginRecord(r.name, r.entry_points, r.distributions, None, self._construct_errors[r.name])
+            for r in self.records.values()
+            if r.error is None and r.name in self._construct_errors
+        )
+        return out + self.shadowed
 
 
 _CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}
@@ -396,13 +527,18 @@ def select_platform(
     emit = warn or (lambda message: warnings.warn(message, PluginLoadWarning, stacklevel=3))
     for record in plugins.broken():
         emit(str(record.error))
-    loaded = [n for n in plugins.names if plugins.records[n].loaded]
+    loaded = [n for n in plugins.names if plugins.error_of(n) is None]
     availability = {n: plugins.availability(n) for n in loaded}
-    accelerators = [
-        n
-        for n in loaded
-        if availability[n] and not plugins.records[n].platform_cls.is_reference  # type: ignore[union-attr]
-    ]
+    accelerators = []
+    for n in loaded:
+        if not availability[n] or plugins.records[n].platform_cls.is_reference:  # type: ignore[union-attr]
+            continue
+        try:
+            plugins.instance(n)
+        except PluginLoadError as exc:  # an available plugin that cannot be built is skipped, loudly
+            emit(str(exc))
+            continue
+        accelerators.append(n)
     if len(accelerators) > 1:
         raise AmbiguousPlatformError(
             f"several accelerator platforms are available: {', '.join(accelerators)}. Choose one with "
@@ -412,9 +548,7 @@ def select_platform(
         chosen = accelerators[0]
         how = f"auto: the only available accelerator platform ({availability[chosen].reason})"
     else:
-        if REFERENCE_PLATFORM not in plugins.records or not plugins.records[REFERENCE_PLATFORM].loaded:
-            if REFERENCE_PLATFORM in plugins.records:
-                raise plugins.records[REFERENCE_PLATFORM].error  # type: ignore[misc]
+        if REFERENCE_PLATFORM not in plugins.records:
             raise PlatformNotFoundError(
                 f"no accelerator platform is available and the reference platform {REFERENCE_PLATFORM!r} "
                 f"is not loaded (installed: {', '.join(plugins.names) or 'none'}"
@@ -423,7 +557,8 @@ def select_platform(
             )
         chosen = REFERENCE_PLATFORM
         how = "auto: no accelerator platform is available, using the reference platform"
-    platform = plugins.instance(chosen)
+    platform = plugins.instance(chosen)  # raises the reference's own load error, if any
+    skipped = tuple(f"{r.name}: {r.error}" for r in plugins.broken())
     if requirements is not None:
         reasons = platform.not_supported_reasons(requirements)
         if reasons:
@@ -431,13 +566,16 @@ def select_platform(
             for other in plugins.names:
                 if other == chosen:
                     continue
-                record = plugins.records[other]
-                if record.error is not None:
-                    candidates.append((other, [f"not loaded: {record.error}"]))
+                error = plugins.error_of(other)
+                if error is not None:
+                    candidates.append((other, [f"not loaded: {error}"]))
                 elif not availability[other]:
                     candidates.append((other, [f"unavailable: {availability[other].reason}"]))
                 else:
-                    other_reasons = plugins.instance(other).not_supported_reasons(requirements)
+                    try:
+                        other_reasons = plugins.instance(other).not_supported_reasons(requirements)
+                    except PluginLoadError as exc:
+                        other_reasons = [f"not loaded: {exc}"]
                     candidates.append((other, other_reasons or ["not selected automatically: " + how]))
             raise _unsupported(requirements, candidates)
     return Selection(platform, how, skipped)
@@ -465,6 +603,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
         record = plugins.records[n]
         availability = plugins.availability(n)
         cls = record.platform_cls
+        error = plugins.error_of(n)
         out.append(
             PlatformStatus(
                 name=n,
@@ -478,7 +617,8 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                 kv_write_policy=cls.kv_write_policy.value if cls else None,
                 default_block_size=cls.default_block_size if cls else None,
                 selected=(n == selected),
-                error=str(record.error) if record.error is not None else None,
+                error=str(error) if error is not None else None,
+                notes=plugins.notes_of(n),
             )
         )
     return out

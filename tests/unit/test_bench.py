@@ -67,10 +67,12 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["platform"] == "cpu" and len(report["attention"]) == 1
-    assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 1
-    assert "unknown or empty sections ['nope']" in capsys.readouterr().err
-    assert main(["bench", "--cfg", "3", "--no-progress"]) == 1
-    assert "CFG 1 or 2" in capsys.readouterr().err
+    assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e\n"
+    )
+    assert main(["bench", "--cfg", "3", "--no-progress"]) == 2
+    assert "argument --cfg: unknown value(s) 3; choose from 1, 2" in capsys.readouterr().err
 
 
 def test_a_failing_section_is_reported_and_fails_the_command(

@@ -99,5 +99,6 @@ def test_conformance_command_runs_the_kit() -> None:
     assert "2 passed" in proc.stdout
 
 
-def test_conformance_command_unknown_platform() -> None:
-    assert main(["conformance", "--platform", "bogus"]) == 1
+def test_conformance_command_unknown_platform(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conformance", "--platform", "bogus"]) == 2
+    assert "diffusion-kv: error: argument --platform: no platform named 'bogus'" in capsys.readouterr().err

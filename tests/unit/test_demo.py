@@ -58,4 +58,5 @@ def test_cli_json_and_exit_codes() -> None:
 
 def test_cli_rejects_bad_sizes() -> None:
     proc = _cli("--max-model-len", "8")
-    assert proc.returncode == 1 and "exceeds max_model_len 8" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr == "diffusion-kv: error: --prefix 40 + --target 16 exceeds --max-model-len 8\n"

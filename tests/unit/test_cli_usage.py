@@ -1,0 +1,168 @@
+"""Every invalid argument value is a usage error: exit 2, one line, found before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffusion_kv import bench as bench_pkg
+from diffusion_kv.cli import SECTION_NAMES, main
+from diffusion_kv.models import demo as demo_mod
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any demo or bench run counts as work started: it fails the test."""
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(demo_mod, "run_demo", refuse)
+    monkeypatch.setattr(bench_pkg, "run_bench", refuse)
+
+
+USAGE = {
+    "--block-size 0": (["demo", "--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
+    "--kv-heads 0": (["demo", "--kv-heads", "0"], "argument --kv-heads: must be >= 1, got 0"),
+    "--steps -1": (["demo", "--steps", "-1"], "argument --steps: must be >= 1, got -1"),
+    "--prefix x": (["demo", "--prefix", "x"], "argument --prefix: expected an integer, got 'x'"),
+    "--prefix 1.5": (["demo", "--prefix", "1.5"], "argument --prefix: expected an integer, got '1.5'"),
+    "--seed -3": (["demo", "--seed", "-3"], "argument --seed: must be >= 0, got -3"),
+    "--cfg 3": (["demo", "--cfg", "3"], "argument --cfg: invalid choice: 3"),
+    "--dtype int8": (["demo", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    "--heads 3 --hidden 256": (
+        ["demo", "--heads", "3", "--hidden", "256"],
+        "--hidden 256 must be a multiple of --heads 3",
+    ),
+    "odd head size": (
+        ["demo", "--heads", "4", "--hidden", "36"],
+        "head size --hidden/--heads = 9 must be even",
+    ),
+    "--kv-heads 3": (["demo", "--kv-heads", "3"], "--heads 4 must be a multiple of --kv-heads 3"),
+    "too long": (["demo", "--prefix", "4000", "--target", "200"], "exceeds --max-model-len 4096"),
+    "--ulysses 3": (["demo", "--ulysses", "3"], "must be divisible by --ulysses 3"),
+    "--cfg-parallel --cfg 1": (["demo", "--cfg-parallel", "--cfg", "1"], "--cfg-parallel needs --cfg 2"),
+    "--ulysses without torchrun": (["demo", "--ulysses", "2"], "run under torchrun (WORLD_SIZE is not set)"),
+    "unknown platform": (["demo", "--platform", "nosuch"], "argument --platform: no platform named 'nosuch'"),
+    "unknown option": (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    "no command": ([], "the following arguments are required: command"),
+    "bench sections": (
+        ["bench", "--sections", ""],
+        "argument --sections: expected a comma list without empty items",
+    ),
+    "bench regimes": (
+        ["bench", "--regimes", "A,C"],
+        "argument --regimes: unknown value(s) C; choose from A, B",
+    ),
+    "bench blocks": (["bench", "--block-sizes", "16,0"], "argument --block-sizes: must be >= 1, got 0"),
+    "bench repeated": (["bench", "--cfg", "1,1"], "argument --cfg: lists a value twice"),
+    "bench min-ms": (["bench", "--min-ms", "nan"], "argument --min-ms: must be a finite number > 0, got nan"),
+    "bench output dir": (
+        ["bench", "--output", "/nonexistent-dir/x.json"],
+        "argument --output: cannot write '/nonexistent-dir/x.json'",
+    ),
+    "bench unknown platform": (
+        ["bench", "--platform", "nosuch"],
+        "argument --platform: no platform named 'nosuch'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USAGE))
+def test_usage_errors(case: str, no_work: None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, fact = USAGE[case]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("diffusion-kv: error: ") and err.endswith("\n") and err.count("\n") == 1, err
+    assert fact in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "case", ["--block-size 0", "--heads 3 --hidden 256", "unknown platform", "bench output dir"]
+)
+def test_usage_errors_as_json(case: str, no_work: None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, fact = USAGE[case]
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    payload = json.loads(out)  # exactly one JSON document
+    assert payload["error"]["kind"] == "usage" and payload["error"]["exit_code"] == 2
+    assert fact in payload["error"]["message"] and fact in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "fact"),
+    [
+        (["--dtype", "float32"], "dtype=float32 (supported: ['float16'])"),
+        (["--dtype", "float16", "--hidden", "512", "--heads", "4"], "head_size=128 (supported: [64])"),
+        (["--dtype", "float16", "--block-size", "32"], "block_size=32 (supported: 16)"),
+        (["--dtype", "float16", "--kv-heads", "2"], "grouped-query attention (num_heads=4, num_kv_heads=2)"),
+    ],
+)
+def test_what_the_platform_cannot_serve_is_a_usage_error(
+    extra: list[str],
+    fact: str,
+    test_group: str,
+    monkeypatch: pytest.MonkeyPatch,
+    no_work: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("DKV_TEST_LIMITED", "1")
+    assert main(["demo", "--platform", "limited", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffusion-kv: error: platform 'limited' cannot serve this demo: ") and fact in err
+    assert main(["bench", "--platform", "limited", "--dtype", "bf16", "--block-sizes", "16,128"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype bf16 (supported: ['float16']); --block-sizes 128 (supported: 16)" in err
+
+
+def test_unavailable_platform_is_a_run_error(no_work: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--platform", "npu", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["kind"] == "error" and "platform 'npu' is not available here" in err
+
+
+def test_output_is_checked_before_the_run_and_left_alone(tmp_path: Path, no_work: None) -> None:
+    target = tmp_path / "missing" / "report.json"
+    assert main(["bench", "--output", str(target)]) == 2
+    assert not target.parent.exists()
+    directory = tmp_path / "adir"
+    directory.mkdir()
+    assert main(["bench", "--output", str(directory)]) == 2
+    writable = tmp_path / "r.json"
+    with pytest.raises(AssertionError, match="work started"):  # a writable path passes the check
+        main(["bench", "--output", str(writable), "--debug"])
+    assert not writable.exists()  # the probe leaves nothing behind
+
+
+def test_internal_errors_are_one_line_unless_debug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def explode(*_a: object, **_k: object) -> None:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(demo_mod, "run_demo", explode)
+    assert main(["demo", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "diffusion-kv: error: internal error: ZeroDivisionError: boom (run with --debug for the traceback)\n"
+    )
+    with pytest.raises(ZeroDivisionError):
+        main(["demo", "--no-progress", "--debug"])
+
+
+def test_interrupt_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupt(*_a: object, **_k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_mod, "run_demo", interrupt)
+    assert main(["demo", "--no-progress"]) == 130
+    assert capsys.readouterr().err == "diffusion-kv: interrupted\n"
+
+
+def test_section_names_match_the_bench() -> None:
+    assert tuple(bench_pkg.SECTIONS) == SECTION_NAMES
