@@ -24,10 +24,11 @@ rank installs and attends with its branch's rows only; under decode context para
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -41,6 +42,8 @@ from diffusion_kv.core.batch import (
 )
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import (
+    DiffusionKVError,
+    NativeBackendError,
     StateError,
     UnsupportedFeatureError,
     UnsupportedRequirementsError,
@@ -59,6 +62,8 @@ from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry, rem
 from diffusion_kv.core.rows import PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import Translator, resolve_device
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # the core knows plugins only through this structural view
     from diffusion_kv.platforms.interface import Platform
@@ -171,7 +176,9 @@ class RunnerBackend:
                 "paged attention does not support Ring or hybrid Ulysses+Ring attention"
             )
         if p.allgather_degree > 1:
-            raise UnsupportedFeatureError("paged attention does not support all-gather-KV sequence parallelism")
+            raise UnsupportedFeatureError(
+                "paged attention does not support all-gather-KV sequence parallelism"
+            )
         if p.ulysses_degree > 1 and p.ulysses_mode != "strict":
             raise UnsupportedFeatureError(
                 f"paged attention supports only strict Ulysses; got ulysses_mode={p.ulysses_mode!r}"
@@ -194,7 +201,9 @@ class RunnerBackend:
             if type(name) is not str or not name:
                 raise ValidationError(f"paged layer names must be non-empty strings; got {name!r}")
             if not isinstance(spec, PagedLayerSpec):
-                raise ValidationError(f"paged layer {name!r} needs a PagedLayerSpec; got {type(spec).__name__}")
+                raise ValidationError(
+                    f"paged layer {name!r} needs a PagedLayerSpec; got {type(spec).__name__}"
+                )
             heads = _positive(spec.num_heads, f"layer {name!r} num_heads")
             kv_heads = _positive(spec.num_kv_heads, f"layer {name!r} num_kv_heads")
             _positive(spec.head_size, f"layer {name!r} head_size")
@@ -372,21 +381,28 @@ class RunnerBackend:
     ) -> tuple[BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache]]:
         c = self.config
         platform = self.platform
-        block_tables = platform.block_tables_cls()(
-            block_sizes=layout.block_sizes,
-            max_num_reqs=layout.max_num_reqs,
-            max_num_batched_tokens=layout.max_num_batched_tokens,
-            max_num_blocks_per_group=[
-                cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
-            ],
-            device=self.device,
-            kernel_block_sizes=layout.block_sizes,
-            cp_size=c.cp_size,
-            cp_rank=c.cp_rank,
-            cp_interleave=c.cp_interleave,
+        part = self._plugin_part
+        block_tables = part(
+            "BlockTables",
+            None,
+            lambda: platform.block_tables_cls()(
+                block_sizes=layout.block_sizes,
+                max_num_reqs=layout.max_num_reqs,
+                max_num_batched_tokens=layout.max_num_batched_tokens,
+                max_num_blocks_per_group=[
+                    cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
+                ],
+                device=self.device,
+                kernel_block_sizes=layout.block_sizes,
+                cp_size=c.cp_size,
+                cp_rank=c.cp_rank,
+                cp_interleave=c.cp_interleave,
+            ),
         )
-        builder: MetadataBuilder = platform.metadata_builder(
-            layout, block_tables, list(self.layers.values()), self.device
+        builder: MetadataBuilder = part(
+            "metadata builder",
+            None,
+            lambda: platform.metadata_builder(layout, block_tables, list(self.layers.values()), self.device),
         )
         translator = Translator(
             layout=layout,
@@ -409,20 +425,40 @@ class RunnerBackend:
         for group in layout.groups:
             for name in group.layer_names:
                 geom = self.layers[name]
-                backends[name] = platform.paged_backend(geom, self.device)
-                caches[name] = platform.allocate_kv_cache(
-                    layout.num_blocks,
-                    group.block_size,
-                    geom.num_kv_heads,
-                    geom.head_size,
-                    geom.dtype,
-                    self.device,
+                backends[name] = part(
+                    "paged backend", name, partial(platform.paged_backend, geom, self.device)
+                )
+                caches[name] = part(
+                    "KV-cache allocation",
+                    name,
+                    partial(
+                        platform.allocate_kv_cache,
+                        layout.num_blocks,
+                        group.block_size,
+                        geom.num_kv_heads,
+                        geom.head_size,
+                        geom.dtype,
+                        self.device,
+                    ),
                 )
         policy = platform.kv_write_policy
         if not isinstance(policy, KVWritePolicy):
             raise ValidationError(f"platform {platform.name!r} declares no KVWritePolicy")
         executor = PagedExecutor(translator, self.layers, backends, caches, policy, merger, platform.name)
         return block_tables, registry, translator, executor, caches
+
+    def _plugin_part(self, what: str, layer: str | None, build: Callable[[], T]) -> T:
+        """Build one plugin part; a failure inside the plugin becomes a NativeBackendError."""
+        try:
+            return build()
+        except DiffusionKVError:
+            raise
+        except Exception as exc:
+            where = f" for layer {layer!r}" if layer is not None else ""
+            raise NativeBackendError(
+                f"platform {self.platform.name!r} failed to build its {what}{where} "
+                f"({type(exc).__name__}: {exc}); nothing was initialised"
+            ) from exc
 
     # -- per request --------------------------------------------------------------------------
 

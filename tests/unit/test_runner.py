@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -9,7 +10,12 @@ import pytest
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
-from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import (
+    NativeBackendError,
+    StateError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, PhaseRows
@@ -119,14 +125,34 @@ def test_ulysses_divisibility() -> None:
         backend.register_kv_cache_layers({"a": spec()})
 
 
-@pytest.mark.parametrize("part", ["block_tables", "builder", "allocation"])
-def test_initialisation_is_atomic(part: str) -> None:
+@pytest.mark.parametrize(
+    ("part", "message", "cause"),
+    [
+        (
+            "block_tables",
+            "failed to build its BlockTables (RuntimeError: BlockTables construction failed)",
+            RuntimeError,
+        ),
+        (
+            "builder",
+            "failed to build its metadata builder (RuntimeError: builder construction failed)",
+            RuntimeError,
+        ),
+        (
+            "allocation",
+            "failed to build its KV-cache allocation for layer 'a' (MemoryError: cache allocation failed)",
+            MemoryError,
+        ),
+    ],
+)
+def test_initialisation_is_atomic(part: str, message: str, cause: type[Exception]) -> None:
     platform = FlakyPlatform()
     platform.fail = part
     backend = RunnerBackend(platform, config())
     backend.register_kv_cache_layers({"a": spec(), "b": spec()})
-    with pytest.raises((RuntimeError, MemoryError)):
+    with pytest.raises(NativeBackendError, match=re.escape(f"platform 'cpu' {message}")) as info:
         backend.initialize_kv_cache(num_blocks=16, block_size=4)
+    assert isinstance(info.value.__cause__, cause)
     assert not backend.initialized
     assert backend.registry is None and backend.translator is None and backend.kv_caches == {}
     assert list(backend.layers) == ["a", "b"]  # registration survives; a retry works
