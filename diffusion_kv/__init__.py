@@ -1,14 +1,33 @@
 """diffusion-kv: paged KV caches for diffusion transformers, with hardware plugins.
 
-Public API (everything else is internal and may change):
+The public API is what this module exports; everything else may change between releases.
 
-* :func:`get_platform` / :func:`available_platforms` / :func:`refresh_platforms` — plugin
-  selection and status;
-* the plugin contract in :mod:`diffusion_kv.platforms.interface`.
+* Plugins and selection: :func:`get_platform`, :func:`available_platforms`,
+  :func:`refresh_platforms`, :class:`Platform`, :class:`PagedBackend` and the records of the
+  plugin contract (:class:`Capabilities`, :class:`Requirements`, :class:`PagedBatch`, ...).
+* Embedding (a worker): :class:`RunnerBackend` with :class:`RunnerConfig` and
+  :class:`PagedLayerSpec`; the scheduler's snapshots :class:`RequestAllocation`,
+  :class:`SequenceAllocation`, :class:`ContextAllocation`; rows and phases :class:`PagedRow`,
+  :class:`PhaseRows`; per-forward :class:`AttentionMetadata`; a standalone scheduler-side
+  :class:`DiffusionKVAllocator`.
+* Errors: everything raised for bad input or wrong state derives from :class:`DiffusionKVError`.
 """
 
+from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.allocator import (
+    AdmissionError,
+    ContextRequest,
+    DiffusionKVAllocator,
+    FreeListPool,
+    KVRequest,
+    SequenceRequest,
+)
+from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend
+from diffusion_kv.core.batch import LayerGeometry, PagedBatch
+from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf, Requirements
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
+    ConfigurationError,
     DiffusionKVError,
     DuplicatePlatformError,
     GenerationError,
@@ -26,39 +45,59 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.layer_context import AttentionMetadata
-from diffusion_kv.platforms.interface import (
-    AttentionMode,
-    Availability,
-    Capabilities,
-    KVWritePolicy,
-    MultipleOf,
-    Platform,
-    Requirements,
-)
+from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup
+from diffusion_kv.core.registry import KVCacheMode
+from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.platforms.interface import Platform
 from diffusion_kv.platforms.selection import PlatformStatus, available_platforms, get_platform
 from diffusion_kv.platforms.selection import refresh as refresh_platforms
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "AdmissionError",
     "AmbiguousPlatformError",
     "AttentionMetadata",
     "AttentionMode",
+    "AttentionSpec",
     "Availability",
+    "CacheLayout",
     "Capabilities",
+    "ConfigurationError",
+    "ContextAllocation",
+    "ContextRequest",
+    "DiffusionKVAllocator",
     "DiffusionKVError",
     "DuplicatePlatformError",
+    "FreeListPool",
     "GenerationError",
-    "KVWritePolicy",
+    "GroupContext",
+    "KVCacheGroup",
+    "KVCacheMode",
+    "KVPageLayout",
+    "KVRequest",
+    "LayerGeometry",
     "MultipleOf",
     "NativeBackendError",
+    "PagedBackend",
+    "PagedBatch",
+    "PagedLayerSpec",
+    "PagedRow",
+    "ParallelConfig",
+    "PhaseRows",
     "Platform",
     "PlatformError",
     "PlatformNotFoundError",
     "PlatformStatus",
     "PlatformUnavailableError",
     "PluginLoadError",
+    "RequestAllocation",
     "Requirements",
+    "RunnerBackend",
+    "RunnerConfig",
+    "SequenceAllocation",
+    "SequenceRequest",
     "StaleBatchError",
     "StateError",
     "UnknownIdentityError",

@@ -22,6 +22,7 @@ import torch
 from diffusion_kv.bench.timing import synchronize, time_device
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.interface import Platform
@@ -180,7 +181,7 @@ def build_setup(
         ),
     )
     runner.register_kv_cache_layers(
-        {LAYER: PagedLayerSpec(case.heads, case.kv_heads, case.head_size, dtype, causal=False)}
+        {LAYER: PagedLayerSpec(case.heads, case.kv_heads, case.head_size, dtype, mode=AttentionMode.FULL)}
     )
     nblk = cdiv(S, case.block_size)
     num_blocks = R * nblk + 1

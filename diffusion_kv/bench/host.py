@@ -41,7 +41,7 @@ def _runner(
             device=device,
         ),
     )
-    runner.register_kv_cache_layers({LAYER: PagedLayerSpec(8, 8, 128, dtype, causal=True)})
+    runner.register_kv_cache_layers({LAYER: PagedLayerSpec(8, 8, 128, dtype)})
     nblk = cdiv(tokens, block)
     runner.initialize_kv_cache(num_blocks=rows * nblk + 1, block_size=block)
     order = torch.randperm(rows * nblk + 1, generator=torch.Generator().manual_seed(0)).tolist()

@@ -1,13 +1,13 @@
-"""A small end-to-end wiring of one platform's parts, for the conformance kit.
+"""A worker built the way a real one is, for the conformance kit.
 
-It builds exactly what a worker builds (layout, the platform's BlockTables class, registry,
-translator, the platform's metadata builder, per-layer backends and KV caches) and lets a case
-install rows with a chosen physical block placement, run layers, and inspect call counts.
+:class:`PagedHarness` builds a :class:`~diffusion_kv.core.runner.RunnerBackend` for one
+platform (the backend is chosen by the platform's priority list, so ``DIFFUSION_KV_BACKEND``
+forces the one under test), lets a case install rows with a chosen physical block placement,
+run layers, and inspect every K/V write and attention call.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,41 +15,60 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
-from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedAttentionBackend
-from diffusion_kv.core.execute import PagedExecutor
-from diffusion_kv.core.layout import cdiv, single_group_layout
-from diffusion_kv.core.registry import RowRegistry
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.batch import KVCache, LayerGeometry
+from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.translate import Translator
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.interface import Platform
 
 
-class CountingBackend:
-    """Wraps a backend and records every write and forward call (``key is None`` or not)."""
+class CountingBackend(PagedBackend):
+    """Wraps a backend instance and records every K/V write (tokens) and attention call."""
 
-    def __init__(self, inner: PagedAttentionBackend) -> None:
+    name = "counting"
+
+    def __init__(self, inner: PagedBackend) -> None:  # no super().__init__: a transparent proxy
         self.inner = inner
-        self.name = inner.name
+        self.name = inner.name  # type: ignore[misc]
+        self.capabilities = type(inner).capabilities  # type: ignore[misc]
+        self.group = inner.group
         self.writes: list[int] = []
-        self.forwards: list[tuple[int, bool]] = []
+        self.forwards: list[int] = []
+        self.partials: list[int] = []
+
+    def build(self, batch: Any) -> Any:
+        return self.inner.build(batch)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         self.writes.append(int(key.shape[0]))
-        self.inner.write_kv(key, value, kv_cache, slot_mapping)
+        self.inner.write_kv(layer, key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
+        layer: LayerGeometry,
         query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: Any,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.forwards.append((int(query.shape[0]), key is not None))
-        return self.inner.forward(query, key, value, kv_cache, metadata, out)
+        self.forwards.append(int(query.shape[0]))
+        return self.inner.forward(layer, query, kv_cache, metadata, out)
+
+    def forward_partial(
+        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.partials.append(int(query.shape[0]))
+        return self.inner.forward_partial(layer, query, kv_cache, metadata)
 
 
 @dataclass
@@ -64,90 +83,56 @@ class PagedHarness:
     max_model_len: int = 256
     max_rows_per_request: int = 4
     max_num_seqs: int = 2
-    causal: bool = True
+    mode: AttentionMode = AttentionMode.CAUSAL
     layer_names: tuple[str, ...] = ("layer.0", "layer.1")
     slot_mapping_dtype: torch.dtype | None = None
     device: torch.device | None = None
     placement_seed: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    dcp_merger: PartialMerger | None = None
     _next_block: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device) if self.device is not None else self.platform.device()
-        self.layout = single_group_layout(
-            self.layer_names,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len,
-            max_rows_per_request=self.max_rows_per_request,
-            max_num_seqs=self.max_num_seqs,
-            causal=self.causal,
-        )
-        cls = self.platform.block_tables_cls()
-        kwargs: dict[str, Any] = dict(
-            block_sizes=self.layout.block_sizes,
-            max_num_reqs=self.layout.max_num_reqs,
-            max_num_batched_tokens=self.layout.max_num_batched_tokens,
-            max_num_blocks_per_group=self.layout.max_blocks_per_row(),
-            device=self.device,
-            kernel_block_sizes=self.layout.block_sizes,
-            cp_size=1,
-            cp_rank=0,
-            cp_interleave=1,
-        )
-        if self.slot_mapping_dtype is not None:
-            if "slot_mapping_dtype" not in inspect.signature(cls).parameters:
-                raise TypeError(f"{cls.__name__} does not take slot_mapping_dtype")
-            kwargs["slot_mapping_dtype"] = self.slot_mapping_dtype
-        self.block_tables = cls(**kwargs)
-        self.geometry = {
-            name: LayerGeometry(
-                layer_name=name,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size,
-                scale=self.head_size**-0.5,
-                dtype=self.dtype,
-                causal=self.causal,
-            )
-            for name in self.layer_names
-        }
-        self.translator = Translator(
-            layout=self.layout,
-            block_tables=self.block_tables,
-            builder=self.platform.metadata_builder(
-                self.layout, self.block_tables, list(self.geometry.values()), self.device
+        self.runner = RunnerBackend(
+            self.platform,
+            RunnerConfig(
+                max_model_len=self.max_model_len,
+                max_rows_per_request=self.max_rows_per_request,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_model_len * self.max_rows_per_request * self.max_num_seqs,
+                device=self.device,
+                cp_size=self.cp_size,
+                cp_rank=self.cp_rank,
+                slot_mapping_dtype=self.slot_mapping_dtype,
             ),
-            rows=None,
-            device=self.device,
-            platform_name=self.platform.name,
+            dcp_merger=self.dcp_merger,
         )
-        self.registry = RowRegistry(
-            self.layout, self.block_tables, before_mutation=self.translator.invalidate
-        )
-        self.translator.rows = self.registry
-        self.backends = {
-            name: CountingBackend(self.platform.paged_backend(geom, self.device))
-            for name, geom in self.geometry.items()
-        }
-        self.kv_caches = {
-            name: self.platform.allocate_kv_cache(
-                self.num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.dtype, self.device
-            )
-            for name in self.layer_names
-        }
-        self.executor = PagedExecutor(
-            self.translator,
-            self.geometry,
-            self.backends,
-            self.kv_caches,
-            self.platform.kv_write_policy,
-            platform_name=self.platform.name,
-        )
+        spec = PagedLayerSpec(self.num_heads, self.num_kv_heads, self.head_size, self.dtype, mode=self.mode)
+        self.runner.register_kv_cache_layers({name: spec for name in self.layer_names})
+        self.layout = self.runner.initialize_kv_cache(num_blocks=self.num_blocks, block_size=self.block_size)
+        runner = self.runner
+        assert runner.registry is not None and runner.translator is not None and runner.executor is not None
+        assert runner.block_tables is not None
+        self.block_tables = runner.block_tables
+        self.registry = runner.registry
+        self.translator = runner.translator
+        self.executor = runner.executor
+        self.kv_caches = runner.kv_caches
+        self.backend = runner.backends[0]
+        """The backend instance under test (KV-cache group 0)."""
+        self.geometry = dict(runner.layers)
+        self.backends: dict[str, CountingBackend] = {}
+        for name, inner in list(self.executor.backends.items()):
+            self.backends[name] = CountingBackend(inner)
+            self.executor.backends[name] = self.backends[name]
         gen = torch.Generator().manual_seed(self.placement_seed)
         self._block_order = torch.randperm(self.num_blocks, generator=gen).tolist()
+
+    @property
+    def kernel_block_size(self) -> int:
+        return self.backend.group.kernel_block_size
 
     def take_blocks(self, n: int, placement: str) -> list[int]:
         """``n`` block ids: ``contiguous`` (0, 1, 2...), ``reversed`` or ``permuted`` (shuffled)."""
@@ -166,29 +151,20 @@ class PagedHarness:
     def install(
         self, request_id: str, seq_lens: Sequence[int], placement: str = "permuted", generation: int = 0
     ) -> RequestAllocation:
+        tokens_per_block = self.block_size * self.cp_size
         seqs = tuple(
             SequenceAllocation(
                 sequence_id=i,
                 prefix_len=0,
                 target_len=n,
                 seq_len=n,
-                block_ids=(tuple(self.take_blocks(cdiv(n, self.block_size), placement)),),
+                block_ids=(tuple(self.take_blocks(cdiv(n, tokens_per_block), placement)),),
             )
             for i, n in enumerate(seq_lens)
         )
         snapshot = RequestAllocation(request_id, generation, seqs)
         self.registry.install(snapshot)
         return snapshot
-
-    def cache_snapshot(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for cache in self.kv_caches.values():
-            tensors = cache if isinstance(cache, tuple) else (cache,)
-            out.extend(t.detach().clone() for t in tensors)
-        return out
-
-    def writes(self) -> int:
-        return sum(len(b.writes) for b in self.backends.values())
 
     def prefill(
         self,
@@ -219,8 +195,19 @@ class PagedHarness:
                 self.executor.forward(name, q, k, v)
         self.reset_counts()
 
+    def cache_snapshot(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for cache in self.kv_caches.values():
+            tensors = cache if isinstance(cache, tuple) else (cache,)
+            out.extend(t.detach().clone() for t in tensors)
+        return out
+
+    def writes(self) -> int:
+        return sum(len(b.writes) for b in self.backends.values())
+
     def reset_counts(self) -> None:
-        """Forget the recorded writes and forwards (after a setup step)."""
+        """Forget the recorded writes and attention calls (after a setup step)."""
         for backend in self.backends.values():
             backend.writes.clear()
             backend.forwards.clear()
+            backend.partials.clear()

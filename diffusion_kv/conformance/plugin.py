@@ -1,16 +1,26 @@
-"""pytest plugin (entry point ``pytest11``): ``--dkv-platform NAME`` and the ``dkv_platform``
-fixture used by the conformance cases.
+"""pytest plugin (entry point ``pytest11``): the conformance kit's options and fixtures.
 
-Run the kit against any installed platform plugin:
+Run the kit against any installed platform and one of its paged backends::
 
-    pytest --pyargs diffusion_kv.conformance --dkv-platform NAME
+    pytest --pyargs diffusion_kv.conformance --dkv-platform NAME [--dkv-backend BACKEND]
+
+``--dkv-backend`` defaults to the platform's highest-priority available backend; the fixture
+forces it for each case with ``DIFFUSION_KV_BACKEND``. The cases derive what they run from
+the backend's declared capabilities and skip, with the backend's own reasons, what it does
+not declare; the terminal summary prints the matrix of what ran and what was skipped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from diffusion_kv.platforms.interface import Platform
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.platforms.interface import ENV_BACKEND, Platform
+
+MATRIX: list[str] = []
+"""Lines the capability-matrix case records; printed in the terminal summary."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -21,6 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="platform plugin the conformance kit runs against (default: automatic selection)",
     )
+    group.addoption(
+        "--dkv-backend",
+        action="store",
+        default=None,
+        help="paged backend of that platform (default: its highest-priority available backend)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +45,38 @@ def dkv_platform(request: pytest.FixtureRequest) -> Platform:
 
     name = request.config.getoption("--dkv-platform")
     return get_platform(name)
+
+
+def choose_backend(platform: Platform, name: str | None) -> type[PagedBackend]:
+    candidates = platform.candidate_backends()
+    if name is not None:
+        named = [b for b in candidates if b.name == name]
+        if not named:
+            raise pytest.UsageError(
+                f"--dkv-backend {name!r}: platform {platform.name!r} has {[b.name for b in candidates]}"
+            )
+        return named[0]
+    for backend in candidates:
+        if backend.is_available():
+            return backend
+    pytest.skip(f"{platform.name}: no paged backend is available here")
+
+
+@pytest.fixture
+def dkv_backend(
+    dkv_platform: Platform, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[type[PagedBackend]]:
+    """The backend under test, forced for the case through ``DIFFUSION_KV_BACKEND``."""
+    backend = choose_backend(dkv_platform, request.config.getoption("--dkv-backend"))
+    found = backend.is_available()
+    if not found:
+        pytest.skip(f"{dkv_platform.name}:{backend.name}: unavailable ({found.reason})")
+    monkeypatch.setenv(ENV_BACKEND, f"{dkv_platform.name}:{backend.name}")
+    yield backend
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if MATRIX:
+        terminalreporter.section("diffusion-kv conformance matrix")
+        for line in MATRIX:
+            terminalreporter.write_line(line)

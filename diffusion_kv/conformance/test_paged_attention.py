@@ -1,8 +1,10 @@
-"""Conformance cases: paged attention through a platform equals dense attention.
+"""Conformance cases: paged attention through one backend of a platform equals dense attention.
 
-Every case builds the platform's own parts through :class:`PagedHarness`, runs paged layers,
-and compares with :func:`dense_attention` computed here. Cases that need a capability the
-platform does not declare are skipped with the platform's own reasons.
+Every case builds a worker through :class:`PagedHarness` with the backend under test forced
+(``dkv_backend``), runs paged layers, and compares with :func:`dense_attention` computed here.
+What runs is derived from the backend's declared capabilities; cases needing something it does
+not declare are skipped with its own reasons, and ``test_declared_capability_matrix`` sweeps
+every declared dtype, head size (bounded), slot dtype and GQA ratio.
 """
 
 from __future__ import annotations
@@ -14,42 +16,71 @@ import pytest
 import torch
 
 from diffusion_kv.conformance.harness import PagedHarness
+from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
-from diffusion_kv.core.batch import KVWritePolicy
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.capabilities import MultipleOf, dtype_name
 from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.parallel import merge_partial_attention
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 
 DTYPE_PREFERENCE = (torch.float32, torch.float16, torch.bfloat16)
+Backend = type[PagedBackend]
 
 
-def pick_dtype(platform: Platform) -> torch.dtype:
+def pick_dtype(backend: Backend) -> torch.dtype:
     for dtype in DTYPE_PREFERENCE:
-        if dtype in platform.capabilities.dtypes:
+        if dtype in backend.capabilities.dtypes:
             return dtype
-    pytest.skip(f"{platform.name}: declares none of {DTYPE_PREFERENCE}")
+    pytest.skip(f"{backend.name}: declares none of {[dtype_name(d) for d in DTYPE_PREFERENCE]}")
 
 
-def pick_head_size(platform: Platform) -> int:
-    sizes = platform.capabilities.head_sizes
+def pick_head_size(backend: Backend) -> int:
+    sizes = backend.capabilities.head_sizes
     return 64 if sizes is None or 64 in sizes else min(sizes)
 
 
-def require(platform: Platform, **req: object) -> None:
-    reasons = platform.not_supported_reasons(Requirements(**req))  # type: ignore[arg-type]
+def pick_block_size(platform: Platform, backend: Backend) -> int:
+    """The platform's default block size when the backend serves it, else the backend's own."""
+    caps = backend.capabilities
+    if caps.supports_block_size(platform.default_block_size):
+        return platform.default_block_size
+    rule = caps.kernel_block_sizes[0]
+    return rule if isinstance(rule, int) else -(-16 // rule.base) * rule.base
+
+
+def reasons_against(platform: Platform, backend: Backend, **req: object) -> list[str]:
+    return platform.backend_reasons(backend, Requirements(**req))  # type: ignore[arg-type]
+
+
+def require(platform: Platform, backend: Backend, **req: object) -> None:
+    reasons = reasons_against(platform, backend, **req)
     if reasons:
-        pytest.skip(f"{platform.name}: unsupported ({'; '.join(reasons)})")
+        pytest.skip(f"{platform.name}:{backend.name}: unsupported ({'; '.join(reasons)})")
 
 
-def harness(platform: Platform, **kw: object) -> PagedHarness:
-    kw.setdefault("dtype", pick_dtype(platform))
-    kw.setdefault("head_size", pick_head_size(platform))
-    block = kw.setdefault("block_size", platform.default_block_size)
-    require(platform, dtype=kw["dtype"], head_size=kw["head_size"], block_size=block)
+def harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
+    kw.setdefault("dtype", pick_dtype(backend))
+    kw.setdefault("head_size", pick_head_size(backend))
+    block = kw.setdefault("block_size", pick_block_size(platform, backend))
+    mode = kw.get("mode", AttentionMode.CAUSAL)
+    require(
+        platform,
+        backend,
+        dtype=kw["dtype"],
+        head_size=kw["head_size"],
+        num_heads=kw.get("num_heads", 4),
+        num_kv_heads=kw.get("num_kv_heads", 4),
+        block_size=block,
+        attention_modes=frozenset({mode}),
+    )
     kw.setdefault("max_model_len", max(256, 4 * int(block)))  # type: ignore[call-overload]
     kw.setdefault("num_blocks", 4 * (int(kw["max_model_len"]) // int(block) + 1))  # type: ignore[call-overload]
-    return PagedHarness(platform, **kw)  # type: ignore[arg-type]
+    h = PagedHarness(platform, **kw)  # type: ignore[arg-type]
+    assert type(h.backend).name == backend.name, f"the worker chose {h.backend.name!r}, not {backend.name!r}"
+    return h
 
 
 @dataclass
@@ -135,9 +166,9 @@ def check(h: PagedHarness, out: torch.Tensor, ref: torch.Tensor) -> None:
 # --- cases -----------------------------------------------------------------------------------------
 
 
-def test_prefix_only_causal(dkv_platform: Platform) -> None:
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.CAUSAL}))
-    h = harness(dkv_platform)
+def test_prefix_only_causal(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform, dkv_backend)
     n = h.block_size * 2 + 5
     h.install("r", [n])
     data = make_rows(h, [n])
@@ -145,9 +176,9 @@ def test_prefix_only_causal(dkv_platform: Platform) -> None:
     check(h, run(h, rows, data), expected(h, rows, data, "causal"))
 
 
-def test_suffix_over_cached_prefix(dkv_platform: Platform) -> None:
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.CAUSAL}))
-    h = harness(dkv_platform)
+def test_suffix_over_cached_prefix(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform, dkv_backend)
     prefix, target = h.block_size + 3, h.block_size // 2 + 5
     n = prefix + target
     h.install("r", [n, n])
@@ -160,9 +191,9 @@ def test_suffix_over_cached_prefix(dkv_platform: Platform) -> None:
     check(h, run(h, rows, data), expected(h, rows, data, "causal"))
 
 
-def test_full_attention_over_cache(dkv_platform: Platform) -> None:
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.FULL}))
-    h = harness(dkv_platform, causal=False)
+def test_full_attention_over_cache(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.FULL}))
+    h = harness(dkv_platform, dkv_backend, mode=AttentionMode.FULL)
     n = h.block_size + 7
     h.install("r", [n])
     data = make_rows(h, [n], seed=3)
@@ -171,10 +202,10 @@ def test_full_attention_over_cache(dkv_platform: Platform) -> None:
     check(h, run(h, rows, data), expected(h, rows, data, "full"))
 
 
-def test_piecewise_worked_example(dkv_platform: Platform) -> None:
+def test_piecewise_worked_example(dkv_platform: Platform, dkv_backend: Backend) -> None:
     """Two CFG rows, seq_len 9, cached prefix 3, span (5, 8): one write, three native calls."""
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
-    h = harness(dkv_platform)
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [9, 9])
     data = make_rows(h, [9, 9], seed=4)
     spans = [[(5, 8)], [(5, 8)]]
@@ -186,18 +217,13 @@ def test_piecewise_worked_example(dkv_platform: Platform) -> None:
     out = run(h, rows, data, spans)
     check(h, out, expected(h, rows, data, "piecewise", spans))
     for name, backend in h.backends.items():
-        new_forwards = backend.forwards[forwards_before[name] :]
-        if dkv_platform.kv_write_policy is KVWritePolicy.PREWRITE:
-            assert backend.writes[writes_before[name] :] == [12]
-            assert new_forwards == [(4, False), (6, False), (2, False)]
-        else:
-            assert backend.writes[writes_before[name] :] == []
-            assert new_forwards == [(4, True), (6, True), (2, True)]
+        assert backend.writes[writes_before[name] :] == [12]  # one write, outside the segment loop
+        assert backend.forwards[forwards_before[name] :] == [4, 6, 2]  # one call per segment
 
 
-def test_piecewise_unequal_offsets(dkv_platform: Platform) -> None:
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
-    h = harness(dkv_platform)
+def test_piecewise_unequal_offsets(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [40, 30])
     data = make_rows(h, [40, 30], seed=5)
     spans = [[(20, 30)], [(10, 20)]]
@@ -207,10 +233,10 @@ def test_piecewise_unequal_offsets(dkv_platform: Platform) -> None:
     check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
 
 
-def test_piecewise_span_covering_query_start(dkv_platform: Platform) -> None:
+def test_piecewise_span_covering_query_start(dkv_platform: Platform, dkv_backend: Backend) -> None:
     """A query range that starts inside a span still sees the whole span (kv_end = span end)."""
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
-    h = harness(dkv_platform)
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend)
     n = 24
     h.install("r", [n])
     data = make_rows(h, [n], seed=6)
@@ -220,26 +246,32 @@ def test_piecewise_span_covering_query_start(dkv_platform: Platform) -> None:
     check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
 
 
-def test_empty_spans_are_causal(dkv_platform: Platform) -> None:
-    require(dkv_platform, attention_modes=frozenset({AttentionMode.PIECEWISE}))
-    h = harness(dkv_platform)
+def test_empty_spans_are_causal(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [19])
     data = make_rows(h, [19], seed=7)
     rows = rows_for("r", [(0, 19)])
     check(h, run(h, rows, data, [[]]), expected(h, rows, data, "causal"))
 
 
-def test_gqa(dkv_platform: Platform) -> None:
-    require(dkv_platform, num_heads=8, num_kv_heads=2, attention_modes=frozenset({AttentionMode.CAUSAL}))
-    h = harness(dkv_platform, num_heads=8, num_kv_heads=2)
+def test_gqa(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    require(
+        dkv_platform,
+        dkv_backend,
+        num_heads=8,
+        num_kv_heads=2,
+        attention_modes=frozenset({AttentionMode.CAUSAL}),
+    )
+    h = harness(dkv_platform, dkv_backend, num_heads=8, num_kv_heads=2)
     h.install("r", [21, 50])
     data = make_rows(h, [21, 50], seed=8)
     rows = rows_for("r", [(0, 21), (0, 50)])
     check(h, run(h, rows, data), expected(h, rows, data, "causal"))
 
 
-def test_rows_of_different_lengths(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_rows_of_different_lengths(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     lens = [5, h.block_size * 2 + 1, 17]
     h.install("r", lens)
     data = make_rows(h, lens, seed=9)
@@ -250,8 +282,8 @@ def test_rows_of_different_lengths(dkv_platform: Platform) -> None:
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["heads", "flat-hidden"])
-def test_padded_batch_layout(dkv_platform: Platform, hidden: bool) -> None:
-    h = harness(dkv_platform)
+def test_padded_batch_layout(dkv_platform: Platform, dkv_backend: Backend, hidden: bool) -> None:
+    h = harness(dkv_platform, dkv_backend)
     lens = [7, 12]
     h.install("r", lens)
     data = make_rows(h, lens, seed=10)
@@ -276,8 +308,8 @@ def test_padded_batch_layout(dkv_platform: Platform, hidden: bool) -> None:
     check(h, torch.cat([out[0, : lens[0]], out[1, : lens[1]]]), ref)
 
 
-def test_uniform_batch_layout(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_uniform_batch_layout(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [11, 11])
     data = make_rows(h, [11, 11], seed=11)
     rows = rows_for("r", [(0, 11), (0, 11)])
@@ -289,8 +321,8 @@ def test_uniform_batch_layout(dkv_platform: Platform) -> None:
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128])
-def test_block_sizes(dkv_platform: Platform, block_size: int) -> None:
-    h = harness(dkv_platform, block_size=block_size, max_model_len=3 * block_size)
+def test_block_sizes(dkv_platform: Platform, dkv_backend: Backend, block_size: int) -> None:
+    h = harness(dkv_platform, dkv_backend, block_size=block_size, max_model_len=3 * block_size)
     n = block_size + block_size // 2 + 3
     h.install("r", [n])
     data = make_rows(h, [n], seed=12)
@@ -298,10 +330,10 @@ def test_block_sizes(dkv_platform: Platform, block_size: int) -> None:
     check(h, run(h, rows, data), expected(h, rows, data, "causal"))
 
 
-def test_physical_placement_does_not_change_output(dkv_platform: Platform) -> None:
+def test_physical_placement_does_not_change_output(dkv_platform: Platform, dkv_backend: Backend) -> None:
     outs = []
     for placement in ("contiguous", "reversed", "permuted"):
-        h = harness(dkv_platform)
+        h = harness(dkv_platform, dkv_backend)
         lens = [h.block_size * 3 + 2, h.block_size + 1]
         h.install("r", lens, placement=placement)
         data = make_rows(h, lens, seed=13)
@@ -311,14 +343,11 @@ def test_physical_placement_does_not_change_output(dkv_platform: Platform) -> No
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_slot_mapping_dtypes(dkv_platform: Platform, slot_dtype: torch.dtype) -> None:
-    declared = dkv_platform.capabilities.slot_mapping_dtype
-    try:
-        h = harness(dkv_platform, slot_mapping_dtype=slot_dtype)
-    except TypeError:
-        if slot_dtype != declared:
-            pytest.skip(f"{dkv_platform.name}: BlockTables produces {declared} slots only")
-        h = harness(dkv_platform)
+def test_slot_mapping_dtypes(dkv_platform: Platform, dkv_backend: Backend, slot_dtype: torch.dtype) -> None:
+    declared = dkv_backend.capabilities.slot_mapping_dtypes
+    if slot_dtype not in declared:
+        pytest.skip(f"{dkv_backend.name}: declares slot dtypes {sorted(dtype_name(d) for d in declared)}")
+    h = harness(dkv_platform, dkv_backend, slot_mapping_dtype=slot_dtype)
     n = h.block_size + 9
     h.install("r", [n])
     data = make_rows(h, [n], seed=14)
@@ -328,22 +357,18 @@ def test_slot_mapping_dtypes(dkv_platform: Platform, slot_dtype: torch.dtype) ->
     check(h, run(h, rows, data), expected(h, rows, data, "causal"))
 
 
-def test_one_kv_write_per_layer(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_one_kv_write_per_layer(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [20, 20])
     data = make_rows(h, [20, 20], seed=15)
     run(h, rows_for("r", [(0, 20), (0, 20)]), data)
     for backend in h.backends.values():
-        if dkv_platform.kv_write_policy is KVWritePolicy.PREWRITE:
-            assert backend.writes == [40]
-            assert backend.forwards == [(40, False)]
-        else:
-            assert backend.writes == []
-            assert backend.forwards == [(40, True)]
+        assert backend.writes == [40]
+        assert backend.forwards == [40]
 
 
-def test_stale_batch_is_refused(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_stale_batch_is_refused(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("a", [10])
     rows = rows_for("a", [(0, 10)])
     first = h.translator.prepare(rows)
@@ -362,8 +387,8 @@ def test_stale_batch_is_refused(dkv_platform: Platform) -> None:
     assert h.registry.rows.get(("c", 0, None)) is None
 
 
-def test_paged_layer_without_active_batch_is_an_error(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_paged_layer_without_active_batch_is_an_error(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [4])
     data = make_rows(h, [4])
     with pytest.raises(StateError, match="no dense fallback"):
@@ -404,8 +429,10 @@ BAD_INPUTS: dict[str, BadInput] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_inputs_rejected_before_any_cache_write(dkv_platform: Platform, case: str) -> None:
-    h = harness(dkv_platform)
+def test_bad_inputs_rejected_before_any_cache_write(
+    dkv_platform: Platform, dkv_backend: Backend, case: str
+) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [9, 9])
     data = make_rows(h, [9, 9], seed=16)
     prefill(h, "r", data)
@@ -422,8 +449,8 @@ def test_bad_inputs_rejected_before_any_cache_write(dkv_platform: Platform, case
         assert torch.equal(a, b)
 
 
-def test_non_suffix_causal_rows_rejected_before_write(dkv_platform: Platform) -> None:
-    h = harness(dkv_platform)
+def test_non_suffix_causal_rows_rejected_before_write(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    h = harness(dkv_platform, dkv_backend)
     h.install("r", [12])
     data = make_rows(h, [12], seed=17)
     prefill(h, "r", data)
@@ -435,3 +462,157 @@ def test_non_suffix_causal_rows_rejected_before_write(dkv_platform: Platform) ->
         h.executor.forward(h.layer_names[0], q, k, v)
     assert h.writes() == 0
     assert all(torch.equal(a, b) for a, b in zip(before, h.cache_snapshot(), strict=True))
+
+
+def test_padding_slots_are_never_written(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """``write_kv`` with ``-1`` slots (padding) writes exactly what the real slots alone write
+    (a kernel indexing with -1 would hit the cache's last slot)."""
+    h = harness(dkv_platform, dkv_backend)
+    name = h.layer_names[0]
+    backend, cache, layer = h.backends[name], h.kv_caches[name], h.geometry[name]
+    tensors = cache if isinstance(cache, tuple) else (cache,)
+    slot_dtype = h.block_tables.slot_mapping_dtype
+    g = torch.Generator().manual_seed(21)
+    key = torch.randn(5, h.num_kv_heads, h.head_size, generator=g).to(h.device, h.dtype)
+    value = torch.randn(5, h.num_kv_heads, h.head_size, generator=g).to(h.device, h.dtype)
+    last = h.backend.group.num_kernel_blocks * h.kernel_block_size - 1
+    real = torch.tensor([0, last - 1], dtype=slot_dtype, device=h.device)
+    padded = torch.tensor([-1, 0, -1, last - 1, -1], dtype=slot_dtype, device=h.device)
+    for t in tensors:
+        t.fill_(7.0)
+    backend.write_kv(layer, key[[1, 3]], value[[1, 3]], cache, real)
+    expected_cache = h.cache_snapshot()
+    for t in tensors:
+        t.fill_(7.0)
+    backend.write_kv(layer, key, value, cache, padded)
+    for a, b in zip(expected_cache, h.cache_snapshot(), strict=True):
+        assert torch.equal(a, b), (
+            "a -1 slot was written (the cache differs from writing the real slots alone)"
+        )
+
+
+def _matrix_case(platform: Platform, backend: Backend, **kw: object) -> str | None:
+    """Prefill + suffix over the cached prefix with ``kw``; a skip reason, or None when it ran."""
+    heads, kv_heads = int(kw.get("num_heads", 4)), int(kw.get("num_kv_heads", 4))  # type: ignore[call-overload]
+    reasons = reasons_against(
+        platform,
+        backend,
+        dtype=kw["dtype"],
+        head_size=kw["head_size"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=pick_block_size(platform, backend),
+        attention_modes=frozenset({AttentionMode.CAUSAL}),
+    )
+    if reasons:
+        return "; ".join(reasons)
+    h = harness(platform, backend, layer_names=("layer.0",), **kw)
+    lens = [h.block_size + 5, 9]
+    h.install("r", lens)
+    data = make_rows(h, lens, seed=30)
+    check(
+        h,
+        run(h, rows_for("r", [(0, n) for n in lens]), data),
+        expected(h, rows_for("r", [(0, n) for n in lens]), data, "causal"),
+    )
+    rows = rows_for("r", [(n - 3, n) for n in lens])
+    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    return None
+
+
+def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Every declared dtype x head size (at most three sizes), each declared slot dtype, and GQA
+    ratios 1, 2 and the largest declared (up to 8): paged equals dense for each."""
+    caps = dkv_backend.capabilities
+    sizes = sorted(caps.head_sizes) if caps.head_sizes is not None else [64, 128]
+    head_sizes = sorted({sizes[0], sizes[-1], *(s for s in (64, 128) if s in sizes)})[:3]
+    cases: list[tuple[str, dict[str, object]]] = []
+    base_dtype, base_head = pick_dtype(dkv_backend), pick_head_size(dkv_backend)
+    for dtype in sorted(caps.dtypes, key=dtype_name):
+        for head in head_sizes:
+            cases.append((f"dtype={dtype_name(dtype)} head_size={head}", {"dtype": dtype, "head_size": head}))
+    for slot in sorted(caps.slot_mapping_dtypes, key=dtype_name):
+        cases.append(
+            (
+                f"slots={dtype_name(slot)}",
+                {"dtype": base_dtype, "head_size": base_head, "slot_mapping_dtype": slot},
+            )
+        )
+    ratios = [2, min(caps.max_gqa_ratio or 8, 8)] if caps.supports_gqa else [2]
+    for ratio in sorted(set(ratios)):
+        cases.append(
+            (
+                f"gqa={ratio}:1",
+                {"dtype": base_dtype, "head_size": base_head, "num_heads": 2 * ratio, "num_kv_heads": 2},
+            )
+        )
+    ran, skipped = [], []
+    for label, kw in cases:
+        reason = _matrix_case(dkv_platform, dkv_backend, **kw)
+        (skipped if reason else ran).append(label + (f": {reason}" if reason else ""))
+    MATRIX.append(f"{dkv_platform.name}:{dkv_backend.name}: {len(ran)} ran, {len(skipped)} skipped")
+    MATRIX.extend(f"  ran      {label}" for label in ran)
+    MATRIX.extend(f"  skipped  {label}" for label in skipped)
+    assert ran, f"no declared combination could run: {skipped}"
+
+
+def test_dcp_partials_merge_to_full_attention(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Decode context parallelism in one process: each of two ranks holds every other
+    interleave of keys; their partials merged by log-sum-exp equal dense attention."""
+    if not dkv_backend.capabilities.supports_dcp:
+        pytest.skip(f"{dkv_backend.name}: does not declare supports_dcp")
+
+    class Capture:
+        def __init__(self, rank: int) -> None:
+            self.size, self.rank, self.parts = 2, rank, []
+
+        def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+            self.parts.append((output, lse))
+            return output
+
+    lens = [45, 23]
+    data, outs, lses = None, [], []
+    for rank in (0, 1):
+        capture = Capture(rank)
+        h = harness(
+            dkv_platform, dkv_backend, cp_size=2, cp_rank=rank, dcp_merger=capture, layer_names=("layer.0",)
+        )
+        h.install("r", lens)
+        data = make_rows(h, lens, seed=31)
+        rows = rows_for("r", [(n - 5, n) for n in lens])
+        full = rows_for("r", [(0, n) for n in lens])
+        run(h, full, data)
+        capture.parts.clear()
+        run(h, rows, data)
+        ((part, lse),) = capture.parts
+        outs.append(part)
+        lses.append(lse)
+    assert data is not None
+    merged = merge_partial_attention(outs, lses)
+    check(h, merged, expected(h, rows, data, "causal"))
+
+
+def test_ulysses_rank_local_heads(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Strict Ulysses hands each rank a contiguous share of the heads; two rank-local workers
+    together equal the full layer."""
+    if not dkv_backend.capabilities.supports_ulysses:
+        pytest.skip(f"{dkv_backend.name}: does not declare supports_ulysses")
+    lens = [30, 17]
+    full = harness(dkv_platform, dkv_backend, num_heads=8, num_kv_heads=4, layer_names=("layer.0",))
+    full.install("r", lens)
+    data = make_rows(full, lens, seed=32)
+    rows = rows_for("r", [(0, n) for n in lens])
+    parts = []
+    for rank in (0, 1):
+        h = harness(dkv_platform, dkv_backend, num_heads=4, num_kv_heads=2, layer_names=("layer.0",))
+        h.install("r", lens)
+        local = [
+            RowData(
+                d.q[:, 4 * rank : 4 * rank + 4],
+                d.k[:, 2 * rank : 2 * rank + 2],
+                d.v[:, 2 * rank : 2 * rank + 2],
+            )
+            for d in data
+        ]
+        parts.append(run(h, rows, local))
+    check(full, torch.cat(parts, dim=1), expected(full, rows, data, "causal"))

@@ -1,34 +1,31 @@
-"""Records and protocols shared by the core and the platform plugins.
+"""Records shared by the core and the paged backends.
 
-* :class:`CommonBatchMetadata` plays the role of vLLM's ``CommonAttentionMetadata``: everything
-  a native metadata builder needs to describe one paged attention call over several rows.
-* :class:`LayerGeometry`, :class:`KVWritePolicy`, :class:`MetadataBuilder` and
-  :class:`PagedAttentionBackend` are the parts of the plugin contract the core itself calls;
-  ``platforms.interface`` re-exports them next to the ``Platform`` base class.
+* :class:`LayerGeometry` — one paged layer's rank-local shape, as a backend sees it;
+* :class:`PagedBatch` — one batch of rows for one KV-cache group: what a backend's ``build``
+  turns into its native metadata (the role of vLLM's ``CommonAttentionMetadata``);
+* :class:`CommonBatchMetadata` — the translator's record for every group at once; it hands
+  each group's backend ``batch.for_group(g)``.
+
+A worked example (block size 4, one KV-cache group, two rows): row 0 has 6 keys and queries
+its last 2 tokens, row 1 has 9 keys and queries all of them::
+
+    num_reqs=2  num_tokens=11  max_query_len=9  max_seq_len=9
+    query_start_loc = [0, 2, 11]          seq_lens = [6, 9]
+    positions       = [4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 8]
+    block_table     = [[0, 1, 0], [2, 3, 4]]      (row 1's blocks are 2, 3, 4)
+    slot_mapping    = [4, 5, 8, 9, 10, 11, 12, 13, 14, 15, 16]   (block * 4 + offset)
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from diffusion_kv.core.capabilities import AttentionMode
+
 KVCache = torch.Tensor | tuple[torch.Tensor, ...]
 """A layer's KV cache: one tensor or a tuple (e.g. separate K and V caches)."""
-
-
-class KVWritePolicy(enum.Enum):
-    """Who writes a layer's new K/V into the pages."""
-
-    PREWRITE = "prewrite"
-    """The core writes the whole span once per layer (``backend.write_kv``) before attention;
-    the backend's ``forward`` then reads K/V from the cache only (``key``/``value`` are None)."""
-    BACKEND_WRITES = "backend_writes"
-    """The backend writes the K/V it is given inside ``forward``; under piecewise attention
-    each segment call receives only its own tokens, so every token is written exactly once."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +38,16 @@ class LayerGeometry:
     head_size: int
     scale: float
     dtype: torch.dtype
-    causal: bool = True
+    mode: AttentionMode = AttentionMode.CAUSAL
+    """CAUSAL or FULL: how the layer attends when no spans refine it."""
 
 
 @dataclass(frozen=True)
-class CommonBatchMetadata:
-    """One batch of paged rows, already resolved to worker rows.
+class PagedBatch:
+    """One batch of paged rows for one KV-cache group (see the module's worked example).
 
-    Device tensors live on the worker device; ``*_cpu`` tensors are host copies made at
-    preparation time (never read back from the device).
+    Device tensors live on the worker device; ``*_cpu`` tensors are host copies made when the
+    batch was prepared (reading them never synchronises with the device).
     """
 
     num_reqs: int
@@ -59,85 +57,63 @@ class CommonBatchMetadata:
     query_start_loc_cpu: torch.Tensor
     max_query_len: int
     seq_lens: torch.Tensor
-    """``[num_reqs]`` int32 total KV length of each row after this call's write (device)."""
+    """``[num_reqs]`` int32 keys each row attends over, this call's write included (device)."""
     seq_lens_cpu: torch.Tensor
     max_seq_len: int
     positions: torch.Tensor
     """``[num_tokens]`` int64 absolute position of every query token (device)."""
+    block_table: torch.Tensor
+    """``[num_reqs, width]`` int32 kernel block ids; entries past a row's blocks are 0."""
+    slot_mapping: torch.Tensor
+    """``[num_tokens]`` slot (``kernel_block * kernel_block_size + offset``) of every query
+    token, in the BlockTables' slot dtype; ``-1`` where nothing may be written."""
+    mode: AttentionMode
+    """CAUSAL (bottom-right aligned) or FULL."""
+    dcp_local_seq_lens: torch.Tensor | None = None
+    """Under decode context parallelism, the keys of each row this rank holds (device)."""
+    dcp_local_seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mode is AttentionMode.CAUSAL
+
+
+@dataclass(frozen=True)
+class CommonBatchMetadata:
+    """One batch of rows for every KV-cache group (the translator's record)."""
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    max_query_len: int
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_seq_len: int
+    positions: torch.Tensor
     block_tables: tuple[torch.Tensor, ...]
-    """Per KV-cache group, ``[num_reqs, width]`` int32 block ids (device)."""
+    """Per KV-cache group, ``[num_reqs, width]`` int32 kernel block ids (device)."""
     slot_mappings: torch.Tensor
     """``[num_groups, num_tokens]`` slot of every query token, ``-1`` where nothing is written."""
-    causal: bool | Mapping[int, bool]
-    """One mode for every group, or per group index."""
+    modes: tuple[AttentionMode, ...]
+    """Per KV-cache group, CAUSAL or FULL."""
     dcp_local_seq_lens: torch.Tensor | None = None
-    """Rank-local KV lengths under decode context parallelism, else ``None``."""
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
-    """Host copy of ``dcp_local_seq_lens`` (computed on the host, never read back)."""
 
-    def causal_for_group(self, group_index: int) -> bool:
-        if isinstance(self.causal, bool):
-            return self.causal
-        return bool(self.causal.get(group_index, True))
-
-
-@runtime_checkable
-class MetadataBuilder(Protocol):
-    """Turns a :class:`CommonBatchMetadata` into native metadata per layer name.
-
-    ``reorder_batch_threshold``: when not None, the native kernel expects rows whose
-    ``query_len`` is at most the threshold ("decode" rows) before longer rows; the translator
-    enforces this order at preparation time for causal groups.
-    """
-
-    reorder_batch_threshold: int | None
-
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]: ...
-
-
-@runtime_checkable
-class PagedAttentionBackend(Protocol):
-    """One layer's native paged attention.
-
-    ``write_kv`` writes ``key``/``value`` (``[T, Hkv, D]``) into ``kv_cache`` at
-    ``slot_mapping`` (``[T]``; ``-1`` entries are skipped). ``forward`` computes attention for
-    ``query`` (``[T, H, D]``) over the row's pages described by ``metadata`` into ``out`` (or a
-    new tensor) and returns it; with :attr:`KVWritePolicy.PREWRITE` the core passes ``None``
-    for ``key`` and ``value``.
-    """
-
-    name: str
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
-    ) -> None: ...
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: Any,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class PartialAttentionBackend(PagedAttentionBackend, Protocol):
-    """A paged backend that can serve decode context parallelism (DCP).
-
-    ``forward_partial`` attends ``query`` over the keys this rank holds (the metadata carries the
-    rank-local lengths) and returns the output, softmax-normalised over those keys, together
-    with its ``[T, H]`` float32 log-sum-exp (``-inf`` where no local key is visible). The core
-    merges the partials of every DCP rank by log-sum-exp.
-    """
-
-    def forward_partial(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def for_group(self, group: int) -> PagedBatch:
+        return PagedBatch(
+            num_reqs=self.num_reqs,
+            num_tokens=self.num_tokens,
+            query_start_loc=self.query_start_loc,
+            query_start_loc_cpu=self.query_start_loc_cpu,
+            max_query_len=self.max_query_len,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens_cpu,
+            max_seq_len=self.max_seq_len,
+            positions=self.positions,
+            block_table=self.block_tables[group],
+            slot_mapping=self.slot_mappings[group],
+            mode=self.modes[group],
+            dcp_local_seq_lens=self.dcp_local_seq_lens,
+            dcp_local_seq_lens_cpu=self.dcp_local_seq_lens_cpu,
+        )

@@ -56,6 +56,7 @@ class BlockTables(Protocol):
         cp_size: int = 1,
         cp_rank: int = 0,
         cp_interleave: int = 1,
+        slot_mapping_dtype: torch.dtype = torch.int64,
     ) -> None: ...
 
     # Read-only members: plain attributes of an implementation satisfy them.

@@ -41,7 +41,11 @@ class AmbiguousPlatformError(PlatformError, RuntimeError):
 
 
 class UnsupportedRequirementsError(PlatformError, NotImplementedError):
-    """No candidate platform supports the requested requirements (reasons aggregated)."""
+    """No candidate platform or backend supports the requested requirements (reasons aggregated)."""
+
+
+class ConfigurationError(PlatformError, ValueError):
+    """An environment setting has a value the project cannot use (``DIFFUSION_KV_BACKEND``...)."""
 
 
 # --- data plane ---------------------------------------------------------------------------------

@@ -1,31 +1,21 @@
 """The per-layer execution driver: one paged attention forward.
 
-With :attr:`KVWritePolicy.PREWRITE` the layer's new K/V is written exactly once, before (and
-outside) the segment loop, and every native call reads pages only (``key``/``value`` None).
-With :attr:`KVWritePolicy.BACKEND_WRITES` each native call receives the K/V of its own query
-tokens (and, for piecewise segments, metadata with the matching slot mapping), so every token
-is still written exactly once.
-
-Under decode context parallelism (a ``merger`` is given) every native call is a partial one
-(:class:`~diffusion_kv.core.batch.PartialAttentionBackend`): it attends over this rank's keys
-and the core merges the partials of every DCP rank by log-sum-exp, per call (so per piecewise
-segment), before the output is restored.
+The layer's new K/V is written exactly once (``backend.write_kv``), before and outside the
+segment loop; every native call then reads pages only. Under decode context parallelism (a
+``merger`` is given) every native call is a partial one (``forward_partial``): it attends over
+this rank's keys and the core merges the partials of every DCP rank by log-sum-exp, per call
+(so per piecewise segment), before the output is restored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from diffusion_kv.core.batch import (
-    KVCache,
-    KVWritePolicy,
-    LayerGeometry,
-    PagedAttentionBackend,
-    PartialAttentionBackend,
-)
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
@@ -40,25 +30,16 @@ from diffusion_kv.core.translate import Translator
 
 
 def run_layer(
-    ctx: LayerContext,
-    backend: PagedAttentionBackend,
-    kv_cache: KVCache,
-    policy: KVWritePolicy,
-    merger: PartialMerger | None = None,
+    ctx: LayerContext, backend: PagedBackend, kv_cache: KVCache, merger: PartialMerger | None = None
 ) -> torch.Tensor:
-    """Write (per policy), run every segment, and restore the caller's layout."""
-    prewrite = policy is KVWritePolicy.PREWRITE
-    if prewrite:
-        backend.write_kv(ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    """Write once, run every segment, and restore the caller's layout."""
+    layer = ctx.layer
+    backend.write_kv(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
 
-    def runner(
-        q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, md: Any, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        k, v = (None, None) if prewrite else (k, v)
+    def runner(q: torch.Tensor, md: Any, out: torch.Tensor | None) -> torch.Tensor:
         if merger is None:
-            return backend.forward(q, k, v, kv_cache, md, out)
-        # PagedExecutor checked at construction that every backend implements forward_partial
-        partial, lse = cast(PartialAttentionBackend, backend).forward_partial(q, k, v, kv_cache, md)
+            return backend.forward(layer, q, kv_cache, md, out)
+        partial, lse = backend.forward_partial(layer, q, kv_cache, md)
         merged = merger.merge(partial, lse)
         if out is None:
             return merged
@@ -66,34 +47,25 @@ def run_layer(
         return out
 
     if ctx.plan is not None:
-        out = run_piecewise_plan(
-            ctx.query,
-            None if prewrite else ctx.key,
-            None if prewrite else ctx.value,
-            ctx.plan,
-            ctx.segment_metadata,
-            runner,
-            out_head_size=ctx.layer.head_size,
-        )
+        out = run_piecewise_plan(ctx.query, ctx.plan, ctx.segment_metadata, runner, out_head_size=layer.head_size)
     else:
-        out = runner(ctx.query, ctx.key, ctx.value, ctx.native_metadata, None)
+        out = runner(ctx.query, ctx.native_metadata, None)
     return ctx.restore_output(out)
 
 
 class PagedExecutor:
     """Runs paged layers against the translator's active batch.
 
-    Holds, per layer: its geometry, its backend and its KV cache. A paged layer called without
-    an active batch is an error (there is no silent dense fallback).
+    Holds, per layer: its geometry, the backend serving its KV-cache group and its KV cache. A
+    paged layer called without an active batch is an error (there is no silent dense fallback).
     """
 
     def __init__(
         self,
         translator: Translator,
         layers: Mapping[str, LayerGeometry],
-        backends: Mapping[str, PagedAttentionBackend],
+        backends: Mapping[str, PagedBackend],
         kv_caches: Mapping[str, KVCache],
-        policy: KVWritePolicy,
         merger: PartialMerger | None = None,
         platform_name: str = "?",
     ) -> None:
@@ -102,14 +74,12 @@ class PagedExecutor:
             raise StateError(f"paged layers without a backend or KV cache: {missing}")
         if merger is not None:
             lacking = sorted(
-                f"{name} ({getattr(b, 'name', type(b).__name__)})"
-                for name, b in backends.items()
-                if not isinstance(b, PartialAttentionBackend)
+                f"{name} ({b.name})" for name, b in backends.items() if not b.capabilities.supports_dcp
             )
             if lacking:
                 raise ValidationError(
                     "decode context parallelism needs backends that return partial attention with its "
-                    f"log-sum-exp (forward_partial); these layers' backends do not: {lacking}"
+                    f"log-sum-exp (forward_partial, supports_dcp); these layers' backends do not: {lacking}"
                 )
         self.merger = merger
         self.platform_name = platform_name
@@ -117,7 +87,6 @@ class PagedExecutor:
         self.layers = dict(layers)
         self.backends = dict(backends)
         self.kv_caches = dict(kv_caches)
-        self.policy = policy
 
     def context(
         self,
@@ -147,14 +116,14 @@ class PagedExecutor:
         ctx = self.context(layer_name, query, key, value, attn_metadata)
         backend = self.backends[layer_name]
         try:
-            out = run_layer(ctx, backend, self.kv_caches[layer_name], self.policy, self.merger)
+            out = run_layer(ctx, backend, self.kv_caches[layer_name], self.merger)
         except DiffusionKVError:
             raise
         except Exception as exc:  # a plugin's kernel or writer failed: name where, keep the cause
             raise NativeBackendError(
-                f"platform {self.platform_name!r} backend {getattr(backend, 'name', type(backend).__name__)!r} "
-                f"failed in layer {layer_name!r} ({type(exc).__name__}: {exc}); the layer's write is not "
-                "counted as done, so its tokens stay unreadable until rewritten"
+                f"platform {self.platform_name!r} backend {backend.name!r} failed in layer {layer_name!r} "
+                f"({type(exc).__name__}: {exc}); the layer's write is not counted as done, so its tokens "
+                "stay unreadable until rewritten"
             ) from exc
         self.translator.layer_done(layer_name)
         return out

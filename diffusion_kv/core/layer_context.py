@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.batch import LayerGeometry
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.piecewise import PiecewisePlan
 from diffusion_kv.core.translate import Translator
@@ -192,7 +193,8 @@ def build_layer_context(
         raise ValidationError(
             f"paged attention takes packed [T, ...] or batched [B, L, ...] tokens; got token shape {q_shape}"
         )
-    if layer.causal:
+    causal = layer.mode is AttentionMode.CAUSAL
+    if causal:
         not_suffix = [r.identity for r in batch.rows if not r.is_suffix]
         if not_suffix:
             raise ValidationError(
@@ -205,7 +207,7 @@ def build_layer_context(
         raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
     plan = None
     segment_metadata: tuple[Any, ...] = ()
-    if spans is not None and layer.causal:  # spans refine causal layers; a full layer sees all keys
+    if spans is not None and causal:  # spans refine causal layers; a full layer sees all keys
         plan = translator.piecewise_plan(spans)
         try:
             segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))

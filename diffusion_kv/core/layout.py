@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import UnknownLayerError, ValidationError
 
 
@@ -35,15 +36,16 @@ class AttentionSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
-    causal: bool = True
+    mode: AttentionMode = AttentionMode.CAUSAL
+    """CAUSAL or FULL (vLLM's ``non_causal`` reads as FULL)."""
 
     def __post_init__(self) -> None:
         _positive_int(self.num_kv_heads, "AttentionSpec.num_kv_heads")
         _positive_int(self.head_size, "AttentionSpec.head_size")
         if not isinstance(self.dtype, torch.dtype):
             raise ValidationError(f"AttentionSpec.dtype must be a torch.dtype; got {self.dtype!r}")
-        if type(self.causal) is not bool:
-            raise ValidationError(f"AttentionSpec.causal must be a bool; got {self.causal!r}")
+        if self.mode not in (AttentionMode.CAUSAL, AttentionMode.FULL):
+            raise ValidationError(f"AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got {self.mode!r}")
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the cache (K and V)."""
@@ -164,7 +166,7 @@ class CacheLayout:
                     num_kv_heads=spec.num_kv_heads,
                     head_size=spec.head_size,
                     dtype=spec.dtype,
-                    causal=not bool(getattr(spec, "non_causal", False)),
+                    mode=AttentionMode.FULL if getattr(spec, "non_causal", False) else AttentionMode.CAUSAL,
                 )
                 groups.append(KVCacheGroup(spec.block_size, tuple(raw.layer_names), attn))
             except AttributeError as exc:
@@ -193,10 +195,10 @@ def single_group_layout(
     max_rows_per_request: int = 2,
     max_num_seqs: int = 4,
     max_num_batched_tokens: int | None = None,
-    causal: bool = True,
+    mode: AttentionMode = AttentionMode.CAUSAL,
 ) -> CacheLayout:
     """Convenience constructor for the common one-group case."""
-    spec = AttentionSpec(num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype, causal=causal)
+    spec = AttentionSpec(num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype, mode=mode)
     return CacheLayout(
         groups=(KVCacheGroup(block_size, tuple(layer_names), spec),),
         num_blocks=num_blocks,

@@ -20,19 +20,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import ValidationError
 
 Spans = tuple[tuple[tuple[int, int], ...], ...]
 
-CAUSAL = "causal"
-FULL = "full"
+CAUSAL = AttentionMode.CAUSAL
+FULL = AttentionMode.FULL
 
 
 class Segment(NamedTuple):
     q_start: int
     q_end: int
     kv_end: int
-    mode: str
+    mode: AttentionMode
 
 
 def build_segments(spans: Sequence[tuple[int, int]], query_offset: int, query_len: int) -> list[Segment]:
@@ -66,7 +67,7 @@ class PlanSegment:
     """Set when every row uses the same range relative to its own query start."""
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> AttentionMode:
         return self.row_segments[0].mode
 
 
@@ -155,7 +156,8 @@ def build_piecewise_plan(
         modes = {s.mode for s in row_segments}
         if len(modes) != 1:
             raise ValidationError(
-                f"segment {k} mixes modes {sorted(modes)} across rows; rows need the same attention mode per segment"
+                f"segment {k} mixes modes {sorted(m.value for m in modes)} across rows; rows need the same "
+                "attention mode per segment"
             )
         starts = [packed_offsets[r] + (s.q_start - query_offsets[r]) for r, s in enumerate(row_segments)]
         lens = [s.q_end - s.q_start for s in row_segments]
@@ -188,16 +190,12 @@ def build_piecewise_plan(
     return PiecewisePlan(spans, tuple(segments), total, contiguous, homogeneous)
 
 
-SegmentRunner = Callable[
-    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any, torch.Tensor | None], torch.Tensor
-]
-"""``(query, key | None, value | None, native_metadata, out | None) -> out`` for one segment."""
+SegmentRunner = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
+"""``(query, native_metadata, out | None) -> out`` for one segment (pages are read in place)."""
 
 
 def run_piecewise_plan(
     query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
     plan: PiecewisePlan,
     segment_metadata: Sequence[Any],
     runner: SegmentRunner,
@@ -213,15 +211,11 @@ def run_piecewise_plan(
     if plan.homogeneous_batch_shape is not None:
         B, L = plan.homogeneous_batch_shape
         q3 = query.view(B, L, H, -1)
-        k3 = key.view(B, L, *key.shape[1:]) if key is not None else None
-        v3 = value.view(B, L, *value.shape[1:]) if value is not None else None
         outs = []
         for seg, md in zip(plan.segments, segment_metadata, strict=True):
             s, e = seg.local_range  # type: ignore[misc]
             q = q3[:, s:e].reshape(-1, H, q3.shape[-1])
-            k = k3[:, s:e].reshape(-1, *k3.shape[2:]) if k3 is not None else None
-            v = v3[:, s:e].reshape(-1, *v3.shape[2:]) if v3 is not None else None
-            o = runner(q, k, v, md, None)
+            o = runner(q, md, None)
             _check_tokens(o, q.shape[0])
             outs.append(o.view(B, e - s, H, -1))
         return torch.cat(outs, dim=1).reshape(T, H, -1)
@@ -229,19 +223,13 @@ def run_piecewise_plan(
     for seg, md in zip(plan.segments, segment_metadata, strict=True):
         if seg.query_range is not None:
             s, e = seg.query_range
-            q = query[s:e]
-            k = key[s:e] if key is not None else None
-            v = value[s:e] if value is not None else None
-            o = runner(q, k, v, md, output[s:e] if plan.contiguous else None)
+            o = runner(query[s:e], md, output[s:e] if plan.contiguous else None)
             _check_tokens(o, e - s)
             if o.data_ptr() != output[s:e].data_ptr():
                 output[s:e] = o
         else:
             idx = seg.query_indices
-            q = query.index_select(0, idx)
-            k = key.index_select(0, idx) if key is not None else None
-            v = value.index_select(0, idx) if value is not None else None
-            o = runner(q, k, v, md, None)
+            o = runner(query.index_select(0, idx), md, None)
             _check_tokens(o, idx.shape[0])
             output.index_copy_(0, idx, o)
     return output

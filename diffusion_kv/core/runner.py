@@ -11,8 +11,11 @@ Lifecycle::
         runtime.ensure_active(step); backend.forward(layer, q, k, v, attn_metadata)
     backend.remove([request_id])                          # rows only; the scheduler frees blocks
 
-Initialisation is atomic: if any part (BlockTables, metadata builder, backends, cache
-allocation) fails, nothing is published and the backend stays registered-but-uninitialised.
+Initialisation picks one paged backend per KV-cache group through the platform's priority list
+(``platform.select_backend``), then builds the BlockTables the backends name (scheduler blocks
+split into the kernel's blocks where the kernel block is smaller), one backend instance per
+group and every layer's cache. It is atomic: if any part fails, nothing is published and the
+backend stays registered-but-uninitialised.
 
 Parallelism (see :mod:`diffusion_kv.core.parallel`): under strict Ulysses the layers are
 registered and their KV allocated with rank-local heads (the all-to-all around the call is the
@@ -28,19 +31,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation
-from diffusion_kv.core.batch import (
-    KVCache,
-    KVWritePolicy,
-    LayerGeometry,
-    MetadataBuilder,
-    PagedAttentionBackend,
-)
+from diffusion_kv.core.backend import BackendProvider, GroupContext, PagedBackend
+from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.capabilities import AttentionMode, Requirements
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
@@ -64,9 +63,6 @@ from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import Translator, resolve_device
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:  # the core knows plugins only through this structural view
-    from diffusion_kv.platforms.interface import Platform
 
 
 @dataclass(frozen=True)
@@ -101,6 +97,8 @@ class RunnerConfig:
     cfg_parallel_size: int = 1
     """CFG-parallel size: every request has one sequence per branch, one branch per rank."""
     cfg_parallel_rank: int = 0
+    slot_mapping_dtype: torch.dtype | None = None
+    """Slot dtype of the BlockTables (default: int64 where every chosen backend takes it)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,8 @@ class PagedLayerSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
-    causal: bool = True
+    mode: AttentionMode = AttentionMode.CAUSAL
+    """CAUSAL, or FULL for a non-causal layer (vLLM's ``non_causal``)."""
     scale: float | None = None
     skip_sequence_parallel: bool = False
     cache_role: str | None = None
@@ -127,7 +126,7 @@ class RunnerBackend:
     """Owns one worker's paged KV state; see the module docstring for the lifecycle."""
 
     def __init__(
-        self, platform: Platform, config: RunnerConfig, *, dcp_merger: PartialMerger | None = None
+        self, platform: BackendProvider, config: RunnerConfig, *, dcp_merger: PartialMerger | None = None
     ) -> None:
         """``dcp_merger`` merges partial attention across the DCP group when ``cp_size > 1``;
         by default a :class:`~diffusion_kv.core.parallel.DCPMerger` over the default
@@ -160,6 +159,8 @@ class RunnerBackend:
         self.translator: Translator | None = None
         self.executor: PagedExecutor | None = None
         self.kv_caches: dict[str, KVCache] = {}
+        self.backends: tuple[PagedBackend, ...] = ()
+        """One backend instance per KV-cache group, once initialised."""
 
     @property
     def initialized(self) -> bool:
@@ -219,8 +220,10 @@ class RunnerBackend:
                 )
             if not isinstance(spec.dtype, torch.dtype):
                 raise ValidationError(f"layer {name!r}: dtype must be a torch.dtype; got {spec.dtype!r}")
-            if type(spec.causal) is not bool:
-                raise ValidationError(f"layer {name!r}: causal must be a bool; got {spec.causal!r}")
+            if spec.mode not in (AttentionMode.CAUSAL, AttentionMode.FULL):
+                raise ValidationError(
+                    f"layer {name!r}: mode must be AttentionMode.CAUSAL or FULL; got {spec.mode!r}"
+                )
             if spec.scale is not None and (
                 isinstance(spec.scale, bool)
                 or not isinstance(spec.scale, (int, float))
@@ -241,7 +244,7 @@ class RunnerBackend:
                 head_size=spec.head_size,
                 scale=float(spec.scale) if spec.scale is not None else spec.head_size**-0.5,
                 dtype=spec.dtype,
-                causal=spec.causal,
+                mode=spec.mode,
             )
         shapes = {(g.num_heads, g.num_kv_heads, g.head_size, g.dtype) for g in geometry.values()}
         if len(shapes) > 1:
@@ -249,28 +252,35 @@ class RunnerBackend:
                 "native metadata builders need one rank-local attention geometry "
                 f"(num_heads, num_kv_heads, head_size, dtype); got {sorted(shapes, key=str)}"
             )
-        any_geom = next(iter(geometry.values()))
-        from diffusion_kv.platforms.interface import AttentionMode, Requirements
+        for mode in sorted({g.mode for g in geometry.values()}, key=lambda m: m.value):
+            layer = next(g for g in geometry.values() if g.mode is mode)
+            requirements = self._requirements(layer)
+            reasons = self.platform.not_supported_reasons(requirements)
+            if reasons:
+                raise UnsupportedRequirementsError(
+                    f"platform {self.platform.name!r} cannot serve these layers ({requirements.describe()}): "
+                    + "; ".join(reasons)
+                )
+        self.layers = geometry
+        self.cache_roles = frozenset(roles)
+        return dict(geometry)
 
-        modes = {AttentionMode.CAUSAL if g.causal else AttentionMode.FULL for g in geometry.values()}
-        requirements = Requirements(
-            dtype=any_geom.dtype,
-            head_size=any_geom.head_size,
-            num_heads=any_geom.num_heads,
-            num_kv_heads=any_geom.num_kv_heads,
+    def _requirements(self, layer: LayerGeometry, block_size: int | None = None) -> Requirements:
+        """What a group of layers like ``layer`` needs (spans refine causal layers, so a causal
+        group needs piecewise attention too)."""
+        modes = (
+            {AttentionMode.CAUSAL, AttentionMode.PIECEWISE} if layer.mode is AttentionMode.CAUSAL else {AttentionMode.FULL}
+        )
+        return Requirements(
+            dtype=layer.dtype,
+            head_size=layer.head_size,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            block_size=block_size,
             attention_modes=frozenset(modes),
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
         )
-        reasons = self.platform.not_supported_reasons(requirements)
-        if reasons:
-            raise UnsupportedRequirementsError(
-                f"platform {self.platform.name!r} cannot serve these layers ({requirements.describe()}): "
-                + "; ".join(reasons)
-            )
-        self.layers = geometry
-        self.cache_roles = frozenset(roles)
-        return dict(geometry)
 
     # -- initialisation -----------------------------------------------------------------------
 
@@ -280,12 +290,12 @@ class RunnerBackend:
             raise StateError("register paged layers before building a cache layout")
         block = block_size if block_size is not None else self.platform.default_block_size
         groups = []
-        for causal in (True, False):
-            names = tuple(n for n, g in self.layers.items() if g.causal is causal)
+        for mode in (AttentionMode.CAUSAL, AttentionMode.FULL):
+            names = tuple(n for n, g in self.layers.items() if g.mode is mode)
             if names:
                 g0 = self.layers[names[0]]
                 groups.append(
-                    KVCacheGroup(block, names, AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, causal))
+                    KVCacheGroup(block, names, AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, mode))
                 )
         c = self.config
         return CacheLayout(
@@ -338,31 +348,39 @@ class RunnerBackend:
         for g, group in enumerate(layout.groups):
             for name in group.layer_names:
                 geom = self.layers[name]
-                if (geom.num_kv_heads, geom.head_size, geom.dtype, geom.causal) != (
+                if (geom.num_kv_heads, geom.head_size, geom.dtype, geom.mode) != (
                     group.spec.num_kv_heads,
                     group.spec.head_size,
                     group.spec.dtype,
-                    group.spec.causal,
+                    group.spec.mode,
                 ):
                     raise ValidationError(
                         f"layer {name!r} does not match the spec of KV-cache group {g}: {group.spec}"
                     )
-            if not self.platform.capabilities.supports_block_size(group.block_size):
+        chosen = self._select_backends(layout)  # one per group, by the platform's priority list
+        kernels = []
+        for g, (group, backend_cls) in enumerate(zip(layout.groups, chosen, strict=True)):
+            kernel = backend_cls.capabilities.kernel_block_size_for(group.block_size)
+            assert kernel is not None  # selection checked the block size
+            if c_cp > 1 and kernel % self.config.cp_interleave:
                 raise ValidationError(
-                    f"KV-cache group {g} block size {group.block_size} is not supported by platform "
-                    f"{self.platform.name!r} ({', '.join(str(r) for r in self.platform.capabilities.kernel_block_sizes)})"
+                    f"cp_interleave={self.config.cp_interleave} must divide the kernel block size {kernel} "
+                    f"of KV-cache group {g} (backend {backend_cls.name!r})"
                 )
-            if c_cp > 1 and group.block_size % self.config.cp_interleave:
-                raise ValidationError(
-                    f"cp_interleave={self.config.cp_interleave} must divide the block size {group.block_size} "
-                    f"of KV-cache group {g}"
-                )
+            kernels.append(kernel)
         merger = self._dcp_merger()
-        parts = self._build_parts(layout, merger)  # raises before anything is published
+        parts = self._build_parts(layout, chosen, kernels, merger)  # raises before anything is published
         self.layout = layout
         self.dcp_merger = merger
-        (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches) = parts
+        (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches, self.backends) = parts
         return layout
+
+    def _select_backends(self, layout: CacheLayout) -> list[type[PagedBackend]]:
+        chosen: list[type[PagedBackend]] = []
+        for group in layout.groups:
+            layer = self.layers[group.layer_names[0]]
+            chosen.append(self.platform.select_backend(self._requirements(layer, group.block_size), chosen))
+        return chosen
 
     def _dcp_merger(self) -> PartialMerger | None:
         c = self.config
@@ -377,37 +395,61 @@ class RunnerBackend:
         return merger
 
     def _build_parts(
-        self, layout: CacheLayout, merger: PartialMerger | None
-    ) -> tuple[BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache]]:
+        self,
+        layout: CacheLayout,
+        chosen: list[type[PagedBackend]],
+        kernels: list[int],
+        merger: PartialMerger | None,
+    ) -> tuple[
+        BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache], tuple[PagedBackend, ...]
+    ]:
         c = self.config
         platform = self.platform
         part = self._plugin_part
+        slot_dtypes = frozenset.intersection(*(b.capabilities.slot_mapping_dtypes for b in chosen))
+        slot_dtype = torch.int64 if torch.int64 in slot_dtypes else torch.int32
+        if c.slot_mapping_dtype is not None:
+            if c.slot_mapping_dtype not in slot_dtypes:
+                raise ValidationError(
+                    f"RunnerConfig.slot_mapping_dtype={c.slot_mapping_dtype} is not declared by the chosen "
+                    f"backend(s) {[b.name for b in chosen]} (declared: {sorted(map(str, slot_dtypes))})"
+                )
+            slot_dtype = c.slot_mapping_dtype
         block_tables = part(
             "BlockTables",
             None,
-            lambda: platform.block_tables_cls()(
+            lambda: chosen[0].block_tables_cls()(
                 block_sizes=layout.block_sizes,
                 max_num_reqs=layout.max_num_reqs,
                 max_num_batched_tokens=layout.max_num_batched_tokens,
-                max_num_blocks_per_group=[
-                    cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
-                ],
+                max_num_blocks_per_group=[cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes],
                 device=self.device,
-                kernel_block_sizes=layout.block_sizes,
+                kernel_block_sizes=kernels,
                 cp_size=c.cp_size,
                 cp_rank=c.cp_rank,
                 cp_interleave=c.cp_interleave,
+                slot_mapping_dtype=slot_dtype,
             ),
         )
-        builder: MetadataBuilder = part(
-            "metadata builder",
-            None,
-            lambda: platform.metadata_builder(layout, block_tables, list(self.layers.values()), self.device),
-        )
+        backends: list[PagedBackend] = []
+        for g, (group, backend_cls, kernel) in enumerate(zip(layout.groups, chosen, kernels, strict=True)):
+            context = GroupContext(
+                index=g,
+                layers=tuple(self.layers[n] for n in group.layer_names),
+                mode=group.spec.mode,
+                block_size=group.block_size,
+                kernel_block_size=kernel,
+                num_blocks=layout.num_blocks,
+                block_tables=block_tables,
+                layout=layout,
+                device=self.device,
+                platform_name=platform.name,
+            )
+            backends.append(part(f"backend {backend_cls.name!r}", None, partial(backend_cls, context)))
         translator = Translator(
             layout=layout,
             block_tables=block_tables,
-            builder=builder,
+            backends=backends,
             rows=None,
             device=self.device,
             platform_name=platform.name,
@@ -420,32 +462,16 @@ class RunnerBackend:
             cache_roles=self.cache_roles or None,
         )
         translator.rows = registry
-        backends: dict[str, PagedAttentionBackend] = {}
+        by_layer: dict[str, PagedBackend] = {}
         caches: dict[str, KVCache] = {}
-        for group in layout.groups:
+        for group, backend in zip(layout.groups, backends, strict=True):
             for name in group.layer_names:
-                geom = self.layers[name]
-                backends[name] = part(
-                    "paged backend", name, partial(platform.paged_backend, geom, self.device)
-                )
+                by_layer[name] = backend
                 caches[name] = part(
-                    "KV-cache allocation",
-                    name,
-                    partial(
-                        platform.allocate_kv_cache,
-                        layout.num_blocks,
-                        group.block_size,
-                        geom.num_kv_heads,
-                        geom.head_size,
-                        geom.dtype,
-                        self.device,
-                    ),
+                    "KV-cache allocation", name, partial(backend.allocate_kv_cache, self.layers[name])
                 )
-        policy = platform.kv_write_policy
-        if not isinstance(policy, KVWritePolicy):
-            raise ValidationError(f"platform {platform.name!r} declares no KVWritePolicy")
-        executor = PagedExecutor(translator, self.layers, backends, caches, policy, merger, platform.name)
-        return block_tables, registry, translator, executor, caches
+        executor = PagedExecutor(translator, self.layers, by_layer, caches, merger, platform.name)
+        return block_tables, registry, translator, executor, caches, tuple(backends)
 
     def _plugin_part(self, what: str, layer: str | None, build: Callable[[], T]) -> T:
         """Build one plugin part; a failure inside the plugin becomes a NativeBackendError."""

@@ -1,8 +1,10 @@
 """Metadata translation: paged rows -> worker rows -> native attention metadata.
 
 ``Translator.prepare(rows)`` validates a batch once, builds the neutral
-:class:`~diffusion_kv.core.batch.CommonBatchMetadata`, hands it to the platform's metadata
-builder, and returns a :class:`PreparedBatch` shared by every layer of one forward.
+:class:`~diffusion_kv.core.batch.CommonBatchMetadata`, hands each KV-cache group's view of it
+(:class:`~diffusion_kv.core.batch.PagedBatch`) to that group's backend, fans the native
+metadata out to the group's layers, and returns a :class:`PreparedBatch` shared by every layer
+of one forward.
 
 Prepared batches are stamped with their translator and a generation. Any BlockTables mutation
 (through :meth:`Translator.invalidate`, the registry's ``before_mutation`` hook) or a newer
@@ -25,8 +27,10 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata, MetadataBuilder
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.batch import CommonBatchMetadata
 from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
@@ -35,7 +39,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.layout import CacheLayout, cdiv
-from diffusion_kv.core.piecewise import CAUSAL, PiecewisePlan, build_piecewise_plan, freeze_spans
+from diffusion_kv.core.piecewise import PiecewisePlan, build_piecewise_plan, freeze_spans
 from diffusion_kv.core.registry import RowBinding, WrittenSpan, missing_spans
 from diffusion_kv.core.rows import PagedRow
 
@@ -94,16 +98,19 @@ class Translator:
         *,
         layout: CacheLayout,
         block_tables: BlockTables,
-        builder: MetadataBuilder,
+        backends: Sequence[PagedBackend],
         rows: RowSource | None,
         device: torch.device,
         platform_name: str = "?",
     ) -> None:
-        """``rows`` may be bound later (``translator.rows = registry``) when the registry is
-        built after the translator; ``platform_name`` appears in wrapped builder errors."""
+        """``backends[g]`` serves KV-cache group ``g``. ``rows`` may be bound later
+        (``translator.rows = registry``) when the registry is built after the translator;
+        ``platform_name`` appears in wrapped backend errors."""
+        if len(backends) != len(layout.groups):
+            raise ValidationError(f"{len(backends)} backends for {len(layout.groups)} KV-cache groups")
         self.layout = layout
         self.block_tables = block_tables
-        self.builder = builder
+        self.backends = tuple(backends)
         self.rows = rows
         self.platform_name = platform_name
         self._layer_names = frozenset(layout.layer_names)
@@ -118,12 +125,12 @@ class Translator:
                 self._pin = True
             except RuntimeError:
                 pass
-        causal = {g: grp.spec.causal for g, grp in enumerate(layout.groups)}
-        self._causal_by_group = causal
-        values = set(causal.values())
-        self._causal: bool | Mapping[int, bool] = values.pop() if len(values) == 1 else dict(causal)
-        threshold = getattr(builder, "reorder_batch_threshold", None)
-        self._reorder_threshold: int | None = threshold if any(causal.values()) else None
+        self._modes = tuple(grp.spec.mode for grp in layout.groups)
+        self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m is AttentionMode.CAUSAL)
+        thresholds = [
+            t for g in self._causal_groups if (t := getattr(self.backends[g], "reorder_batch_threshold", None)) is not None
+        ]
+        self._reorder_threshold: int | None = min(thresholds) if thresholds else None
 
     # -- state --------------------------------------------------------------------------------
 
@@ -231,7 +238,7 @@ class Translator:
         positions: torch.Tensor,
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
-        causal: bool | Mapping[int, bool],
+        modes: tuple[AttentionMode, ...],
     ) -> CommonBatchMetadata:
         """Common metadata from host lengths and their device copies (already staged)."""
         qsl_cpu, seq_cpu = host.query_start_loc, host.seq_lens
@@ -252,7 +259,7 @@ class Translator:
             positions=positions,
             block_tables=block_tables,
             slot_mappings=slot_mappings,
-            causal=causal,
+            modes=modes,
             dcp_local_seq_lens=dcp,
             dcp_local_seq_lens_cpu=dcp_cpu,
         )
@@ -294,8 +301,8 @@ class Translator:
         bt = self.block_tables
         tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
         slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
-        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._causal)
-        attn_metadata = self._build(common)
+        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._modes)
+        attn_metadata = self._build(common, range(len(self.layout.groups)))
         by_layer: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.layout.groups):
             for name in group.layer_names:
@@ -315,17 +322,25 @@ class Translator:
             ),
         )
 
-    def _build(self, common: CommonBatchMetadata) -> dict[str, Any]:
-        """The builder's native metadata; a failure inside the plugin is a NativeBackendError."""
-        try:
-            return dict(self.builder.build(common))
-        except DiffusionKVError:
-            raise
-        except Exception as exc:
-            raise NativeBackendError(
-                f"platform {self.platform_name!r} metadata builder {type(self.builder).__name__} failed for "
-                f"layers {sorted(self._layer_names)} ({type(exc).__name__}: {exc})"
-            ) from exc
+    def _build(self, common: CommonBatchMetadata, groups: Sequence[int]) -> dict[str, Any]:
+        """Each group's native metadata, once, fanned out to its layers; a failure inside a
+        backend is a NativeBackendError naming it."""
+        out: dict[str, Any] = {}
+        for g in groups:
+            backend = self.backends[g]
+            group = self.layout.groups[g]
+            try:
+                metadata = backend.build(common.for_group(g))
+            except DiffusionKVError:
+                raise
+            except Exception as exc:
+                raise NativeBackendError(
+                    f"platform {self.platform_name!r} backend {backend.name!r} failed to build metadata for "
+                    f"KV-cache group {g} (layers {list(group.layer_names)}) ({type(exc).__name__}: {exc})"
+                ) from exc
+            for name in group.layer_names:
+                out[name] = metadata
+        return out
 
     @contextmanager
     def activate(self, batch: PreparedBatch) -> Iterator[PreparedBatch]:
@@ -405,9 +420,9 @@ class Translator:
                 positions,
                 batch.common.block_tables,
                 slots,
-                seg.mode == CAUSAL,
+                tuple(seg.mode for _ in self._modes),
             )
-            out.append(self._build(common))
+            out.append(self._build(common, self._causal_groups))  # spans refine causal layers only
         state.segment_metadata = tuple(out)
         return state.segment_metadata
 

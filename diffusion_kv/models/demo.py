@@ -174,7 +174,7 @@ def run_paged(
     mc = model.cfg
     runner.register_kv_cache_layers(
         {
-            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype, causal=True)
+            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype)
             for name in model.layer_names
         }
     )

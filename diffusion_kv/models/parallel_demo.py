@@ -102,7 +102,7 @@ def run_paged_parallel(
     mc = model.cfg
     geometry = runner.register_kv_cache_layers(
         {
-            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype, causal=True)
+            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype)
             for name in model.layer_names
         }
     )

@@ -48,16 +48,11 @@ from diffusion_kv.core.errors import (
     PluginLoadError,
     UnsupportedRequirementsError,
 )
-from diffusion_kv.platforms.interface import (
-    REQUIRED_MEMBERS,
-    Availability,
-    Capabilities,
-    KVWritePolicy,
-    Platform,
-    Requirements,
-)
+from diffusion_kv.core.backend import KVPageLayout, PagedBackend
+from diffusion_kv.platforms.interface import Availability, Capabilities, Platform, Requirements
 
 ENTRY_POINT_GROUP = "diffusion_kv.platforms"
+BACKEND_GROUP_SUFFIX = ".backends"
 ENV_PLATFORM = "DIFFUSION_KV_PLATFORM"
 ENV_PLUGINS = "DIFFUSION_KV_PLUGINS"
 ENV_GROUP = "DIFFUSION_KV_ENTRY_POINT_GROUP"
@@ -154,15 +149,18 @@ class PlatformStatus:
     reason: str
     is_reference: bool
     capabilities: dict[str, Any] | None
-    kv_write_policy: str | None
     default_block_size: int | None
     selected: bool
     error: str | None = None
     notes: tuple[str, ...] = field(default=())
+    backends: tuple[dict[str, Any], ...] = field(default=())
+    """Each backend in priority order: name, priority, source, available, reason."""
+    distributed_backend: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["notes"] = list(self.notes)
+        out["backends"] = [dict(b) for b in self.backends]
         return out
 
 
@@ -191,8 +189,23 @@ def _allowlist_from_env() -> frozenset[str] | None:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _signature_problems(cls: type, member: str) -> list[str]:
-    base_attr = inspect.getattr_static(Platform, member)
+PLATFORM_MEMBERS: tuple[str, ...] = ("is_available", "device", "device_for_rank", "backend_reasons")
+"""Platform methods whose signatures load-time validation checks against the base class."""
+BACKEND_MEMBERS: tuple[str, ...] = (
+    "is_available",
+    "not_supported_reasons",
+    "block_tables_cls",
+    "allocate_kv_cache",
+    "build",
+    "write_kv",
+    "forward",
+    "forward_partial",
+)
+"""PagedBackend methods whose signatures load-time validation checks against the base class."""
+
+
+def _signature_problems(cls: type, member: str, base: type = Platform) -> list[str]:
+    base_attr = inspect.getattr_static(base, member)
     attr = inspect.getattr_static(cls, member, None)
     if attr is None:
         return [f"missing member {member!r}"]
@@ -201,7 +214,7 @@ def _signature_problems(cls: type, member: str) -> list[str]:
     if not isinstance(base_attr, classmethod) and isinstance(attr, (classmethod, staticmethod)):
         return [f"{member!r} must be an instance method"]
     try:
-        base_sig = inspect.signature(getattr(Platform, member))
+        base_sig = inspect.signature(getattr(base, member))
         sig = inspect.signature(getattr(cls, member))
     except (TypeError, ValueError) as exc:
         return [f"{member!r} has no inspectable signature: {exc}"]
@@ -251,29 +264,88 @@ def _class_problems(obj: object, entry_point_name: str) -> list[str]:
     abstract = sorted(getattr(obj, "__abstractmethods__", ()))
     if abstract:
         problems.append(f"missing member(s) {', '.join(abstract)} (abstract in Platform)")
-    for member in REQUIRED_MEMBERS:
-        if member in abstract:
-            continue
-        problems.extend(_signature_problems(obj, member))
+    for member in PLATFORM_MEMBERS:
+        if member not in abstract:
+            problems.extend(_signature_problems(obj, member))
+    device_type = getattr(obj, "device_type", None)
+    if type(device_type) is not str or not device_type:
+        problems.append(f"device_type must be a non-empty string; got {device_type!r}")
+    if type(getattr(obj, "distributed_backend", None)) is not str:
+        problems.append("distributed_backend must be a string (e.g. 'gloo', 'nccl')")
+    if type(getattr(obj, "is_reference", False)) is not bool:
+        problems.append("is_reference must be a bool")
+    backends = getattr(obj, "backends", None)
+    if not isinstance(backends, tuple):
+        problems.append(f"backends must be a tuple of PagedBackend classes; got {type(backends).__name__}")
+        backends = ()
+    for backend in backends:
+        problems.extend(f"backend {safe_repr(backend)}: {p}" for p in validate_backend_class(backend))
+    block = getattr(obj, "default_block_size", None)
+    if type(block) is not int or block <= 0:
+        problems.append(f"default_block_size must be a positive int; got {block!r}")
+    elif backends and not problems and not any(b.capabilities.supports_block_size(block) for b in backends):
+        problems.append(f"default_block_size={block} is served by none of its backends' kernel block sizes")
+    return problems
+
+
+def validate_backend_class(obj: object, entry_point_name: str | None = None) -> list[str]:
+    """Every reason ``obj`` is not a valid paged backend (named ``entry_point_name`` when it
+    comes from an entry point); a class that raises while inspected is reported."""
+    try:
+        return _backend_problems(obj, entry_point_name)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return [f"inspecting the class raised {type(exc).__name__}: {safe_repr(exc, str)}"]
+
+
+def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
+    if not isinstance(obj, type) or not issubclass(obj, PagedBackend):
+        return [f"{safe_repr(obj)} is not a subclass of diffusion_kv.core.backend.PagedBackend"]
+    problems: list[str] = []
+    name = getattr(obj, "name", None)
+    if type(name) is not str or not name or ":" in name:
+        problems.append(f"name must be a non-empty string without ':'; got {name!r}")
+    elif entry_point_name is not None and name != entry_point_name:
+        problems.append(f"class attribute name={name!r} differs from the entry-point name {entry_point_name!r}")
+    if entry_point_name is not None and (type(obj.platform) is not str or not obj.platform):
+        problems.append("an entry-point backend must name the platform it serves (class attribute 'platform')")
+    if type(getattr(obj, "priority", None)) is not int:
+        problems.append(f"priority must be an int; got {getattr(obj, 'priority', None)!r}")
+    abstract = sorted(getattr(obj, "__abstractmethods__", ()))
+    if abstract:
+        problems.append(f"missing member(s) {', '.join(abstract)} (abstract in PagedBackend)")
+    for member in BACKEND_MEMBERS:
+        if member not in abstract:
+            problems.extend(_signature_problems(obj, member, PagedBackend))
     caps = getattr(obj, "capabilities", None)
     if not isinstance(caps, Capabilities):
         problems.append(f"capabilities must be a Capabilities instance; got {type(caps).__name__}")
     else:
         problems.extend(f"capabilities: {p}" for p in caps.problems())
-    policy = getattr(obj, "kv_write_policy", None)
-    if not isinstance(policy, KVWritePolicy):
-        problems.append(f"kv_write_policy must be a KVWritePolicy; got {policy!r}")
-    block = getattr(obj, "default_block_size", None)
-    if type(block) is not int or block <= 0:
-        problems.append(f"default_block_size must be a positive int; got {block!r}")
-    elif isinstance(caps, Capabilities) and not caps.problems() and not caps.supports_block_size(block):
-        problems.append(
-            f"default_block_size={block} is not among its kernel_block_sizes "
-            f"({', '.join(str(r) for r in caps.kernel_block_sizes)})"
-        )
-    if type(getattr(obj, "is_reference", False)) is not bool:
-        problems.append("is_reference must be a bool")
+        if caps.supports_dcp and inspect.getattr_static(obj, "forward_partial") is inspect.getattr_static(
+            PagedBackend, "forward_partial"
+        ):
+            problems.append("declares supports_dcp but does not implement forward_partial")
+    if not isinstance(getattr(obj, "page_layout", None), KVPageLayout):
+        problems.append(f"page_layout must be a KVPageLayout; got {getattr(obj, 'page_layout', None)!r}")
     return problems
+
+
+@dataclass(frozen=True)
+class BackendRecord:
+    """One entry point of the backends group: a valid class, or the error that rules it out."""
+
+    name: str
+    entry_point: str
+    distribution: str
+    backend_cls: type[PagedBackend] | None
+    error: PlatformError | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def platform(self) -> str | None:
+        return self.backend_cls.platform if self.backend_cls is not None else None
 
 
 class PluginSet:
@@ -289,7 +361,10 @@ class PluginSet:
         self._instances: dict[str, Platform] = {}
         self._construct_errors: dict[str, PluginLoadError] = {}
         self._notes: dict[str, list[str]] = {}
+        self.backend_records: list[BackendRecord] = []
+        """Entry points of the backends group (``<platform group>.backends`` convention)."""
         self._load()
+        self._load_backends()
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -351,6 +426,58 @@ class PluginSet:
                 )
                 continue
             self.records[name] = self._load_one(eps[0], _distribution_of(eps[0]))
+
+    @property
+    def backend_namespace(self) -> str:
+        base = self.namespace.removesuffix(".platforms")
+        return base + BACKEND_GROUP_SUFFIX
+
+    def _load_backends(self) -> None:
+        namespace = self.backend_namespace
+        lister: NamedExtensionManager[Any] = NamedExtensionManager(
+            namespace, names=[], on_missing_entrypoints_callback=None
+        )
+        dists = _distributions_by_entry_point(namespace)
+        seen: list[tuple[str, str]] = []
+        for ep in lister.list_entry_points():
+            if (ep.name, ep.value) in seen or (self.allowlist is not None and ep.name not in self.allowlist):
+                continue
+            seen.append((ep.name, ep.value))
+            text, dist = _format_entry_point(ep), dists.get((ep.name, ep.value), "unknown distribution")
+            where = f"paged backend {ep.name!r} (entry point '{text}' in {namespace!r}, {dist})"
+            try:
+                obj, printed = guarded(ep.load)
+            except PluginFailure as failure:
+                error = PluginLoadError(f"{where} failed to import: {failure}. Fix: install what it needs")
+                error.__cause__ = failure.original
+                self.backend_records.append(BackendRecord(ep.name, text, dist, None, error))
+                continue
+            notes = tuple(n for n in (_printed_note(printed, "at import"),) if n)
+            problems = validate_backend_class(obj, ep.name)
+            if not problems:
+                platform = obj.platform
+                record = self.records.get(platform)
+                builtin = record.platform_cls.backends if record is not None and record.platform_cls else ()
+                if record is None:
+                    problems.append(f"no installed platform is named {platform!r}")
+                elif any(b.name == obj.name for b in builtin) and obj not in builtin:
+                    problems.append(
+                        f"platform {platform!r} has a built-in backend named {obj.name!r}; the built-in is kept"
+                    )
+                elif any(r.backend_cls is not None and r.platform == platform and r.name == ep.name for r in self.backend_records):
+                    problems.append(f"another entry point already adds a backend {ep.name!r} to platform {platform!r}")
+            if problems:
+                error = PluginLoadError(
+                    f"{where} was skipped: " + "; ".join(problems)
+                    + ". Fix: make the class follow diffusion_kv.core.backend.PagedBackend"
+                )
+                self.backend_records.append(BackendRecord(ep.name, text, dist, None, error, notes))
+            else:
+                self.backend_records.append(BackendRecord(ep.name, text, dist, obj, None, notes))
+
+    def backends_for(self, platform: str) -> list[type[PagedBackend]]:
+        """The valid entry-point backends serving ``platform``."""
+        return [r.backend_cls for r in self.backend_records if r.backend_cls is not None and r.platform == platform]
 
     def _load_one(self, ep: EntryPoint, dist: str) -> PluginRecord:
         text = _format_entry_point(ep)
@@ -445,7 +572,11 @@ class PluginSet:
             for r in self.records.values()
             if r.error is None and r.name in self._construct_errors
         )
-        return out + self.shadowed
+        return out + self.shadowed + [
+            PluginRecord(r.name, (r.entry_point,), (r.distribution,), None, r.error)
+            for r in self.backend_records
+            if r.error is not None
+        ]
 
 
 _CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}
@@ -459,6 +590,11 @@ def discover(namespace: str | None = None, allowlist: Iterable[str] | None = Non
     if key not in _CACHE:
         _CACHE[key] = PluginSet(ns, allow)
     return _CACHE[key]
+
+
+def added_backends(platform: str) -> list[type[PagedBackend]]:
+    """Backends other distributions add to ``platform`` (entry-point group ``*.backends``)."""
+    return discover().backends_for(platform)
 
 
 def refresh() -> None:
@@ -603,6 +739,26 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
         record = plugins.records[n]
         availability = plugins.availability(n)
         cls = record.platform_cls
+        capabilities: dict[str, Any] | None = None
+        backends: list[dict[str, Any]] = []
+        if plugins.error_of(n) is None:
+            try:
+                platform = plugins.instance(n)
+                capabilities = platform.capabilities.summary()
+                builtin = set(type(platform).backends)
+                for b in platform.candidate_backends():
+                    found = b.is_available()
+                    backends.append(
+                        {
+                            "name": b.name,
+                            "priority": b.priority,
+                            "source": "built-in" if b in builtin else f"entry point ({b.__module__})",
+                            "available": found.available,
+                            "reason": found.reason,
+                        }
+                    )
+            except PluginLoadError:
+                pass  # recorded as the plugin's error below
         error = plugins.error_of(n)
         out.append(
             PlatformStatus(
@@ -613,12 +769,13 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                 available=availability.available,
                 reason=availability.reason,
                 is_reference=bool(cls.is_reference) if cls else False,
-                capabilities=cls.capabilities.summary() if cls else None,
-                kv_write_policy=cls.kv_write_policy.value if cls else None,
+                capabilities=capabilities,
                 default_block_size=cls.default_block_size if cls else None,
                 selected=(n == selected),
                 error=str(error) if error is not None else None,
                 notes=plugins.notes_of(n),
+                backends=tuple(backends),
+                distributed_backend=cls.distributed_backend if cls else None,
             )
         )
     return out

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata
+from diffusion_kv.core.batch import PagedBatch
 from diffusion_kv.core.block_tables import block_table_width as torch_block_table_width
 from diffusion_kv.integrations.vllm.versions import (
     SUPPORTED_RANGE,
@@ -195,7 +195,10 @@ class VllmCompat:
                     cp_size: int = 1,
                     cp_rank: int = 0,
                     cp_interleave: int = 1,
+                    slot_mapping_dtype: torch.dtype = torch.int64,
                 ) -> None:
+                    if slot_mapping_dtype != torch.int64:
+                        raise ValueError(f"vLLM's BlockTables produces int64 slots; got {slot_mapping_dtype}")
                     super().__init__(
                         **compat.block_tables_kwargs(
                             block_sizes=block_sizes,
@@ -304,9 +307,9 @@ class VllmCompat:
     # -- metadata ------------------------------------------------------------------------------
 
     def build_attn_metadata(
-        self, *, attn_groups: Sequence[Sequence[Any]], batch: CommonBatchMetadata, kv_cache_config: Any
+        self, *, attn_groups: Sequence[Sequence[Any]], batch: PagedBatch, kv_cache_config: Any
     ) -> dict[str, Any]:
-        """Native metadata per layer for one neutral batch (``build_attn_metadata``)."""
+        """Native metadata per layer for one KV-cache group's batch (``build_attn_metadata``)."""
         return self.call_build_attn_metadata(
             attn_groups=list(attn_groups),
             num_reqs=batch.num_reqs,
@@ -316,13 +319,13 @@ class VllmCompat:
             max_query_len=batch.max_query_len,
             seq_lens=batch.seq_lens,
             max_seq_len=batch.max_seq_len,
-            block_tables=list(batch.block_tables),
-            slot_mappings=batch.slot_mappings,
+            block_tables=[batch.block_table],
+            slot_mappings=batch.slot_mapping[None],
             kv_cache_config=kv_cache_config,
             seq_lens_cpu_upper_bound=batch.seq_lens_cpu,
             dcp_local_seq_lens=batch.dcp_local_seq_lens,
             positions=batch.positions,
-            causal=batch.causal if isinstance(batch.causal, bool) else dict(batch.causal),
+            causal=batch.causal,
         )
 
     def call_build_attn_metadata(self, **kwargs: Any) -> dict[str, Any]:

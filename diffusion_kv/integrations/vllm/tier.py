@@ -6,16 +6,10 @@ Importing this module checks the installed vLLM first: a release outside
 and a missing vLLM raises ``ImportError``. vLLM itself is still imported lazily, through the
 seam (:mod:`.compat`), when a part is built.
 
-Parts:
-
-* :class:`VllmSession` — vLLM's view of one cache layout: a ``VllmConfig`` (the host's, or a
-  minimal one synthesised from the layer geometry), one attention-layer adapter per paged layer
-  registered in ``static_forward_context``, and the attention groups / metadata builders from
-  ``init_attn_backend``;
-* :class:`VllmMetadataBuilder` — our :class:`~diffusion_kv.core.batch.MetadataBuilder` over
-  ``build_attn_metadata``;
-* :class:`VllmPagedBackend` — our :class:`~diffusion_kv.core.batch.PagedAttentionBackend` over
-  the native impl: ``do_kv_cache_update`` once, then ``forward`` with K/V absent.
+:class:`VllmSession` is vLLM's view of one KV-cache group: a ``VllmConfig`` (the host's, or
+a minimal one synthesised from the layer geometry), one attention-layer adapter per paged layer
+registered in ``static_forward_context``, and the attention groups / metadata builders from
+``init_attn_backend``. The paged backend over it is :mod:`.backend`.
 """
 
 from __future__ import annotations
@@ -31,9 +25,10 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
+from diffusion_kv.core.batch import LayerGeometry, PagedBatch
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.layout import CacheLayout
-from diffusion_kv.integrations.vllm.compat import VllmCompat, adapt_native_metadata, installed_compat
+from diffusion_kv.integrations.vllm.compat import VllmCompat, installed_compat
 
 COMPAT: VllmCompat = installed_compat()  # fails here, with the supported range, when unsupported
 
@@ -260,7 +255,7 @@ class VllmSession:
         first = by_name[layout.layer_names[0]]
         self.vllm_config = vllm_config if vllm_config is not None else synthesize_vllm_config(first, layout)
         config = self.vllm_config
-        non_causal = any(not g.spec.causal for g in layout.groups)
+        non_causal = any(g.spec.mode is AttentionMode.FULL for g in layout.groups)
         backends: dict[tuple[int, int, torch.dtype], type[Any]] = {}
         adapter_cls = layer_adapter_cls(self.compat)
         self.adapters: dict[str, Any] = {}
@@ -284,7 +279,7 @@ class VllmSession:
                     head_size=geom.head_size,
                     scale=geom.scale,
                     dtype=geom.dtype,
-                    causal=geom.causal,
+                    causal=geom.mode is AttentionMode.CAUSAL,
                     block_size=group.block_size,
                     backend=backends[key],
                     vllm_config=config,
@@ -341,13 +336,13 @@ class VllmSession:
         values = [
             getattr(g.get_metadata_builder(0), "reorder_batch_threshold", None)
             for index, groups in enumerate(self.attn_groups)
-            if self.layout.groups[index].spec.causal
+            if self.layout.groups[index].spec.mode is AttentionMode.CAUSAL
             for g in groups
         ]
         concrete = [v for v in values if v is not None]
         return min(concrete) if concrete else None
 
-    def build(self, batch: CommonBatchMetadata) -> dict[str, Any]:
+    def build(self, batch: PagedBatch) -> dict[str, Any]:
         with self.compat.current_config(self.vllm_config):
             return self.compat.build_attn_metadata(
                 attn_groups=self.attn_groups, batch=batch, kv_cache_config=self.kv_cache_config
@@ -367,196 +362,4 @@ class VllmSession:
         )
 
 
-class VllmMetadataBuilder:
-    """``CommonBatchMetadata`` -> vLLM native metadata per layer, via ``build_attn_metadata``.
-
-    Every build snapshots FA3 scheduler buffers. A build whose block tables are the very tuple of
-    the previous full-batch build is a piecewise segment of that batch (the translator reuses the
-    batch's gathered tables for its segments); under FA2 its ``max_num_splits`` is pinned to 1.
-    """
-
-    def __init__(self, session: VllmSession) -> None:
-        self.session = session
-        self.reorder_batch_threshold: int | None = session.reorder_batch_threshold()
-        self._batch_tables: tuple[torch.Tensor, ...] | None = None
-
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
-        segment = self._batch_tables is not None and batch.block_tables is self._batch_tables
-        if not segment:
-            self._batch_tables = batch.block_tables
-        metadata = self.session.build(batch)
-        adapt_native_metadata(
-            metadata, flash_attn_version=self.session.flash_attn_version, piecewise_segment=segment
-        )
-        return metadata
-
-    def build_segment(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
-        """Explicit piecewise-segment build (for translators that say so)."""
-        metadata = self.session.build(batch)
-        adapt_native_metadata(
-            metadata, flash_attn_version=self.session.flash_attn_version, piecewise_segment=True
-        )
-        return metadata
-
-
-class VllmPagedBackend:
-    """One layer's vLLM impl: ``do_kv_cache_update`` for the write, ``forward`` reading pages."""
-
-    def __init__(self, adapter: Any) -> None:
-        self.adapter = adapter
-        self.name = f"vllm:{adapter.attn_backend.get_name()}"
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
-    ) -> None:
-        slots = slot_mapping.reshape(-1)[: key.shape[0]]
-        if slots.dtype != torch.int64:
-            slots = slots.to(torch.int64)
-        self.adapter.impl.do_kv_cache_update(self.adapter, key, value, kv_cache, slots)
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: Any,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if (key is None) != (value is None):
-            raise ValueError("key and value must both be given or both be None")
-        if key is not None and value is not None:
-            self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        output = out if out is not None else query.new_empty(query.shape)
-        result = self.adapter.impl.forward(self.adapter, query, None, None, kv_cache, metadata, output)
-        return (result if isinstance(result, torch.Tensor) else output).view(query.shape)
-
-
-class VllmTier:
-    """The vLLM-backed parts one platform plugin hands out.
-
-    ``metadata_builder`` builds a :class:`VllmSession` for the layout and remembers it per
-    layer name; ``paged_backend`` and ``allocate_kv_cache`` then use that session's adapters
-    (callers build the metadata builder first, as the runner and the conformance harness do;
-    a layer asked for without one gets a one-layer session at ``default_block_size``).
-    """
-
-    def __init__(
-        self,
-        *,
-        backend: str | None,
-        default_block_size: int,
-        isa: Callable[[LayerGeometry], str | None] | None = None,
-        vllm_config: Any | None = None,
-        compat: VllmCompat | None = None,
-    ) -> None:
-        self.backend = backend
-        self.default_block_size = default_block_size
-        self.isa = isa
-        self.vllm_config = vllm_config
-        self.compat = compat or COMPAT
-        self.sessions: dict[str, VllmSession] = {}
-        self.latest: VllmSession | None = None
-
-    def session(
-        self, layout: CacheLayout, layers: Sequence[LayerGeometry], device: torch.device
-    ) -> VllmSession:
-        first = next(g for g in layers if g.layer_name == layout.layer_names[0])
-        session = VllmSession(
-            layout=layout,
-            layers=layers,
-            device=device,
-            backend=self.backend,
-            vllm_config=self.vllm_config,
-            compat=self.compat,
-            isa=self.isa(first) if self.isa is not None else None,
-        )
-        for name in layout.layer_names:
-            self.sessions[name] = session
-        self.latest = session
-        return session
-
-    def metadata_builder(
-        self, layout: CacheLayout, layers: Sequence[LayerGeometry], device: torch.device
-    ) -> VllmMetadataBuilder:
-        return VllmMetadataBuilder(self.session(layout, layers, device))
-
-    def paged_backend(self, layer: LayerGeometry, device: torch.device) -> VllmPagedBackend:
-        session = self.sessions.get(layer.layer_name)
-        if session is None or session.device != torch.device(device):
-            from diffusion_kv.core.layout import single_group_layout
-
-            layout = single_group_layout(
-                (layer.layer_name,),
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_size,
-                dtype=layer.dtype,
-                block_size=self.default_block_size,
-                num_blocks=1,
-                max_model_len=self.default_block_size,
-                causal=layer.causal,
-            )
-            session = self.session(layout, [layer], torch.device(device))
-        adapter = session.adapters[layer.layer_name]
-        if (adapter.num_heads, adapter.num_kv_heads, adapter.head_size, adapter.dtype) != (
-            layer.num_heads,
-            layer.num_kv_heads,
-            layer.head_size,
-            layer.dtype,
-        ):
-            raise ValueError(
-                f"layer {layer.layer_name!r} geometry {layer} differs from the one its vLLM session was "
-                f"built with (heads={adapter.num_heads}, kv_heads={adapter.num_kv_heads}, "
-                f"head_size={adapter.head_size}, dtype={adapter.dtype})"
-            )
-        return VllmPagedBackend(adapter)
-
-    def owns_cache(self, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> bool:
-        """Whether the latest session describes caches of this shape (used to pick a layout)."""
-        if self.latest is None:
-            return False
-        for adapter in self.latest.adapters.values():
-            if (adapter.spec.block_size, adapter.num_kv_heads, adapter.head_size, adapter.dtype) == (
-                block_size,
-                num_kv_heads,
-                head_size,
-                dtype,
-            ):
-                return True
-        return False
-
-    def allocate_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        if self.latest is None:
-            raise RuntimeError(
-                "the vLLM tier allocates caches for a session; build its metadata builder first"
-            )
-        backend = next(iter(self.latest.adapters.values())).attn_backend
-        return self.compat.allocate_kv_cache(
-            backend,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            dtype=dtype,
-            device=torch.device(device),
-            cache_dtype=self.latest.vllm_config.cache_config.cache_dtype,
-        )
-
-
-__all__ = [
-    "COMPAT",
-    "VllmMetadataBuilder",
-    "VllmPagedBackend",
-    "VllmSession",
-    "VllmTier",
-    "layer_adapter_cls",
-    "synthesize_vllm_config",
-]
+__all__ = ["COMPAT", "VllmSession", "layer_adapter_cls", "synthesize_vllm_config"]

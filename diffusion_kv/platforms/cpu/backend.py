@@ -1,4 +1,4 @@
-"""The cpu reference parts: a simple metadata record, its builder, and a paged backend.
+"""The cpu reference backend: a simple metadata record, and pure-torch paged attention.
 
 This is the oracle other platforms are compared with, so it favours obviously-correct code over
 speed: per row it gathers the row's pages into contiguous K/V and applies the exact mask
@@ -14,30 +14,35 @@ the core merges the partials across the DCP group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
-from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import ValidationError
-from diffusion_kv.core.layout import CacheLayout, cdiv
+from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import dcp_key_positions
 from diffusion_kv.core.translate import dcp_local_seq_lens
+from diffusion_kv.platforms.interface import (
+    AttentionMode,
+    Capabilities,
+    GroupContext,
+    KVCache,
+    LayerGeometry,
+    MultipleOf,
+    PagedBackend,
+    PagedBatch,
+)
 
 
 @dataclass(frozen=True)
 class CpuPagedMetadata:
-    """Native metadata of the cpu backend for one layer group."""
+    """Native metadata of the reference backend for one KV-cache group."""
 
     query_start_loc: tuple[int, ...]
     seq_lens: tuple[int, ...]
     block_table: torch.Tensor
     """``[num_reqs, width]`` kernel block ids."""
-    slot_mapping: torch.Tensor
-    """``[num_tokens]`` slots of this call's query tokens."""
     causal: bool
     block_size: int
     """Kernel block size (tokens per cache block)."""
@@ -48,51 +53,6 @@ class CpuPagedMetadata:
     cp_interleave: int = 1
 
 
-class CpuMetadataBuilder:
-    """``CommonBatchMetadata`` -> one :class:`CpuPagedMetadata` per layer."""
-
-    reorder_batch_threshold: int | None = None
-
-    def __init__(self, layout: CacheLayout, block_tables: BlockTables) -> None:
-        self.layout = layout
-        self.kernel_block_sizes = list(block_tables.kernel_block_sizes)
-        self.cp_size = block_tables.cp_size
-        self.cp_rank = block_tables.cp_rank
-        self.cp_interleave = block_tables.cp_interleave
-        if self.cp_size > 1 and any(kbs % self.cp_interleave for kbs in self.kernel_block_sizes):
-            raise ValidationError(
-                f"cp_interleave={self.cp_interleave} must divide every kernel block size "
-                f"{self.kernel_block_sizes} of the cpu backend"
-            )
-
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
-        qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
-        seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
-        local: tuple[int, ...] | None = None
-        if self.cp_size > 1:
-            host = batch.dcp_local_seq_lens_cpu
-            if host is None:
-                host = dcp_local_seq_lens(batch.seq_lens_cpu, self.cp_size, self.cp_rank, self.cp_interleave)
-            local = tuple(int(x) for x in host.tolist())
-        out: dict[str, CpuPagedMetadata] = {}
-        for g, group in enumerate(self.layout.groups):
-            md = CpuPagedMetadata(
-                query_start_loc=qsl,
-                seq_lens=seq,
-                block_table=batch.block_tables[g],
-                slot_mapping=batch.slot_mappings[g],
-                causal=batch.causal_for_group(g),
-                block_size=self.kernel_block_sizes[g],
-                local_seq_lens=local,
-                cp_size=self.cp_size,
-                cp_rank=self.cp_rank,
-                cp_interleave=self.cp_interleave,
-            )
-            for name in group.layer_names:
-                out[name] = md
-        return out
-
-
 def _cache_views(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(kv_cache, torch.Tensor):
         return kv_cache[0], kv_cache[1]
@@ -100,21 +60,55 @@ def _cache_views(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
-class CpuPagedBackend:
-    """Writes K/V by slot mapping; attends by gathering each row's pages."""
+class CpuReferenceBackend(PagedBackend):
+    """Writes K/V by slot mapping; attends by gathering each row's pages (the oracle)."""
 
-    name = "cpu-reference"
+    name: ClassVar[str] = "reference"
+    platform: ClassVar[str] = "cpu"
+    priority: ClassVar[int] = 100
+    description: ClassVar[str] = "pure torch: gather each row's pages, exact mask, float32 math"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
+        head_sizes=None,
+        kernel_block_sizes=(MultipleOf(1),),
+        slot_mapping_dtypes=frozenset({torch.int64, torch.int32}),
+        attention_modes=frozenset(AttentionMode),
+        supports_gqa=True,
+        supports_ulysses=True,
+        supports_dcp=True,
+    )
 
-    def __init__(self, layer: LayerGeometry) -> None:
-        if layer.num_heads % layer.num_kv_heads:
+    def __init__(self, group: GroupContext) -> None:
+        super().__init__(group)
+        bt = group.block_tables
+        self.cp_size, self.cp_rank, self.cp_interleave = bt.cp_size, bt.cp_rank, bt.cp_interleave
+        if self.cp_size > 1 and group.kernel_block_size % self.cp_interleave:
             raise ValidationError(
-                f"layer {layer.layer_name!r}: num_heads={layer.num_heads} is not a multiple of "
-                f"num_kv_heads={layer.num_kv_heads}"
+                f"cp_interleave={self.cp_interleave} must divide the kernel block size "
+                f"{group.kernel_block_size} of the reference backend"
             )
-        self.layer = layer
+
+    def build(self, batch: PagedBatch) -> CpuPagedMetadata:
+        local: tuple[int, ...] | None = None
+        if self.cp_size > 1:
+            host = batch.dcp_local_seq_lens_cpu
+            if host is None:
+                host = dcp_local_seq_lens(batch.seq_lens_cpu, self.cp_size, self.cp_rank, self.cp_interleave)
+            local = tuple(int(x) for x in host.tolist())
+        return CpuPagedMetadata(
+            query_start_loc=tuple(int(x) for x in batch.query_start_loc_cpu.tolist()),
+            seq_lens=tuple(int(x) for x in batch.seq_lens_cpu.tolist()),
+            block_table=batch.block_table,
+            causal=batch.causal,
+            block_size=self.group.kernel_block_size,
+            local_seq_lens=local,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+            cp_interleave=self.cp_interleave,
+        )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self, layer: LayerGeometry, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
         key_cache, value_cache = _cache_views(kv_cache)
         nb, bs, hkv, d = key_cache.shape
@@ -126,9 +120,8 @@ class CpuPagedBackend:
 
     def forward(
         self,
+        layer: LayerGeometry,
         query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: Any,
         out: torch.Tensor | None = None,
@@ -136,35 +129,25 @@ class CpuPagedBackend:
         md: CpuPagedMetadata = metadata
         if md.cp_size > 1:
             raise ValidationError(
-                f"cpu backend metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's "
+                f"reference metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's "
                 "keys is partial; use forward_partial and merge across the DCP group"
             )
         # Without DCP the partial over this rank's keys is the whole attention.
-        result, _ = self.forward_partial(query, key, value, kv_cache, md)
+        result, _ = self.forward_partial(layer, query, kv_cache, md)
         if out is None:
             return result
         out.copy_(result)
         return out
 
     def forward_partial(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: KVCache,
-        metadata: Any,
+        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over this rank's keys: ``(out [T, H, D], lse [T, H] float32)``.
 
         Without DCP the local keys are all keys, and ``out`` equals :meth:`forward`'s.
         """
         md: CpuPagedMetadata = metadata
-        if (key is None) != (value is None):
-            raise ValidationError("key and value must both be given or both be None")
-        if key is not None and value is not None:
-            self.write_kv(key, value, kv_cache, md.slot_mapping)
         key_cache, value_cache = _cache_views(kv_cache)
-        layer = self.layer
         groups = layer.num_heads // layer.num_kv_heads
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
         device = query.device

@@ -1,38 +1,49 @@
-"""The CUDA plugin's standalone tier: metadata builder and the two paged backends.
+"""The CUDA plugin's own paged backends (torch + Triton, no vLLM).
 
-Backends, in priority order per shape regime:
+Two ways to attend:
 
-* ``triton`` — :func:`kernels.paged_attention` reads K/V pages in place through the block table;
+* in place — :func:`kernels.paged_attention` reads K/V pages through the block table;
   split-KV over the pages when few query tiles exist (memory-bound shapes, e.g. a few target
-  tokens over a long cached prefix).
-* ``sdpa`` — gathers each row's pages into contiguous K/V, then calls the best torch SDPA
+  tokens over a long cached prefix);
+* gather + SDPA — gathers each row's pages into contiguous K/V, then calls the best torch SDPA
   kernel (cuDNN / FlashAttention / memory-efficient); wins for compute-bound shapes where the
   gather copy is small next to the attention itself.
 
-The builder decides per batch (from host-side lengths it already has, so no device sync) and
-records the choice and its reason in the metadata. ``DIFFUSION_KV_CUDA_BACKEND=triton|sdpa``
-forces one (benchmarks and conformance runs use it).
+:class:`CudaPagedBackend` (``paged``) decides per batch, when the batch is built, from the
+host-side lengths it already has (no device sync), and records the choice and its reason in
+the metadata. :class:`TritonPagedBackend` (``triton``) and :class:`SdpaPagedBackend`
+(``sdpa``) always take one way (``DIFFUSION_KV_BACKEND=cuda:triton`` / ``cuda:sdpa``).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import importlib.util
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, LayerGeometry
-from diffusion_kv.core.block_tables import BlockTables
-from diffusion_kv.core.errors import ValidationError
-from diffusion_kv.core.layout import CacheLayout, cdiv
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
+from diffusion_kv.core.errors import UnsupportedFeatureError
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.platforms.interface import (
+    AttentionMode,
+    Availability,
+    Capabilities,
+    GroupContext,
+    KVCache,
+    LayerGeometry,
+    MultipleOf,
+    PagedBackend,
+    PagedBatch,
+)
 
-ENV_BACKEND = "DIFFUSION_KV_CUDA_BACKEND"
-BACKENDS = ("triton", "sdpa")
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
 """Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128)."""
+DEFAULT_NUM_SMS = 132
+
+
 DEFAULT_NUM_SMS = 132
 
 
@@ -95,16 +106,29 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
     return p
 
 
-def choose_backend(
-    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool, forced: str | None
-) -> tuple[str, str]:
-    """``(backend, reason)`` for one batch."""
-    if forced is not None:
-        if forced not in BACKENDS:
-            raise ValidationError(f"{ENV_BACKEND}={forced!r}; expected one of {BACKENDS}")
-        if forced == "triton" and not triton_ok:
-            raise ValidationError(f"{ENV_BACKEND}=triton but Triton is not importable")
-        return forced, f"forced by {ENV_BACKEND}"
+def triton_available() -> Availability:
+    """Whether the Triton kernels can run (Triton importable), with the reason."""
+    if importlib.util.find_spec("triton") is None:
+        return Availability(False, "Triton is not installed")
+    try:
+        import triton
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return Availability(False, f"Triton failed to import: {type(exc).__name__}: {exc}")
+    return Availability(True, f"Triton {triton.__version__}")
+
+
+def cuda_available() -> Availability:
+    if not torch.cuda.is_available():
+        build = torch.version.cuda
+        return Availability(
+            False,
+            "torch is a CPU-only build" if build is None else f"torch (CUDA {build}) sees no CUDA device",
+        )
+    return Availability(True, f"CUDA {torch.version.cuda}")
+
+
+def choose_way(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool) -> tuple[str, str]:
+    """``(way, reason)`` for one batch: ``triton`` (in place) or ``sdpa`` (gather + SDPA)."""
     if not triton_ok:
         return "sdpa", "Triton is not importable"
     max_q = max(query_lens)
@@ -120,28 +144,70 @@ def choose_backend(
     )
 
 
-class CudaMetadataBuilder:
-    reorder_batch_threshold: int | None = None
+CAPABILITIES = Capabilities(
+    dtypes=frozenset({torch.float16, torch.bfloat16}),
+    head_sizes=frozenset({64, 128}),
+    kernel_block_sizes=(MultipleOf(16),),
+    slot_mapping_dtypes=frozenset({torch.int64}),
+    attention_modes=frozenset(AttentionMode),
+    supports_gqa=True,
+)
 
-    def __init__(
-        self, layout: CacheLayout, block_tables: BlockTables, layers: list[LayerGeometry], triton_ok: bool
-    ) -> None:
-        if block_tables.cp_size > 1:
-            raise NotImplementedError(
-                "the CUDA standalone tier does not implement decode context parallelism"
+
+def _caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache[0], kv_cache[1]
+    k, v = kv_cache
+    return k, v
+
+
+class CudaPagedBackend(PagedBackend):
+    """Writes with the Triton writer; attends in place or by gather + SDPA, chosen per batch."""
+
+    name: ClassVar[str] = "paged"
+    platform: ClassVar[str] = "cuda"
+    priority: ClassVar[int] = 200
+    description: ClassVar[str] = (
+        "per batch: Triton in place (memory-bound, ragged) or gather + SDPA (query_len >= 512, <= 2 row shapes)"
+    )
+    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    way: ClassVar[str | None] = None
+    """``triton`` or ``sdpa`` to always take one way; None decides per batch."""
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        found = cuda_available()
+        if not found:
+            return found
+        triton = triton_available()
+        if cls.way == "triton" and not triton:
+            return triton
+        return Availability(
+            True, f"{found.reason}; " + (triton.reason if triton else f"SDPA only ({triton.reason})")
+        )
+
+    @classmethod
+    def block_tables_cls(cls) -> type[BlockTables]:
+        if triton_available():
+            from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
+
+            return TritonBlockTables
+        return TorchBlockTables
+
+    def __init__(self, group: GroupContext) -> None:
+        super().__init__(group)
+        if group.cp_size > 1:
+            raise UnsupportedFeatureError(
+                "the cuda paged backends do not implement decode context parallelism"
             )
-        self.layout = layout
-        self.kernel_block_sizes = list(block_tables.kernel_block_sizes)
-        self.triton_ok = triton_ok
-        geoms = {(g.num_heads, g.num_kv_heads, g.head_size) for g in layers}
-        heads, kv_heads, head_size = next(iter(geoms)) if geoms else (1, 1, 64)
-        self.group = heads // kv_heads
-        self.kv_heads = kv_heads
-        self.head_size = head_size
+        self.triton_ok = bool(triton_available())
+        layer = group.layers[0]
+        self.group_ratio = layer.num_heads // layer.num_kv_heads
+        self.kv_heads = layer.num_kv_heads
+        self.head_size = layer.head_size
         self.num_sms = DEFAULT_NUM_SMS
-        device = getattr(block_tables, "device", None)
-        if isinstance(device, torch.device) and device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if group.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
 
     def _schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
@@ -149,8 +215,8 @@ class CudaMetadataBuilder:
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
         block_m = min(128 if max_q * self.group >= 128 else _pow2_at_least(max_q * self.group), 128)
-        block_m = max(block_m, _pow2_at_least(self.group))
-        per_tile = max(block_m // self.group, 1)
+        block_m = max(block_m, _pow2_at_least(self.group_ratio))
+        per_tile = max(block_m // self.group_ratio, 1)
         rows: list[int] = []
         q0s: list[int] = []
         for r, n in enumerate(lens):
@@ -175,16 +241,17 @@ class CudaMetadataBuilder:
         sched = sched.to(device, non_blocking=True)
         return sched[0], sched[1], block_m, block_n, splits
 
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
+    def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
         seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
         lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
-        backend, reason = choose_backend(
-            lens, seq, triton_ok=self.triton_ok, forced=os.environ.get(ENV_BACKEND)
-        )
+        if self.way is not None:
+            way, reason = self.way, f"backend {self.name!r} always takes this way"
+        else:
+            way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         device = batch.query_start_loc.device
-        extra: dict[str, Any]  # the plan is the same for every KV-cache group: built once
-        if backend == "triton":
+        extra: dict[str, Any]
+        if way == "triton":
             tile_row, tile_q0, block_m, block_n, splits = self._schedule(qsl, seq, device)
             extra = dict(
                 tile_row=tile_row,
@@ -196,46 +263,27 @@ class CudaMetadataBuilder:
             )
         else:
             extra = dict(sdpa_groups=sdpa_row_groups(qsl, seq, device))
-        out: dict[str, CudaPagedMetadata] = {}
-        for g, group in enumerate(self.layout.groups):
-            causal = batch.causal_for_group(g)
-            md = CudaPagedMetadata(
-                query_start_loc=batch.query_start_loc,
-                seq_lens=batch.seq_lens,
-                block_table=batch.block_tables[g],
-                slot_mapping=batch.slot_mappings[g],
-                causal=causal,
-                page=self.kernel_block_sizes[g],
-                host_query_start_loc=qsl,
-                host_seq_lens=seq,
-                backend=backend,
-                reason=reason,
-                **extra,
-            )
-            for name in group.layer_names:
-                out[name] = md
-        return out
-
-
-def _caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(kv_cache, torch.Tensor):
-        return kv_cache[0], kv_cache[1]
-    k, v = kv_cache
-    return k, v
-
-
-class CudaPagedBackend:
-    """One layer's paged attention: writes with the Triton writer (or an indexed copy), attends
-    with the backend the metadata names."""
-
-    name = "cuda-standalone"
-
-    def __init__(self, layer: LayerGeometry, triton_ok: bool) -> None:
-        self.layer = layer
-        self.triton_ok = triton_ok
+        return CudaPagedMetadata(
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_table=batch.block_table,
+            slot_mapping=batch.slot_mapping,
+            causal=batch.causal,
+            page=self.group.kernel_block_size,
+            host_query_start_loc=qsl,
+            host_seq_lens=seq,
+            backend=way,
+            reason=reason,
+            **extra,
+        )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         k_cache, v_cache = _caches(kv_cache)
         slots = slot_mapping[: key.shape[0]]
@@ -257,19 +305,16 @@ class CudaPagedBackend:
 
     def forward(
         self,
+        layer: LayerGeometry,
         query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: Any,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md: CudaPagedMetadata = metadata
-        if key is not None and value is not None:
-            self.write_kv(key, value, kv_cache, md.slot_mapping)
         k_cache, v_cache = _caches(kv_cache)
         if md.backend != "triton":
-            return self._gather_sdpa(query, kv_cache, md, out)
+            return self._gather_sdpa(layer, query, kv_cache, md, out)
         result = out if out is not None else torch.empty_like(query)
         if md.backend == "triton":
             from diffusion_kv.platforms.cuda import kernels
@@ -285,7 +330,7 @@ class CudaPagedBackend:
                 md.query_start_loc,
                 md.tile_row,
                 md.tile_q0,
-                scale=self.layer.scale,
+                scale=layer.scale,
                 causal=md.causal,
                 block_m=md.block_m,
                 block_n=md.block_n,
@@ -296,6 +341,7 @@ class CudaPagedBackend:
 
     def _gather_sdpa(
         self,
+        layer: LayerGeometry,
         query: torch.Tensor,
         kv_cache: KVCache,
         md: CudaPagedMetadata,
@@ -304,7 +350,6 @@ class CudaPagedBackend:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
 
-        layer = self.layer
         hkv, hd = layer.num_kv_heads, layer.head_size
         qsl = md.host_query_start_loc
         order = [
@@ -361,3 +406,29 @@ class CudaPagedBackend:
                 for i, r in enumerate(rows):
                     result[qsl[r] : qsl[r] + ql] = o[i]
         return result if result is not None else torch.zeros_like(query)
+
+
+class TritonPagedBackend(CudaPagedBackend):
+    """Always the in-place Triton kernel."""
+
+    name: ClassVar[str] = "triton"
+    priority: ClassVar[int] = 150
+    description: ClassVar[str] = "Triton kernel reading pages in place, split-KV"
+    way: ClassVar[str | None] = "triton"
+
+
+class SdpaPagedBackend(CudaPagedBackend):
+    """Always gather + torch SDPA (cuDNN / FlashAttention / memory-efficient)."""
+
+    name: ClassVar[str] = "sdpa"
+    priority: ClassVar[int] = 100
+    description: ClassVar[str] = "gather each row's pages, then the best torch SDPA kernel"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=CAPABILITIES.dtypes,
+        head_sizes=frozenset(range(8, 257, 8)),
+        kernel_block_sizes=CAPABILITIES.kernel_block_sizes,
+        slot_mapping_dtypes=CAPABILITIES.slot_mapping_dtypes,
+        attention_modes=CAPABILITIES.attention_modes,
+        supports_gqa=True,
+    )
+    way: ClassVar[str | None] = "sdpa"

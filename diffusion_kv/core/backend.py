@@ -1,0 +1,206 @@
+"""The paged backend: the unit of kernels a platform offers, and what the core calls on it.
+
+A :class:`PagedBackend` subclass declares, as class-level data, its ``name``, ``priority``
+(higher is tried first), :class:`~diffusion_kv.core.capabilities.Capabilities` and KV page
+layout, answers :meth:`~PagedBackend.is_available` with a reason and
+:meth:`~PagedBackend.not_supported_reasons` (extend it through ``super()``), and names its
+BlockTables class (the core's :class:`~diffusion_kv.core.block_tables.TorchBlockTables` by
+default, which splits scheduler blocks into the kernel's blocks).
+
+The core makes one instance per KV-cache group (:class:`GroupContext`) and calls, per batch,
+:meth:`~PagedBackend.build` once for the group (native metadata shared by every layer of the
+group and every layer call), then per layer and forward :meth:`~PagedBackend.write_kv` exactly
+once (``-1`` slots are padding: never written) and :meth:`~PagedBackend.forward` once per
+attention call (once, or once per piecewise segment), reading K/V from the pages only. Under
+decode context parallelism it calls :meth:`~PagedBackend.forward_partial` instead and merges
+the partials across ranks by log-sum-exp.
+
+Tensor shapes (``T`` query tokens of the call, ``H`` query heads, ``Hkv`` KV heads, ``D`` head
+size, all rank-local): ``query`` ``[T, H, D]`` contiguous; ``key``/``value`` ``[T, Hkv, D]``
+(heads and head dims packed, the token stride may be larger); ``slot_mapping`` ``[T]``;
+``forward`` returns ``[T, H, D]`` (``out`` when given); ``forward_partial`` returns that and
+its ``[T, H]`` float32 log-sum-exp (``-inf`` where no local key is visible).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
+from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, Requirements, capability_reasons
+from diffusion_kv.core.errors import UnsupportedFeatureError
+
+if TYPE_CHECKING:
+    from diffusion_kv.core.layout import CacheLayout
+
+
+class KVPageLayout(enum.Enum):
+    """How one layer's KV cache is laid out; the default allocation follows it."""
+
+    COMBINED = "combined"
+    """One tensor ``[2, kernel_blocks, kernel_block_size, Hkv, D]`` (K at 0, V at 1)."""
+    SEPARATE = "separate"
+    """A ``(key_cache, value_cache)`` tuple, each ``[kernel_blocks, kernel_block_size, Hkv, D]``."""
+    HEAD_FIRST = "head_first"
+    """One tensor ``[2, kernel_blocks, Hkv, kernel_block_size, D]``."""
+
+
+def allocate_pages(
+    layout: KVPageLayout,
+    kernel_blocks: int,
+    kernel_block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Zeroed pages in ``layout``."""
+    if layout is KVPageLayout.SEPARATE:
+        shape = (kernel_blocks, kernel_block_size, num_kv_heads, head_size)
+        return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    if layout is KVPageLayout.HEAD_FIRST:
+        return torch.zeros((2, kernel_blocks, num_kv_heads, kernel_block_size, head_size), dtype=dtype, device=device)
+    return torch.zeros((2, kernel_blocks, kernel_block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """One KV-cache group, as the backend instance serving it sees it."""
+
+    index: int
+    layers: tuple[LayerGeometry, ...]
+    mode: AttentionMode
+    """CAUSAL or FULL: the group's layers' mode."""
+    block_size: int
+    """Tokens per scheduler block (what block ids in snapshots address)."""
+    kernel_block_size: int
+    """Tokens per kernel block (what block tables and slots address); divides ``block_size``."""
+    num_blocks: int
+    """Scheduler blocks in the pool; the cache holds ``num_kernel_blocks`` kernel blocks."""
+    block_tables: BlockTables
+    layout: CacheLayout
+    device: torch.device
+    platform_name: str
+
+    @property
+    def num_kernel_blocks(self) -> int:
+        return self.num_blocks * (self.block_size // self.kernel_block_size)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(layer.layer_name for layer in self.layers)
+
+    @property
+    def cp_size(self) -> int:
+        return self.block_tables.cp_size
+
+
+class PagedBackend(abc.ABC):
+    """Base class of every paged backend (see the module docstring)."""
+
+    name: ClassVar[str]
+    """Unique within its platform; ``DIFFUSION_KV_BACKEND=<platform>:<name>`` forces it."""
+    platform: ClassVar[str] = ""
+    """The platform this backend serves (required for backends added through entry points)."""
+    priority: ClassVar[int] = 0
+    """Selection tries higher priorities first."""
+    description: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities]
+    page_layout: ClassVar[KVPageLayout] = KVPageLayout.COMBINED
+
+    reorder_batch_threshold: int | None = None
+    """When not None, the kernel wants rows with ``query_len <= threshold`` before longer rows
+    in causal groups; the translator enforces that order when a batch is prepared."""
+
+    # --- selection (class level) ------------------------------------------------------------
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        """Whether this backend can run here, with the reason; default: pure torch, always."""
+        return Availability(True, "pure torch")
+
+    @classmethod
+    def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+        """Every reason this backend cannot serve ``requirements``; extend through ``super()``."""
+        return capability_reasons(cls.capabilities, requirements)
+
+    @classmethod
+    def block_tables_cls(cls) -> type[BlockTables]:
+        """The BlockTables class the backend's metadata reads (one per worker)."""
+        return TorchBlockTables
+
+    # --- one instance per KV-cache group --------------------------------------------------------
+
+    def __init__(self, group: GroupContext) -> None:
+        self.group = group
+
+    def allocate_kv_cache(self, layer: LayerGeometry) -> KVCache:
+        """One layer's cache; the default allocates zeroed pages in ``page_layout``."""
+        g = self.group
+        return allocate_pages(
+            self.page_layout,
+            g.num_kernel_blocks,
+            g.kernel_block_size,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.dtype,
+            g.device,
+        )
+
+    @abc.abstractmethod
+    def build(self, batch: PagedBatch) -> Any:
+        """Native metadata for one batch (or piecewise segment) of this group."""
+
+    @abc.abstractmethod
+    def write_kv(
+        self, layer: LayerGeometry, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``; ``-1`` slots are
+        padding and must not be written."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` ``[T, H, D]`` over the rows' pages; returns ``[T, H, D]``."""
+
+    def forward_partial(
+        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over this DCP rank's keys with its log-sum-exp (backends declaring
+        ``supports_dcp`` implement it)."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not implement forward_partial (decode context parallelism)"
+        )
+
+
+def backend_label(backend: type[PagedBackend] | PagedBackend) -> str:
+    cls = backend if isinstance(backend, type) else type(backend)
+    return f"{cls.platform or '?'}:{cls.name}"
+
+
+class BackendProvider(Protocol):
+    """What the runner needs of a platform: its name, device and per-group backend choice."""
+
+    name: str
+    default_block_size: int
+
+    def device(self) -> torch.device: ...
+
+    def not_supported_reasons(self, requirements: Requirements) -> list[str]: ...
+
+    def select_backend(
+        self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
+    ) -> type[PagedBackend]: ...
