@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from types import SimpleNamespace
 from typing import Any
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.block_tables import TorchBlockTables
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import (
     NativeBackendError,
     StateError,
@@ -21,6 +24,7 @@ from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
+from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
 
 def config(**kw: Any) -> RunnerConfig:
@@ -37,33 +41,46 @@ def spec(**kw: Any) -> PagedLayerSpec:
     return PagedLayerSpec(**base)
 
 
-class FlakyPlatform(CpuPlatform):
-    """The cpu platform with a switchable failure in one part."""
+FAIL: dict[str, str | None] = {"part": None}
 
-    fail: str | None = None
 
-    def block_tables_cls(self) -> Any:
-        if self.fail == "block_tables":
+class FailingTables(TorchBlockTables):
+    def __init__(self, **kwargs: Any) -> None:
+        if FAIL["part"] == "block_tables":
             raise RuntimeError("BlockTables construction failed")
-        return super().block_tables_cls()
+        super().__init__(**kwargs)
 
-    def metadata_builder(self, layout: Any, block_tables: Any, layers: Any, device: Any) -> Any:
-        if self.fail == "builder":
+
+class FlakyBackend(CpuReferenceBackend):
+    """The reference backend with a switchable failure in one part."""
+
+    @classmethod
+    def block_tables_cls(cls) -> Any:
+        return FailingTables
+
+    def __init__(self, group: Any) -> None:
+        if FAIL["part"] == "builder":
             raise RuntimeError("builder construction failed")
-        return super().metadata_builder(layout, block_tables, layers, device)
+        super().__init__(group)
 
-    def allocate_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fail == "allocation":
+    def allocate_kv_cache(self, layer: Any) -> Any:
+        if FAIL["part"] == "allocation":
             raise MemoryError("cache allocation failed")
-        return super().allocate_kv_cache(*args, **kwargs)
+        return super().allocate_kv_cache(layer)
+
+
+class FlakyPlatform(CpuPlatform):
+    backends = (FlakyBackend,)
+
+
+class NoUlyssesBackend(CpuReferenceBackend):
+    """The reference backend declaring no Ulysses support (as a plugin without it would)."""
+
+    capabilities = dataclasses.replace(CpuReferenceBackend.capabilities, supports_ulysses=False)
 
 
 class NoUlyssesCpu(CpuPlatform):
-    """The cpu platform declaring no Ulysses support (as a plugin without it would)."""
-
-    capabilities = CpuPlatform.capabilities.__class__(
-        **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": False}
-    )
+    backends = (NoUlyssesBackend,)
 
 
 def test_registration_gives_rank_local_geometry() -> None:
@@ -135,7 +152,7 @@ def test_ulysses_divisibility() -> None:
         ),
         (
             "builder",
-            "failed to build its metadata builder (RuntimeError: builder construction failed)",
+            "failed to build its backend 'reference' (RuntimeError: builder construction failed)",
             RuntimeError,
         ),
         (
@@ -147,7 +164,7 @@ def test_ulysses_divisibility() -> None:
 )
 def test_initialisation_is_atomic(part: str, message: str, cause: type[Exception]) -> None:
     platform = FlakyPlatform()
-    platform.fail = part
+    FAIL["part"] = part
     backend = RunnerBackend(platform, config())
     backend.register_kv_cache_layers({"a": spec(), "b": spec()})
     with pytest.raises(NativeBackendError, match=re.escape(f"platform 'cpu' {message}")) as info:
@@ -156,7 +173,7 @@ def test_initialisation_is_atomic(part: str, message: str, cause: type[Exception
     assert not backend.initialized
     assert backend.registry is None and backend.translator is None and backend.kv_caches == {}
     assert list(backend.layers) == ["a", "b"]  # registration survives; a retry works
-    platform.fail = None
+    FAIL["part"] = None
     layout = backend.initialize_kv_cache(num_blocks=16, block_size=4)
     assert backend.initialized and layout.max_num_reqs == 4
     with pytest.raises(StateError, match="already initialised"):
@@ -181,7 +198,7 @@ def test_initialisation_checks() -> None:
 
 def test_vllm_shaped_config_and_mixed_modes() -> None:
     backend = RunnerBackend(CpuPlatform(), config())
-    backend.register_kv_cache_layers({"c": spec(), "f": spec(causal=False)})
+    backend.register_kv_cache_layers({"c": spec(), "f": spec(mode=AttentionMode.FULL)})
     mk = lambda names, causal: SimpleNamespace(  # noqa: E731
         layer_names=names,
         kv_cache_spec=SimpleNamespace(
@@ -191,8 +208,8 @@ def test_vllm_shaped_config_and_mixed_modes() -> None:
     layout = backend.initialize_kv_cache(
         SimpleNamespace(num_blocks=32, kv_cache_groups=[mk(["c"], True), mk(["f"], False)])
     )
-    assert [g.spec.causal for g in layout.groups] == [True, False]
-    assert backend.translator is not None and backend.translator._causal == {0: True, 1: False}
+    assert [g.spec.mode for g in layout.groups] == [AttentionMode.CAUSAL, AttentionMode.FULL]
+    assert backend.translator is not None and backend.translator._modes == (AttentionMode.CAUSAL, AttentionMode.FULL)
 
 
 def test_end_to_end_install_activate_remove() -> None:

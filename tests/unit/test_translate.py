@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 
 from diffusion_kv.conformance.harness import PagedHarness
-from diffusion_kv.core.batch import CommonBatchMetadata
+from diffusion_kv.core.batch import PagedBatch
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import StaleBatchError, StateError, UnknownIdentityError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.piecewise import Segment, build_piecewise_plan, build_segments
@@ -19,17 +19,20 @@ from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import Translator, dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
 
+C, F = AttentionMode.CAUSAL, AttentionMode.FULL
+
 
 class RecordingBuilder:
-    """Wraps a builder, recording every CommonBatchMetadata it is given."""
+    """Wraps a backend's build, recording every PagedBatch it is given."""
 
     def __init__(self, inner: Any, threshold: int | None = None) -> None:
         self.inner = inner
+        self.name = inner.name
         self.reorder_batch_threshold = threshold
-        self.calls: list[CommonBatchMetadata] = []
+        self.calls: list[PagedBatch] = []
         self.fail = False
 
-    def build(self, batch: CommonBatchMetadata) -> Mapping[str, Any]:
+    def build(self, batch: PagedBatch) -> Any:
         self.calls.append(batch)
         if self.fail:
             raise RuntimeError("builder failed")
@@ -38,11 +41,11 @@ class RecordingBuilder:
 
 def make(threshold: int | None = None, **kw: Any) -> tuple[PagedHarness, RecordingBuilder]:
     h = PagedHarness(CpuPlatform(), block_size=4, num_blocks=64, max_model_len=32, **kw)
-    rec = RecordingBuilder(h.translator.builder, threshold)
+    rec = RecordingBuilder(h.backend, threshold)
     h.translator = Translator(
         layout=h.layout,
         block_tables=h.block_tables,
-        builder=rec,
+        backends=[rec],  # type: ignore[list-item]
         rows=h.registry,
         device=h.device,
     )
@@ -113,16 +116,16 @@ def test_phase_rows() -> None:
 
 def test_segments_keep_span_end() -> None:
     assert build_segments([(5, 8)], 3, 6) == [
-        Segment(3, 5, 5, "causal"),
-        Segment(5, 8, 8, "full"),
-        Segment(8, 9, 9, "causal"),
+        Segment(3, 5, 5, C),
+        Segment(5, 8, 8, F),
+        Segment(8, 9, 9, C),
     ]
-    assert build_segments([(2, 10)], 4, 3) == [Segment(4, 7, 10, "full")]
+    assert build_segments([(2, 10)], 4, 3) == [Segment(4, 7, 10, F)]
     assert build_segments([(0, 2), (4, 6)], 0, 8) == [
-        Segment(0, 2, 2, "full"),
-        Segment(2, 4, 4, "causal"),
-        Segment(4, 6, 6, "full"),
-        Segment(6, 8, 8, "causal"),
+        Segment(0, 2, 2, F),
+        Segment(2, 4, 4, C),
+        Segment(4, 6, 6, F),
+        Segment(6, 8, 8, C),
     ]
 
 
@@ -145,7 +148,7 @@ def test_worked_example_segment_metadata() -> None:
     assert [s.positions.tolist() for s in segs] == [[3, 4, 3, 4], [5, 6, 7, 5, 6, 7], [8, 8]]
     assert [s.causal for s in segs] == [True, False, True]
     # blocks of sequence 0 are 0..2 and of sequence 1 are 3..5 (block size 4)
-    assert segs[0].slot_mappings.tolist() == [[3, 4, 15, 16]]
+    assert segs[0].slot_mapping.tolist() == [3, 4, 15, 16]
     assert [len(b.writes) for b in h.backends.values()] == [1, 1]
 
 
@@ -191,13 +194,13 @@ def test_prepare_builds_common_metadata() -> None:
     assert common.seq_lens_cpu.tolist() == [6, 9]
     assert common.positions.tolist() == [4, 5, *range(9)]
     assert common.max_query_len == 9 and common.max_seq_len == 9 and common.num_tokens == 11
-    assert common.block_tables[0].tolist()[0][:2] == [0, 1] and common.block_tables[0].tolist()[1][:3] == [
+    assert common.block_table.tolist()[0][:2] == [0, 1] and common.block_table.tolist()[1][:3] == [
         2,
         3,
         4,
     ]
-    assert common.slot_mappings.tolist() == [[4, 5, *range(8, 17)]]
-    assert common.causal is True and common.dcp_local_seq_lens is None
+    assert common.slot_mapping.tolist() == [4, 5, *range(8, 17)]
+    assert common.mode is AttentionMode.CAUSAL and common.dcp_local_seq_lens is None
     assert batch.row_indices.dtype == torch.int32 and batch.row_indices.tolist() == [0, 1]
     assert set(batch.slot_mappings_by_layer) == set(h.layer_names)
 
@@ -414,29 +417,3 @@ def test_dcp_local_seq_lens() -> None:
     assert dcp_local_seq_lens(seq, 2, 0, 1).tolist() == [0, 1, 3, 4, 5, 9]
     assert dcp_local_seq_lens(seq, 2, 1, 1).tolist() == [0, 0, 2, 4, 4, 8]
     assert dcp_local_seq_lens(seq, 4, 1, 2).tolist() == [0, 0, 2, 2, 2, 4]
-
-
-def test_backend_writes_policy_writes_each_token_once() -> None:
-    from diffusion_kv.core.batch import KVWritePolicy
-
-    outs, caches = [], []
-    for policy in (KVWritePolicy.PREWRITE, KVWritePolicy.BACKEND_WRITES):
-        h, _ = make()
-        h.executor.policy = policy
-        h.install("r", [9, 9], placement="permuted")
-        rows = (PagedRow("r", 9, 9, sequence_id=0), PagedRow("r", 9, 9, sequence_id=1))
-        q, k, v = qkv(h, 18)
-        batch = h.translator.prepare(rows)
-        with h.translator.activate(batch):
-            outs.append(
-                h.executor.forward(h.layer_names[0], q, k, v, AttentionMetadata([[(5, 8)], [(5, 8)]]))
-            )
-        caches.append(h.cache_snapshot()[0])
-        backend = h.backends[h.layer_names[0]]
-        if policy is KVWritePolicy.BACKEND_WRITES:
-            assert backend.writes == [] and [n for n, with_kv in backend.forwards] == [10, 6, 2]
-            assert all(with_kv for _, with_kv in backend.forwards)
-        else:
-            assert backend.writes == [18] and not any(with_kv for _, with_kv in backend.forwards)
-    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
-    assert torch.equal(caches[0], caches[1])

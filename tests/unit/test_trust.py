@@ -16,6 +16,7 @@ import torch
 
 from diffusion_kv import (
     AttentionMetadata,
+    AttentionMode,
     DiffusionKVError,
     GenerationError,
     NativeBackendError,
@@ -36,6 +37,7 @@ from diffusion_kv.core.allocator import (
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
+from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
 from .registry_helpers import context, make_registry, request, seq, state_of
 
@@ -43,13 +45,13 @@ H, HKV, D, BS = 2, 1, 8, 4
 LAYERS = ("l0", "l1")
 
 
-def runner(platform: CpuPlatform | None = None, causal: bool = True, **cfg: Any) -> RunnerBackend:
+def runner(platform: CpuPlatform | None = None, mode: AttentionMode = AttentionMode.CAUSAL, **cfg: Any) -> RunnerBackend:
     base: dict[str, Any] = dict(
         max_model_len=32, max_rows_per_request=2, max_num_seqs=3, max_num_batched_tokens=96
     )
     base.update(cfg)
     r = RunnerBackend(platform or CpuPlatform(), RunnerConfig(**base))
-    r.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32, causal=causal) for n in LAYERS})
+    r.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode) for n in LAYERS})
     r.initialize_kv_cache(num_blocks=16, block_size=BS)
     return r
 
@@ -250,22 +252,20 @@ def test_a_write_counts_once_every_layer_ran() -> None:
 
 
 def test_a_failed_backend_write_is_not_counted() -> None:
-    class Broken(CpuPlatform):
-        def paged_backend(self, layer: Any, device: torch.device) -> Any:
-            backend = super().paged_backend(layer, device)
+    class BrokenWriter(CpuReferenceBackend):
+        def write_kv(self, layer: Any, *args: Any) -> None:
             if layer.layer_name == "l1":
+                raise RuntimeError("device lost")
+            super().write_kv(layer, *args)
 
-                def fail(*args: Any, **kwargs: Any) -> None:
-                    raise RuntimeError("device lost")
-
-                backend.write_kv = fail  # type: ignore[method-assign]
-            return backend
+    class Broken(CpuPlatform):
+        backends = (BrokenWriter,)
 
     r = runner(Broken())
     r.install(snap("a", 0, (8, 4, [1, 2, 3])))
     with pytest.raises(
         NativeBackendError,
-        match=r"platform 'cpu' backend 'cpu-reference' failed in layer 'l1' \(RuntimeError: device lost\)",
+        match=r"platform 'cpu' backend 'reference' failed in layer 'l1' \(RuntimeError: device lost\)",
     ) as info:
         forward_all(r, phases("a", 8, 4).prefill, seed=1)
     assert isinstance(info.value.__cause__, RuntimeError)
@@ -413,7 +413,7 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> to
 
 
 def test_non_causal_layers_ignore_spans() -> None:
-    r = runner(causal=False)
+    r = runner(mode=AttentionMode.FULL)
     r.install(snap("a", 0, (8, 4, [1, 2, 3])))
     rows = phases("a", 8, 4).prefill
     q, k, v = kv(12, 7)
@@ -474,25 +474,21 @@ def test_public_errors_are_in_the_hierarchy() -> None:
 
 
 def test_builder_failure_is_a_native_backend_error() -> None:
+    class FailingBuild(CpuReferenceBackend):
+        name = "failing-build"
+
+        def build(self, batch: Any) -> Any:
+            raise IndexError("table too narrow")
+
     class BadBuilder(CpuPlatform):
-        def metadata_builder(self, *args: Any) -> Any:
-            inner = super().metadata_builder(*args)
-
-            class Wrapped:
-                reorder_batch_threshold = None
-
-                def build(self, batch: Any) -> Any:
-                    raise IndexError("table too narrow")
-
-            del inner
-            return Wrapped()
+        backends = (FailingBuild,)
 
     r = runner(BadBuilder())
     r.install(snap("a", 0, (0, 4, [1])))
     assert r.translator is not None
     with pytest.raises(
         NativeBackendError,
-        match=r"platform 'cpu' metadata builder Wrapped failed for layers \['l0', 'l1'\] \(IndexError: table too narrow\)",
+        match=r"platform 'cpu' backend 'failing-build' failed to build metadata for KV-cache group 0 \(layers \['l0', 'l1'\]\) \(IndexError: table too narrow\)",
     ) as info:
         r.translator.prepare(phases("a", 0, 4).prefill)
     assert isinstance(info.value.__cause__, IndexError)

@@ -38,6 +38,7 @@ from diffusion_kv.core.errors import GenerationError, NativeBackendError, StateE
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
+from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
 from .registry_helpers import FlakyBlockTables, state_of
 
@@ -61,43 +62,36 @@ class Faults:
         self.write_layer: str | None = None
 
 
-class FaultyBuilder:
-    def __init__(self, inner: Any, faults: Faults) -> None:
-        self.inner, self.faults = inner, faults
-        self.reorder_batch_threshold = inner.reorder_batch_threshold
+FAULTS = Faults()
+
+
+class FaultyBackend(CpuReferenceBackend):
+    """The reference backend with switchable faults in its builder and K/V writer, over
+    BlockTables whose apply can fail."""
+
+    name = "faulty"
+
+    @classmethod
+    def block_tables_cls(cls) -> Any:
+        return FlakyBlockTables
 
     def build(self, batch: Any) -> Any:
-        if self.faults.builder:
+        if FAULTS.builder:
             raise RuntimeError("injected builder fault")
-        return self.inner.build(batch)
+        return super().build(batch)
 
-
-class FaultyBackend:
-    def __init__(self, inner: Any, faults: Faults, layer: str) -> None:
-        self.inner, self.faults, self.layer, self.name = inner, faults, layer, inner.name
-
-    def write_kv(self, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
-        if self.faults.write_layer == self.layer:
+    def write_kv(self, layer: Any, *args: Any) -> None:
+        if FAULTS.write_layer == layer.layer_name:
             raise RuntimeError("injected write fault")
-        self.inner.write_kv(key, value, kv_cache, slot_mapping)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.forward(*args, **kwargs)
+        super().write_kv(layer, *args)
 
 
 class FaultyCpu(CpuPlatform):
+    backends = (FaultyBackend,)
+
     def __init__(self) -> None:
         super().__init__()
-        self.faults = Faults()
-
-    def block_tables_cls(self) -> Any:
-        return FlakyBlockTables
-
-    def metadata_builder(self, *args: Any) -> Any:
-        return FaultyBuilder(super().metadata_builder(*args), self.faults)
-
-    def paged_backend(self, layer: Any, device: torch.device) -> Any:
-        return FaultyBackend(super().paged_backend(layer, device), self.faults, layer.layer_name)
+        self.faults = FAULTS
 
 
 # --- the independent model ---------------------------------------------------------------------
@@ -166,7 +160,7 @@ class Fuzz:
             self.platform,
             RunnerConfig(MAX_LEN, ROWS_PER_REQ, MAX_SEQS, WORKER_ROWS * MAX_LEN),
         )
-        spec = PagedLayerSpec(H, HKV, D, torch.float32, causal=True)
+        spec = PagedLayerSpec(H, HKV, D, torch.float32)
         self.runner.register_kv_cache_layers({name: spec for name in LAYERS})
         self.runner.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS)
         assert self.runner.registry is not None and self.runner.translator is not None
