@@ -11,7 +11,7 @@ from typing import Any
 
 
 def attention_table(report: dict[str, Any]) -> list[str]:
-    variants = report["variants"]
+    variants = report["backends"]
     head = "| case | best dense SDPA (ms, TFLOP/s) | " + " | ".join(f"{v} (ms, ratio)" for v in variants)
     head += " | bandwidth bound (ms) |"
     lines = [head, "|" + " --- |" * (3 + len(variants))]

@@ -150,14 +150,16 @@ def _caps_line(status: PlatformStatus) -> str:
     if caps is None:
         return "(not loaded)"
     heads = caps["head_sizes"] if caps["head_sizes"] == "any" else ",".join(map(str, caps["head_sizes"]))
+    if isinstance(heads, str) and len(heads) > 40:
+        heads = f"{caps['head_sizes'][0]}..{caps['head_sizes'][-1]} ({len(caps['head_sizes'])} sizes)"
     flags = [name for name in ("gqa", "ulysses", "dcp", "graph_capture") if caps[name]]
-    if caps["host_lengths"]:
-        flags.append("host_lengths")
+    backends = ", ".join(
+        f"{b['name']}[{b['priority']}]{'' if b['available'] else ' (unavailable)'}" for b in status.backends
+    )
     return (
         f"dtypes={','.join(caps['dtypes'])} head_sizes={heads} blocks={';'.join(caps['kernel_block_sizes'])} "
-        f"(default {status.default_block_size}) slots={caps['slot_mapping_dtype']} "
-        f"modes={','.join(caps['attention_modes'])} write={status.kv_write_policy} "
-        f"flags={','.join(flags) or '-'}"
+        f"(default {status.default_block_size}) slots={','.join(caps['slot_mapping_dtypes'])} "
+        f"modes={','.join(caps['attention_modes'])} flags={','.join(flags) or '-'} backends={backends or '-'}"
     )
 
 
@@ -336,16 +338,6 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
     )
 
 
-def _device_for_rank(device_type: str) -> torch.device:
-    import os
-
-    import torch
-
-    if device_type in ("cuda", "npu"):
-        return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(device_type)
-
-
 def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoConfig) -> int:
     """``demo --ulysses N`` / ``--cfg-parallel`` under torchrun: every rank runs, rank 0 reports."""
     import torch.distributed as dist
@@ -354,19 +346,18 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
     from diffusion_kv.models.demo import format_result, text_progress
     from diffusion_kv.models.parallel_demo import check_parallel_config, run_parallel_demo
 
-    device_type = platform.capabilities.device_type
     if "WORLD_SIZE" not in os.environ:
         raise UsageError("--ulysses N and --cfg-parallel run under torchrun (WORLD_SIZE is not set)")
     try:
         check_parallel_config(cfg, args.ulysses, args.cfg_parallel)
-        device = _device_for_rank(device_type)
+        device = platform.device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
         if device.type != "cpu":  # torch.cuda / torch.npu (registered by torch_npu)
             import torch
 
             accel = getattr(torch, device.type, None)
             if accel is not None and hasattr(accel, "set_device"):
                 accel.set_device(device)
-        world = init_distributed_from_env(device_type)
+        world = init_distributed_from_env(platform.distributed_backend)
     except DiffusionKVError as exc:
         raise RunError(str(exc)) from exc
     rank = world.rank

@@ -81,7 +81,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
         "sizes": sizes,
         "dtype": str(dtype).removeprefix("torch."),
         "environment": environment(device),
-        "variants": sorted(platform.backend_variants()),
+        "backends": [b.name for b in platform.candidate_backends()],
     }
     if "attention" in config.sections:
         bw = attention.copy_bandwidth(device)

@@ -21,11 +21,11 @@ import torch
 
 from diffusion_kv.bench.timing import synchronize, time_device
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
-from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
-from diffusion_kv.platforms.interface import Platform
+from diffusion_kv.platforms.interface import ENV_BACKEND, Platform
 
 LAYER = "bench.attn"
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -229,7 +229,8 @@ def run_case(
     *,
     min_ms: float = 20.0,
 ) -> dict[str, Any]:
-    setup = build_setup(platform, case, device, dtype)
+    setup = build_setup(platform, case, device, dtype)  # the dense side's tensors
+    setup.runner.remove(["bench"])
     scale = case.head_size**-0.5
     gqa = case.heads != case.kv_heads
     result: dict[str, Any] = {"case": case.name, "shape": asdict(case), "dense": {}, "paged": {}}
@@ -266,23 +267,29 @@ def run_case(
         raise RuntimeError(f"{case.name}: no dense SDPA backend accepted the inputs: {result['dense']}")
     result["best_dense"] = {"backend": best[0], "ms": best[1], "tflops": case.flops() / best[1] / 1e9}
     reference = dense_out.transpose(1, 2).reshape_as(setup.query).float()
-    translator = setup.runner.translator
-    executor = setup.runner.executor
-    assert translator is not None and executor is not None
-    backend = executor.backends[LAYER]
-    cache = setup.runner.kv_caches[LAYER]
     out = torch.empty_like(setup.query)
-    for variant, overrides in platform.backend_variants().items():
-        try:
-            with _env(overrides):
-                batch = translator.prepare(setup.denoise_rows)
-        except Exception as exc:  # a variant that cannot serve the shape is a reported reason
-            result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}"}
+    for candidate in platform.candidate_backends():
+        variant = candidate.name
+        found = candidate.is_available()
+        if not found:
+            result["paged"][variant] = {"error": f"unavailable: {found.reason}"}
+            continue
+        try:  # a worker with this backend forced, over the same data
+            with _env({ENV_BACKEND: f"{platform.name}:{variant}"}):
+                paged = build_setup(platform, case, device, dtype)
+                translator = paged.runner.translator
+                assert translator is not None
+                batch = translator.prepare(paged.denoise_rows)
+        except Exception as exc:  # a backend that cannot serve the shape is a reported reason
+            result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
             continue
         md = batch.attn_metadata[LAYER]
+        backend = paged.runner.backends[0]
+        layer = paged.runner.layers[LAYER]
+        cache = paged.runner.kv_caches[LAYER]
 
-        def fn(md: Any = md) -> torch.Tensor:
-            return backend.forward(setup.query, None, None, cache, md, out)
+        def fn(md: Any = md, backend: Any = backend, layer: Any = layer, cache: Any = cache) -> torch.Tensor:
+            return backend.forward(layer, paged.query, cache, md, out)  # noqa: B023
 
         fn()
         synchronize(device)
@@ -302,7 +309,7 @@ def run_case(
             bound_ms = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
             entry["ratio_vs_bandwidth_bound"] = ms / bound_ms
         result["paged"][variant] = entry
+        paged.runner.remove(["bench"])
     if bandwidth_gbs:
         result["bandwidth_bound_ms"] = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
-    setup.runner.remove(["bench"])
     return result

@@ -186,11 +186,6 @@ class PagedBackend(abc.ABC):
         )
 
 
-def backend_label(backend: type[PagedBackend] | PagedBackend) -> str:
-    cls = backend if isinstance(backend, type) else type(backend)
-    return f"{cls.platform or '?'}:{cls.name}"
-
-
 class BackendProvider(Protocol):
     """What the runner needs of a platform: its name, device and per-group backend choice."""
 

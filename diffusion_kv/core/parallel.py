@@ -36,7 +36,6 @@ from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 
-DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 """The ``torch.distributed`` backend used for each device type."""
 
 
@@ -445,11 +444,9 @@ def build_parallel_groups(ulysses_degree: int, cfg_parallel_size: int) -> Parall
     return ParallelGroups(world, ulysses, cfg)
 
 
-def init_distributed_from_env(device_type: str) -> RankGroup:
-    """Initialise the default process group from torchrun's environment, if not done already.
-
-    The backend follows the device: gloo on CPU, NCCL on CUDA, HCCL on Ascend NPUs.
-    """
+def init_distributed_from_env(backend: str) -> RankGroup:
+    """Initialise the default process group from torchrun's environment, if not done already,
+    with ``backend`` (the platform's ``distributed_backend``: gloo, nccl, hccl, a vendor's)."""
     if dist.is_initialized():
         return RankGroup.of(None)
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -458,13 +455,8 @@ def init_distributed_from_env(device_type: str) -> RankGroup:
             f"torch.distributed environment variable(s) {missing} are not set; launch with "
             "torchrun --nproc-per-node N"
         )
-    try:
-        backend = DIST_BACKENDS[device_type]
-    except KeyError:
-        raise ValidationError(
-            f"no torch.distributed backend is known for device type {device_type!r} "
-            f"(known: {sorted(DIST_BACKENDS)})"
-        ) from None
+    if type(backend) is not str or not backend:
+        raise ValidationError(f"a torch.distributed backend name is needed; got {backend!r}")
     dist.init_process_group(backend=backend)
     return RankGroup.of(None)
 

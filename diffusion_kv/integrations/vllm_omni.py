@@ -6,7 +6,9 @@ diffusion-kv platform plugin, so vLLM-Omni switches with small changes (``docs/v
 
 * :class:`DiffusionKVPlatformHooks` — ``get_diffusion_kv_block_tables_cls``,
   ``build_diffusion_kv_attn_metadata``, ``get_diffusion_paged_kv_attn_backend``,
-  ``requires_diffusion_paged_kv_prewrite``, each delegating to the plugin;
+  ``requires_diffusion_paged_kv_prewrite``, each delegating to the paged backend the platform
+  selects (by its priority list; once the facade's KV cache is initialised, to the backends
+  chosen for its KV-cache groups);
 * :class:`DiffusionKVRunnerBackend` — the upstream method names over
   :class:`~diffusion_kv.core.runner.RunnerBackend`.
 
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
-from diffusion_kv.core.batch import CommonBatchMetadata, KVCache, KVWritePolicy, MetadataBuilder
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.batch import KVCache, PagedBatch
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.registry import KVCacheMode
@@ -40,14 +44,17 @@ from diffusion_kv.platforms.interface import Platform, Requirements
 
 
 class DiffusionKVPlatformHooks:
-    """The upstream ``OmniPlatform`` diffusion-KV hooks, delegating to one platform plugin.
+    """The upstream ``OmniPlatform`` diffusion-KV hooks, delegating to one platform's backends.
 
     ``platform`` defaults to :func:`diffusion_kv.platforms.get_platform` (explicit name,
-    ``DIFFUSION_KV_PLATFORM``, or detection), resolved on first use.
+    ``DIFFUSION_KV_PLATFORM``, or detection), resolved on first use. Until :meth:`bind` is
+    called (the facade binds the backends it chose when its KV cache is initialised), a hook
+    asks the platform's priority list for its backend.
     """
 
     def __init__(self, platform: Platform | None = None) -> None:
         self._platform = platform
+        self._bound: tuple[type[PagedBackend], ...] = ()
 
     @property
     def platform(self) -> Platform:
@@ -57,9 +64,19 @@ class DiffusionKVPlatformHooks:
             self._platform = get_platform()
         return self._platform
 
+    def bind(self, backends: Sequence[type[PagedBackend]]) -> None:
+        """The backend classes chosen for the KV-cache groups, group 0 first."""
+        self._bound = tuple(backends)
+
+    def selected_backend(self, requirements: Requirements | None = None) -> type[PagedBackend]:
+        """Group 0's bound backend, else the one the platform selects for ``requirements``."""
+        if self._bound:
+            return self._bound[0]
+        return self.platform.select_backend(requirements if requirements is not None else Requirements())
+
     def get_diffusion_kv_block_tables_cls(self) -> type:
-        """The plugin's BlockTables class (constructed with the upstream keyword arguments)."""
-        return self.platform.block_tables_cls()
+        """The selected backend's BlockTables class (constructed with the upstream keywords)."""
+        return self.selected_backend().block_tables_cls()
 
     def build_diffusion_kv_attn_metadata(
         self,
@@ -84,13 +101,26 @@ class DiffusionKVPlatformHooks:
     ) -> dict[str, Any]:
         """Native metadata per layer for one batch.
 
-        ``attn_groups`` is either a diffusion-kv :class:`MetadataBuilder` (the plugin's, as the
-        facade builds it) or vLLM's attention groups, which go to vLLM's own
-        ``build_attn_metadata`` through the version seam (the upstream default behaviour).
+        ``attn_groups`` is either diffusion-kv paged backend instances (one, or one per
+        KV-cache group, as the facade holds them in ``backend.backends``) or vLLM's attention
+        groups. Each backend builds its group's metadata from a :class:`PagedBatch` of the
+        upstream keywords (its group's block table and slot mapping; ``causal``, for every
+        group or per group index, can make a causal group full, never the reverse), and every
+        layer of the group maps to it, as the core fans it out. vLLM's attention groups go to vLLM's own ``build_attn_metadata`` through the
+        version seam (the upstream default behaviour).
         """
-        if isinstance(attn_groups, MetadataBuilder):
+        backends: tuple[PagedBackend, ...] = ()
+        if isinstance(attn_groups, PagedBackend):
+            backends = (attn_groups,)
+        elif (
+            isinstance(attn_groups, Sequence)
+            and attn_groups
+            and all(isinstance(b, PagedBackend) for b in attn_groups)
+        ):
+            backends = tuple(attn_groups)
+        if backends:
             if extra:
-                raise TypeError(f"unsupported metadata arguments for a diffusion-kv builder: {sorted(extra)}")
+                raise TypeError(f"unsupported metadata arguments for diffusion-kv backends: {sorted(extra)}")
             host_seq = seq_lens_cpu if seq_lens_cpu is not None else seq_lens_cpu_upper_bound
             if host_seq is None:
                 raise ValidationError(
@@ -98,22 +128,29 @@ class DiffusionKVPlatformHooks:
                 )
             if positions is None:
                 raise ValidationError("build_diffusion_kv_attn_metadata needs positions")
-            batch = CommonBatchMetadata(
-                num_reqs=num_reqs,
-                num_tokens=num_tokens,
-                query_start_loc=query_start_loc_gpu,
-                query_start_loc_cpu=query_start_loc_cpu,
-                max_query_len=max_query_len,
-                seq_lens=seq_lens,
-                seq_lens_cpu=host_seq,
-                max_seq_len=max_seq_len,
-                positions=positions,
-                block_tables=tuple(block_tables),
-                slot_mappings=slot_mappings,
-                causal=causal if isinstance(causal, bool) else dict(causal),
-                dcp_local_seq_lens=dcp_local_seq_lens,
-            )
-            return dict(attn_groups.build(batch))
+            out: dict[str, Any] = {}
+            for backend in backends:
+                group = backend.group
+                wanted = causal.get(group.index, True) if isinstance(causal, Mapping) else causal
+                is_causal = group.mode is AttentionMode.CAUSAL and bool(wanted)  # FULL groups stay full
+                batch = PagedBatch(
+                    num_reqs=num_reqs,
+                    num_tokens=num_tokens,
+                    query_start_loc=query_start_loc_gpu,
+                    query_start_loc_cpu=query_start_loc_cpu,
+                    max_query_len=max_query_len,
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=host_seq,
+                    max_seq_len=max_seq_len,
+                    positions=positions,
+                    block_table=block_tables[group.index],
+                    slot_mapping=slot_mappings[group.index],
+                    mode=AttentionMode.CAUSAL if is_causal else AttentionMode.FULL,
+                    dcp_local_seq_lens=dcp_local_seq_lens,
+                )
+                metadata = backend.build(batch)
+                out.update(dict.fromkeys(group.layer_names, metadata))
+            return out
         from diffusion_kv.integrations.vllm.compat import installed_compat
 
         return installed_compat().call_build_attn_metadata(
@@ -138,13 +175,22 @@ class DiffusionKVPlatformHooks:
     def get_diffusion_paged_kv_attn_backend(self, attn_backend: type, *, ulysses_degree: int) -> type:
         """The backend to page with under strict Ulysses of ``ulysses_degree``.
 
-        Unchanged when the plugin supports that degree; otherwise ``NotImplementedError`` with
-        the plugin's reasons (rather than paging with a sequence-parallel kernel).
+        Unchanged when a backend serves that degree (the bound ones once the KV cache is
+        initialised, else the platform's selection); otherwise ``NotImplementedError`` with every
+        backend's reasons (rather than paging with a sequence-parallel kernel).
         """
         if type(ulysses_degree) is not int or ulysses_degree <= 0:
             raise ValidationError(f"ulysses_degree must be a positive integer; got {ulysses_degree!r}")
         if ulysses_degree > 1:
-            reasons = self.platform.not_supported_reasons(Requirements(ulysses_degree=ulysses_degree))
+            requirements = Requirements(ulysses_degree=ulysses_degree)
+            if self._bound:
+                reasons = [
+                    f"{b.name}: {r}"
+                    for b in self._bound
+                    for r in self.platform.backend_reasons(b, requirements)
+                ]
+            else:  # empty exactly when the platform's selection would find a backend
+                reasons = self.platform.not_supported_reasons(requirements)
             if reasons:
                 raise NotImplementedError(
                     f"platform {self.platform.name!r} cannot page under Ulysses degree {ulysses_degree}: "
@@ -153,8 +199,9 @@ class DiffusionKVPlatformHooks:
         return attn_backend
 
     def requires_diffusion_paged_kv_prewrite(self) -> bool:
-        """True when the plugin writes each layer's K/V once before attention (PREWRITE)."""
-        return self.platform.kv_write_policy is KVWritePolicy.PREWRITE
+        """Always True: the core writes each layer's K/V once (``write_kv``), then attention
+        reads pages only, on every backend."""
+        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,7 +395,7 @@ class DiffusionKVRunnerBackend:
                 num_kv_heads=spec.num_kv_heads,
                 head_size=spec.head_size,
                 dtype=spec.dtype,
-                causal=not bool(getattr(spec, "non_causal", False)),
+                mode=AttentionMode.FULL if getattr(spec, "non_causal", False) else AttentionMode.CAUSAL,
                 scale=float(scale) if scale is not None else None,
                 skip_sequence_parallel=bool(getattr(layer, "skip_sequence_parallel", False)),
                 cache_role=getattr(layer, "paged_kv_cache_role", None),
@@ -365,8 +412,10 @@ class DiffusionKVRunnerBackend:
         return out
 
     def initialize_kv_cache(self, kv_cache_config: Any) -> None:
-        """Build the platform parts and allocate caches for a ``KVCacheConfig``-shaped object."""
+        """Choose a backend per KV-cache group, allocate caches and bind the hooks to those
+        backends, for a ``KVCacheConfig``-shaped object."""
         self.backend.initialize_kv_cache(kv_cache_config)
+        self.hooks.bind([type(b) for b in self.backend.backends])
 
     @property
     def layout(self) -> CacheLayout | None:

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend, allocate_pages, backend_label
+from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend, allocate_pages
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.capabilities import (
     AttentionMode,
@@ -196,7 +196,7 @@ class Platform(abc.ABC):
         if forced_backend(self.name) is not None:
             lines.append(f"  ({ENV_BACKEND} limits the candidates to one)")
         for backend, reasons in candidates:
-            lines.append(f"  `{backend_label(backend)}` (priority {backend.priority}) is not supported because:")
+            lines.append(f"  `{self.name}:{backend.name}` (priority {backend.priority}) is not supported because:")
             lines.extend(f"      {reason}" for reason in reasons)
         raise UnsupportedRequirementsError("\n".join(lines))
 

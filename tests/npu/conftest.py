@@ -3,6 +3,8 @@
 The conformance kit's ``dkv_platform`` fixture is overridden here, so the kit's cases imported
 by ``test_conformance_emulated.py`` run on the npu plugin with the emulator installed as
 ``torch_npu`` for exactly the duration of each test (nothing leaks into other test modules).
+The kit's own ``dkv_backend`` fixture then picks the highest-priority *available* backend,
+which under the emulator is ``direct`` (vllm-ascend needs CANN).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from diffusion_kv.platforms.npu import ENV_TIER, NpuPlatform
+from diffusion_kv.platforms.interface import ENV_BACKEND
+from diffusion_kv.platforms.npu import NpuPlatform
 from diffusion_kv.platforms.npu.compat import ENV_ALLOW_UNTESTED_STACK
+from diffusion_kv.platforms.npu.runtime import unbind_vllm_runtime
 from diffusion_kv.testing import TorchNpuEmulator, emulated_torch_npu
 
 HARDWARE_MARKERS = (
@@ -34,9 +38,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _clean_npu_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_TIER, raising=False)
+def _clean_npu_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No forced backend, no stack escape hatch and no bound vLLM runtime, before and after."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
     monkeypatch.delenv(ENV_ALLOW_UNTESTED_STACK, raising=False)
+    unbind_vllm_runtime()
+    yield
+    unbind_vllm_runtime()
 
 
 @pytest.fixture

@@ -60,7 +60,7 @@ def test_mismatch_message_is_actionable() -> None:
     assert isinstance(info.value, PlatformUnavailableError)
     assert str(info.value) == "\n".join(
         [
-            "npu (vllm-ascend tier): the installed Ascend software set is not a supported one.",
+            "npu (vllm-ascend backend): the installed Ascend software set is not a supported one.",
             "  installed: CANN 9.0.0, torch 2.10.0, torch_npu 2.10.0.post2, vllm 0.26.0, vllm-ascend missing",
             "  differs from the closest supported set in: CANN 9.0.0 (expected 9.1.0); "
             "torch_npu 2.10.0.post2 (expected 2.10.0.post4); vllm-ascend missing (expected 0.26.0rc1)",
@@ -69,7 +69,7 @@ def test_mismatch_message_is_actionable() -> None:
             "  to fix, either:",
             "    - use a CANN 9.1.0 image and `pip install vllm==0.26.0 vllm-ascend==0.26.0rc1` "
             "(vllm-ascend pins torch==2.10.0 and torch-npu==2.10.0.post4);",
-            "    - or set DIFFUSION_KV_NPU_TIER=direct to use the direct torch_npu tier (no vLLM needed);",
+            "    - or set DIFFUSION_KV_BACKEND=npu:direct to use the direct torch_npu backend (no vLLM needed);",
             "    - or set DIFFUSION_KV_NPU_ALLOW_UNTESTED_STACK=1 to continue with a warning at your own risk.",
         ]
     )

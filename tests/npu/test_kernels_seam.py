@@ -8,6 +8,7 @@ import pathlib
 import pytest
 import torch
 
+from diffusion_kv.integrations import vllm_ascend
 from diffusion_kv.platforms.npu import kernels
 from diffusion_kv.platforms.npu.kernels import (
     AscendKernels,
@@ -21,6 +22,7 @@ from .helpers import without_torch_npu
 
 F16 = torch.float16
 PLUGIN_DIR = pathlib.Path(kernels.__file__).parent
+VLLM_ASCEND_DIR = pathlib.Path(vllm_ascend.__file__).parent
 
 
 @pytest.mark.parametrize(
@@ -167,23 +169,42 @@ def test_load_takes_the_installed_emulator() -> None:
     assert loaded_emulator() is None
 
 
+def _module_level_imports(path: pathlib.Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
 def test_plugin_never_imports_vendor_modules_at_module_level() -> None:
     vendor = {"torch_npu", "vllm", "vllm_ascend", "acl"}
-    offenders = []
-    for path in sorted(PLUGIN_DIR.glob("*.py")):
-        for node in ast.parse(path.read_text()).body:
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in vendor]
+    paths = sorted(PLUGIN_DIR.glob("*.py")) + sorted(VLLM_ASCEND_DIR.glob("*.py"))
+    offenders = [
+        f"{path.parent.name}/{path.name}: {n}"
+        for path in paths
+        for n in _module_level_imports(path)
+        if n.split(".")[0] in vendor
+    ]
     assert [p.name for p in sorted(PLUGIN_DIR.glob("*.py"))] == [
         "__init__.py",
         "compat.py",
         "constraints.py",
         "direct.py",
         "kernels.py",
-        "vllm_ascend_tier.py",
+        "runtime.py",
+    ]
+    assert [p.name for p in sorted(VLLM_ASCEND_DIR.glob("*.py"))] == ["__init__.py", "backend.py"]
+    assert offenders == []
+
+
+def test_platform_never_imports_integrations_at_module_level() -> None:
+    offenders = [
+        f"{path.name}: {n}"
+        for path in sorted(PLUGIN_DIR.glob("*.py"))
+        for n in _module_level_imports(path)
+        if n.startswith("diffusion_kv.integrations")
     ]
     assert offenders == []

@@ -1,9 +1,10 @@
-"""The npu plugin's direct tier under the emulator: detection, declared limits, the four parts,
-and the call pattern (one K/V write per layer, one FIA call per segment, int32 slots)."""
+"""The npu platform and its ``direct`` backend under the emulator: detection, backend selection,
+declared limits, the backend's own checks, metadata, and the call pattern (one K/V write per
+layer, one FIA call per attention call, int32 slots)."""
 
 from __future__ import annotations
 
-import inspect
+import importlib.metadata
 from typing import Any
 
 import pytest
@@ -12,22 +13,40 @@ import torch
 from diffusion_kv.conformance.harness import PagedHarness
 from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.batch import LayerGeometry
-from diffusion_kv.core.errors import PlatformUnavailableError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.block_tables import TorchBlockTables
+from diffusion_kv.core.errors import (
+    ConfigurationError,
+    NativeBackendError,
+    PlatformUnavailableError,
+    UnsupportedFeatureError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
 from diffusion_kv.core.layer_context import AttentionMetadata
-from diffusion_kv.core.layout import single_group_layout
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.platforms.interface import AttentionMode, Availability, Requirements
-from diffusion_kv.platforms.npu import ENV_TIER, NpuPlatform
-from diffusion_kv.platforms.npu.direct import NpuAttentionMetadata, NpuBlockTables, NpuMetadataBuilder
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.integrations.vllm_ascend.backend import EMULATED_REASON, VllmAscendBackend
+from diffusion_kv.platforms.interface import (
+    ENV_BACKEND,
+    AttentionMode,
+    Availability,
+    KVPageLayout,
+    Requirements,
+)
+from diffusion_kv.platforms.npu import NO_RUNTIME_REASON, NpuDirectBackend, NpuPlatform
+from diffusion_kv.platforms.npu.constraints import CAPABILITIES
+from diffusion_kv.platforms.npu.direct import NpuAttentionMetadata
 from diffusion_kv.platforms.npu.kernels import compressed_causal_mask
-from diffusion_kv.platforms.selection import select_platform
+from diffusion_kv.platforms.selection import select_platform, validate_backend_class, validate_platform_class
 from diffusion_kv.testing import EmulatorProfile, TorchNpuEmulator, emulated_torch_npu
 
-from .helpers import common_batch, without_torch_npu
+from .helpers import common_batch, group_context, paged_batch, without_torch_npu
 
 F16 = torch.float16
 SCATTER = "npu_scatter_pa_kv_cache"
 FIA = "npu_fused_infer_attention_score"
+DIRECT_LINE = f"  [100] direct — {NpuDirectBackend.description}"
+VLLM_ASCEND_LINE = f"  [200] vllm-ascend — {VllmAscendBackend.description}"
 
 
 def make_harness(platform: NpuPlatform, **kw: Any) -> PagedHarness:
@@ -64,14 +83,22 @@ def forward_all(
         return [h.executor.forward(name, q, k, v, meta) for name in h.layer_names]
 
 
+def layer(name: str = "blocks.0.attn", **kw: Any) -> LayerGeometry:
+    args: dict[str, Any] = dict(num_heads=4, num_kv_heads=4, head_size=64, scale=0.125, dtype=F16)
+    args.update(kw)
+    return LayerGeometry(name, **args)
+
+
 # --- detection and selection -----------------------------------------------------------------------
 
 
 @without_torch_npu
 def test_detection_is_honest_without_torch_npu() -> None:
     assert NpuPlatform.is_available() == Availability(False, "torch_npu is not installed")
-    with pytest.raises(PlatformUnavailableError, match="registered by torch_npu, which is not loaded"):
-        NpuPlatform().device()
+    assert NpuDirectBackend.is_available() == Availability(False, "torch_npu is not installed")
+    for call in (lambda: NpuPlatform().device(), lambda: NpuPlatform().device_for_rank(1)):
+        with pytest.raises(PlatformUnavailableError, match="registered by torch_npu, which is not loaded"):
+            call()
     with pytest.raises(
         PlatformUnavailableError, match="npu: cannot initialise a worker here: torch_npu is not installed"
     ):
@@ -81,150 +108,294 @@ def test_detection_is_honest_without_torch_npu() -> None:
 def test_detection_under_the_emulator(npu_emulator: TorchNpuEmulator) -> None:
     platform = NpuPlatform()
     assert NpuPlatform.is_available() == Availability(True, "torch_npu emulator (CPU)")
+    assert NpuDirectBackend.is_available() == Availability(True, "torch_npu emulator (CPU)")
+    assert VllmAscendBackend.is_available() == Availability(False, EMULATED_REASON)
     assert platform.device() == torch.device("cpu")
-    assert platform.tier() == "direct"
-    platform.init_worker()  # resolves the operators; nothing is called
+    assert platform.device_for_rank(3) == torch.device("cpu")
+    assert platform.select_backend(Requirements()) is NpuDirectBackend
+    platform.init_worker()  # resolves the direct backend's operators; nothing is called
     assert npu_emulator.calls == []
     assert platform.explain() == [
-        "npu: supported",
-        "    tier direct (torch_npu scatter-PA write + fused-infer-attention, TND + block table): used",
-        "    tier vllm-ascend (vllm-ascend BlockTables, build_attn_metadata, AscendAttentionBackendImpl): "
-        "not used: the torch_npu emulator (CPU) is installed; vllm-ascend needs CANN",
-        "    mode DIFFUSION_KV_NPU_TIER=auto",
+        "npu: selects backend 'direct' for (none)",
+        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_RUNTIME_REASON}",
+        f"{DIRECT_LINE}: selected",
     ]
     selection = select_platform()
     assert selection.platform.name == "npu"
     assert selection.how == "auto: the only available accelerator platform (torch_npu emulator (CPU))"
 
 
-@without_torch_npu
-def test_tier_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backends_in_priority_order() -> None:
+    assert NpuPlatform.backends == (NpuDirectBackend,)
+    candidates = NpuPlatform().candidate_backends()
+    assert [(b.name, b.priority, b.platform) for b in candidates] == [
+        ("vllm-ascend", 200, "npu"),
+        ("direct", 100, "npu"),
+    ]
+    assert candidates[0] is VllmAscendBackend  # added through the entry-point group
+    (ep,) = [e for e in importlib.metadata.entry_points(group="diffusion_kv.backends") if e.name == "vllm-ascend"]
+    assert ep.value == "diffusion_kv.integrations.vllm_ascend.backend:VllmAscendBackend"
+    assert validate_platform_class(NpuPlatform, "npu") == []
+    assert validate_backend_class(NpuDirectBackend) == []
+    assert validate_backend_class(VllmAscendBackend, "vllm-ascend") == []
+    assert (NpuPlatform.device_type, NpuPlatform.distributed_backend, NpuPlatform.default_block_size) == (
+        "npu",
+        "hccl",
+        128,
+    )
+
+
+def test_forcing_vllm_ascend_without_a_runtime_is_an_error(
+    npu_emulator: TorchNpuEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     platform = NpuPlatform()
-    assert platform.tier() == "direct"  # auto: vllm_ascend is not importable here
-    monkeypatch.setenv(ENV_TIER, "vllm-ascend")
+    monkeypatch.setenv(ENV_BACKEND, "npu:vllm-ascend")
+    requirements = Requirements(dtype=F16, head_size=64, num_heads=4, num_kv_heads=4)
+    with pytest.raises(UnsupportedRequirementsError) as info:
+        platform.select_backend(requirements)
+    assert str(info.value).splitlines() == [
+        "No paged backend of platform 'npu' supports the requested requirements:",
+        "  requirements: dtype=float16, head_size=64, num_heads=4, num_kv_heads=4",
+        f"  ({ENV_BACKEND} limits the candidates to one)",
+        "  `npu:vllm-ascend` (priority 200) is not supported because:",
+        f"      unavailable: {EMULATED_REASON}",
+        f"      {NO_RUNTIME_REASON}",
+    ]
+    assert platform.explain() == [
+        "npu: no backend serves for (none)",
+        f"  {ENV_BACKEND} forces 'vllm-ascend'",
+        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_RUNTIME_REASON}",
+    ]
+    with pytest.raises(UnsupportedRequirementsError, match="vllm-ascend: unavailable: the torch_npu emulator"):
+        make_harness(platform)  # the worker refuses at layer registration
+    with pytest.raises(UnsupportedRequirementsError, match="`npu:vllm-ascend` \\(priority 200\\)"):
+        platform.init_worker()
+    assert npu_emulator.calls == []
+
+
+@without_torch_npu
+def test_forcing_vllm_ascend_where_it_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_BACKEND, "npu:vllm-ascend")
+    assert NpuPlatform().backend_reasons(VllmAscendBackend, Requirements()) == [
+        "unavailable: vllm_ascend is not importable",
+        NO_RUNTIME_REASON,
+    ]
+    with pytest.raises(UnsupportedRequirementsError, match="unavailable: vllm_ascend is not importable"):
+        NpuPlatform().select_backend(Requirements())
+
+
+def test_forcing_a_backend_by_name(npu_emulator: TorchNpuEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = NpuPlatform()
+    monkeypatch.setenv(ENV_BACKEND, "npu:direct")
+    assert platform.select_backend(Requirements()) is NpuDirectBackend
+    assert platform.explain() == [
+        "npu: selects backend 'direct' for (none)",
+        f"  {ENV_BACKEND} forces 'direct'",
+        f"{DIRECT_LINE}: selected",
+    ]
+    monkeypatch.setenv(ENV_BACKEND, "npu:fastest")
     with pytest.raises(
-        ValidationError, match="DIFFUSION_KV_NPU_TIER=vllm-ascend, but vllm_ascend is not importable"
+        ConfigurationError,
+        match=r"forces backend 'fastest' on platform 'npu', which has \['vllm-ascend', 'direct'\]",
     ):
-        platform.tier()
-    with (
-        emulated_torch_npu(),
-        pytest.raises(NotImplementedError, match="cannot run under the torch_npu emulator"),
-    ):
-        platform.tier()
-    monkeypatch.setenv(ENV_TIER, "fastest")
-    with pytest.raises(
-        ValidationError, match="DIFFUSION_KV_NPU_TIER='fastest' is not one of auto, direct, vllm-ascend"
-    ):
-        platform.tier()
+        platform.select_backend(Requirements())
+    monkeypatch.setenv(ENV_BACKEND, "cuda:triton")  # another platform's choice leaves npu alone
+    assert platform.select_backend(Requirements()) is NpuDirectBackend
 
 
 # --- declared limits ------------------------------------------------------------------------------
 
 
 def test_declared_capabilities() -> None:
-    caps = NpuPlatform.capabilities
+    caps = NpuDirectBackend.capabilities
+    assert caps is CAPABILITIES and VllmAscendBackend.capabilities is CAPABILITIES
     assert caps.dtypes == frozenset({torch.float16, torch.bfloat16})
     assert caps.head_sizes == frozenset({64, 128, 192})
     assert caps.kernel_block_sizes == (128,)
-    assert caps.slot_mapping_dtype == torch.int32
+    assert caps.slot_mapping_dtypes == frozenset({torch.int32})
     assert caps.attention_modes == frozenset(AttentionMode)
     assert (caps.max_rows_per_call, caps.max_kv_heads_x_head_size, caps.max_gqa_ratio) == (4096, 65535, 64)
-    assert caps.needs_host_lengths and not caps.supports_dcp and not caps.supports_graph_capture
-    assert NpuPlatform.default_block_size == 128
-    assert NpuPlatform.kv_write_policy.value == "prewrite"
+    assert not (caps.supports_dcp or caps.supports_ulysses or caps.supports_graph_capture)
+    assert caps.problems() == []
+    assert NpuDirectBackend.page_layout is KVPageLayout.SEPARATE
+    assert VllmAscendBackend.page_layout is KVPageLayout.SEPARATE
+    assert NpuPlatform().capabilities == CAPABILITIES  # the union of two identical declarations
+    # scheduler blocks of 256 are served as two kernel blocks of 128; 64 is not served
+    assert (caps.kernel_block_size_for(128), caps.kernel_block_size_for(256), caps.kernel_block_size_for(64)) == (
+        128,
+        128,
+        None,
+    )
 
 
 def test_every_unsupported_shape_is_named() -> None:
-    reasons = NpuPlatform().not_supported_reasons(
+    reasons = NpuDirectBackend.not_supported_reasons(
         Requirements(
             dtype=torch.float32,
             head_size=96,
             num_heads=512,
             num_kv_heads=4,
-            block_size=256,
+            block_size=64,
             num_rows=5000,
         )
     )
     assert reasons == [
         "dtype=float32 (supported: ['bfloat16', 'float16'])",
         "head_size=96 (supported: [64, 128, 192])",
-        "block_size=256 (supported: 128)",
+        "block_size=64 (kernel blocks: 128; none equals or divides it)",
         "GQA ratio 128 exceeds 64",
         "num_rows=5000 exceeds 4096 rows per call",
         "num_heads=512 exceeds 256",
     ]
-    assert NpuPlatform().not_supported_reasons(
-        Requirements(num_heads=512, num_kv_heads=512, head_size=128)
-    ) == [
+    assert NpuDirectBackend.not_supported_reasons(Requirements(num_heads=512, num_kv_heads=512, head_size=128)) == [
         "num_kv_heads*head_size=65536 exceeds 65535",
         "num_heads=512 exceeds 256",
         "num_kv_heads=512 exceeds 256",
     ]
+    assert VllmAscendBackend.not_supported_reasons(Requirements(num_heads=300, num_kv_heads=300)) == [
+        "num_heads=300 exceeds 256",
+        "num_kv_heads=300 exceeds 256",
+    ]
     assert (
-        NpuPlatform().not_supported_reasons(
-            Requirements(dtype=torch.bfloat16, head_size=192, num_heads=64, num_kv_heads=1)
+        NpuDirectBackend.not_supported_reasons(
+            Requirements(dtype=torch.bfloat16, head_size=192, num_heads=64, num_kv_heads=1, block_size=256)
         )
         == []
     )
+    assert NpuDirectBackend.not_supported_reasons(Requirements(dcp_size=2, ulysses_degree=2)) == [
+        "Ulysses sequence parallelism (degree 2)",
+        "decode context parallelism (cp_size 2)",
+    ]
+
+
+def test_platform_reasons_name_every_backend(npu_emulator: TorchNpuEmulator) -> None:
+    platform = NpuPlatform()
+    assert platform.not_supported_reasons(Requirements(dtype=torch.float32, head_size=80)) == [
+        f"vllm-ascend: unavailable: {EMULATED_REASON}",
+        f"vllm-ascend: {NO_RUNTIME_REASON}",
+        "direct: dtype=float32 (supported: ['bfloat16', 'float16'])",
+        "direct: head_size=80 (supported: [64, 128, 192])",
+    ]
+    assert platform.not_supported_reasons(Requirements(dtype=F16, head_size=128)) == []
 
 
 def test_unsupported_layer_is_rejected_before_any_call(npu_emulator: TorchNpuEmulator) -> None:
-    layer = LayerGeometry(
-        "blocks.0.attn", num_heads=8, num_kv_heads=8, head_size=80, scale=1.0, dtype=torch.float32
-    )
-    platform = NpuPlatform()
+    bad = layer(num_heads=8, num_kv_heads=8, head_size=80, scale=1.0, dtype=torch.float32)
     with pytest.raises(UnsupportedRequirementsError) as info:
-        platform.paged_backend(layer, torch.device("cpu"))
+        NpuDirectBackend(group_context((bad,)))
     assert str(info.value) == (
         "npu cannot serve layer 'blocks.0.attn' (dtype=float32, num_heads=8, num_kv_heads=8, head_size=80): "
         "dtype=float32 (supported: ['bfloat16', 'float16']); head_size=80 (supported: [64, 128, 192])"
     )
     with pytest.raises(UnsupportedRequirementsError, match="head_size=80"):
-        make_harness(platform, head_size=80)
+        make_harness(NpuPlatform(), head_size=80)
     assert npu_emulator.calls == []
 
 
-def test_kv_cache_is_separate_k_and_v(npu_emulator: TorchNpuEmulator) -> None:
-    platform = NpuPlatform()
-    assert platform.kv_cache_shape(10, 128, 2, 64) == (10, 128, 2, 64)
-    cache = platform.allocate_kv_cache(10, 128, 2, 64, torch.bfloat16, torch.device("cpu"))
+def test_backend_refuses_what_fia_cannot_take(npu_emulator: TorchNpuEmulator) -> None:
+    one = (layer(),)
+    with pytest.raises(ValidationError, match=r"group 0: kernel block size 64 \(supported: 128\)"):
+        NpuDirectBackend(group_context(one, block_size=64))
+    with pytest.raises(ValidationError, match=r"group 0: kernel block size 256 \(supported: 128\)"):
+        NpuDirectBackend(group_context(one, block_size=256))
+    with pytest.raises(UnsupportedFeatureError, match="does not implement decode context parallelism"):
+        NpuDirectBackend(group_context(one, cp_size=2))
+    with pytest.raises(
+        ValidationError, match="the K/V writers take int32 slot mappings; this BlockTables produces torch.int64"
+    ):
+        NpuDirectBackend(group_context(one, slot_mapping_dtype=torch.int64))
+    assert npu_emulator.calls == []
+
+
+def test_build_refuses_batches_fia_cannot_take(npu_emulator: TorchNpuEmulator) -> None:
+    backend = NpuDirectBackend(group_context((layer(),)))
+    md = backend.build(common_batch(4096))
+    assert isinstance(md, NpuAttentionMetadata) and len(md.actual_seq_lengths) == 4096
+    with pytest.raises(
+        ValidationError, match="npu: batch rejected before any call: num_rows=4097 exceeds 4096 rows per call"
+    ):
+        backend.build(common_batch(4097))
+    with pytest.raises(
+        ValidationError,
+        match=r"kv_len >= query_len for every row; \(row, query_len, kv_len\) = \[\(1, 3, 2\)\]",
+    ):
+        backend.build(paged_batch([1, 3], [4, 2]))
+    full = backend.build(paged_batch([1, 3], [4, 2], mode=AttentionMode.FULL))  # full rows may be longer
+    assert (full.actual_seq_lengths, full.actual_seq_lengths_kv, full.attn_mask) == ((1, 4), (4, 2), None)
+    with pytest.raises(ValidationError, match="npu: FIA takes an int32 block table; group 0 has torch.int64"):
+        backend.build(paged_batch([1], [1], table_dtype=torch.int64))
+    assert npu_emulator.calls == []
+
+
+def test_missing_operators_fail_worker_start_and_backend_construction() -> None:
+    with emulated_torch_npu(EmulatorProfile(fused_infer_attention=False)) as emu:
+        with pytest.raises(NotImplementedError, match="has no npu_fused_infer_attention_score"):
+            NpuPlatform().init_worker()
+        with pytest.raises(NativeBackendError, match="failed to build its backend 'direct'") as info:
+            make_harness(NpuPlatform())
+        assert "has no npu_fused_infer_attention_score" in str(info.value)
+        assert emu.calls == []
+
+
+# --- the runner's parts -----------------------------------------------------------------------------
+
+
+def test_runner_builds_int32_torch_block_tables_and_separate_caches(npu_emulator: TorchNpuEmulator) -> None:
+    assert NpuDirectBackend.block_tables_cls() is TorchBlockTables
+    h = make_harness(NpuPlatform())
+    assert type(h.backend) is NpuDirectBackend
+    assert type(h.block_tables) is TorchBlockTables and h.block_tables.slot_mapping_dtype == torch.int32
+    cache = h.kv_caches["layer.0"]
     assert isinstance(cache, tuple) and len(cache) == 2
-    assert [tuple(t.shape) for t in cache] == [(10, 128, 2, 64)] * 2
-    assert all(t.dtype == torch.bfloat16 and int(torch.count_nonzero(t)) == 0 for t in cache)
+    assert [tuple(t.shape) for t in cache] == [(12, 128, 4, 64)] * 2
+    assert all(t.dtype == F16 and int(torch.count_nonzero(t)) == 0 for t in cache)
     assert cache[0].data_ptr() != cache[1].data_ptr()
     with pytest.raises(
-        UnsupportedRequirementsError, match=r"dtype=float32 .*; block_size=64 \(supported: 128\)"
+        ValidationError,
+        match=r"slot_mapping_dtype=torch.int64 is not declared by the chosen backend\(s\) \['direct'\]",
     ):
-        platform.allocate_kv_cache(10, 64, 2, 64, torch.float32, torch.device("cpu"))
+        make_harness(NpuPlatform(), slot_mapping_dtype=torch.int64)
 
 
-# --- BlockTables and metadata -------------------------------------------------------------------------
+def test_scheduler_blocks_of_256_are_split_into_kernel_blocks(npu_emulator: TorchNpuEmulator) -> None:
+    h = make_harness(NpuPlatform(), block_size=256, num_blocks=6, max_model_len=512, layer_names=("layer.0",))
+    assert h.kernel_block_size == 128
+    assert [tuple(t.shape) for t in h.kv_caches["layer.0"]] == [(12, 128, 4, 64)] * 2
+    h.install("r", [300], placement="reversed")  # scheduler blocks 5, 4 = kernel blocks 10, 11, 8, 9
+    q, k, v = qkv(h, 300, seed=2)
+    (out,) = forward_all(h, rows([(0, 300)]), q, k, v)
+    attend = npu_emulator.calls[1]
+    assert attend.op == FIA and attend.args["block_size"] == 128
+    md = h.translator.prepare(rows([(299, 300)])).attn_metadata["layer.0"]
+    assert md.block_table[0, :3].tolist() == [10, 11, 8] and md.block_size == 128
+    ref = dense_attention(q, k, v, row_mask("causal", 0, 300, 300), 64**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=3e-3)
 
 
-def test_block_tables_give_int32_slots_only() -> None:
-    cls = NpuPlatform().block_tables_cls()
-    assert cls is NpuBlockTables
-    assert "slot_mapping_dtype" not in inspect.signature(cls).parameters
-    bt = cls(
-        block_sizes=[128],
-        max_num_reqs=2,
-        max_num_batched_tokens=256,
-        max_num_blocks_per_group=[2],
-        device="cpu",
+def test_two_kv_cache_groups_get_one_direct_backend_each(npu_emulator: TorchNpuEmulator) -> None:
+    platform = NpuPlatform()
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(max_model_len=256, max_rows_per_request=2, max_num_seqs=2, max_num_batched_tokens=1024),
     )
-    bt.append_block_ids(1, ([4, 2],), overwrite=True)
-    bt.apply_staged_writes()
-    slots = bt.compute_slot_mappings(
-        torch.tensor([1], dtype=torch.int32),
-        torch.tensor([0, 3], dtype=torch.int32),
-        torch.tensor([127, 128, 129]),
-        num_tokens_padded=4,
+    runner.register_kv_cache_layers(
+        {
+            "blocks.0.attn": PagedLayerSpec(4, 4, 64, F16),
+            "blocks.1.attn": PagedLayerSpec(4, 4, 64, F16, mode=AttentionMode.FULL),
+        }
     )
-    assert slots.dtype == torch.int32
-    assert slots.tolist() == [[4 * 128 + 127, 2 * 128, 2 * 128 + 1, -1]]
+    layout = runner.initialize_kv_cache(num_blocks=8)
+    assert [g.spec.mode for g in layout.groups] == [AttentionMode.CAUSAL, AttentionMode.FULL]
+    assert [type(b) for b in runner.backends] == [NpuDirectBackend, NpuDirectBackend]
+    assert [b.group.index for b in runner.backends] == [0, 1]
+    assert [b.group.layer_names for b in runner.backends] == [("blocks.0.attn",), ("blocks.1.attn",)]
+    assert npu_emulator.calls == []
 
 
-def test_metadata_builder_produces_the_fia_arguments(npu_emulator: TorchNpuEmulator) -> None:
+# --- metadata -----------------------------------------------------------------------------------------
+
+
+def test_metadata_carries_the_fia_arguments(npu_emulator: TorchNpuEmulator) -> None:
     h = make_harness(NpuPlatform())
     h.install("r", [200, 9], placement="reversed")  # row 0: blocks 11, 10; row 1: block 9
     h.prefill("r", [200, 9])
@@ -232,7 +403,7 @@ def test_metadata_builder_produces_the_fia_arguments(npu_emulator: TorchNpuEmula
     batch = h.translator.prepare(rows([(190, 200), (0, 9)]))
     md = batch.attn_metadata["layer.0"]
     assert isinstance(md, NpuAttentionMetadata)
-    assert md is batch.attn_metadata["layer.1"]
+    assert md is batch.attn_metadata["layer.1"]  # one build per KV-cache group
     assert md.actual_seq_lengths == (10, 19)  # cumulative query ends
     assert md.actual_seq_lengths_kv == (200, 9)  # per-row KV lengths
     assert md.block_table.dtype == torch.int32 and md.block_table[:, :2].tolist() == [[11, 10], [9, 0]]
@@ -244,48 +415,12 @@ def test_metadata_builder_produces_the_fia_arguments(npu_emulator: TorchNpuEmula
 
 
 def test_full_attention_metadata_has_no_mask(npu_emulator: TorchNpuEmulator) -> None:
-    h = make_harness(NpuPlatform(), causal=False)
+    h = make_harness(NpuPlatform(), mode=AttentionMode.FULL)
     h.install("r", [5])
     h.prefill("r", [5])
     md = h.translator.prepare(rows([(2, 5)])).attn_metadata["layer.0"]
     assert not md.causal and md.attn_mask is None
     assert (md.actual_seq_lengths, md.actual_seq_lengths_kv) == ((3,), (5,))
-
-
-def _builder(block_size: int = 128, cp_size: int = 1) -> NpuMetadataBuilder:
-    layout = single_group_layout(
-        ["layer.0"],
-        num_kv_heads=1,
-        head_size=64,
-        dtype=F16,
-        block_size=block_size,
-        num_blocks=4,
-        max_model_len=512,
-        max_rows_per_request=1,
-        max_num_seqs=8,
-    )
-    bt = NpuBlockTables(
-        block_sizes=[block_size],
-        max_num_reqs=8,
-        max_num_batched_tokens=512,
-        max_num_blocks_per_group=[4],
-        device="cpu",
-        cp_size=cp_size,
-    )
-    return NpuMetadataBuilder(layout, bt, NpuPlatform.capabilities, torch.device("cpu"))
-
-
-def test_builder_rejects_what_fia_cannot_take() -> None:
-    with pytest.raises(ValidationError, match=r"group 0: kernel block size 64 \(supported: 128\)"):
-        _builder(block_size=64)
-    with pytest.raises(NotImplementedError, match="does not implement decode context parallelism"):
-        _builder(cp_size=2)
-    builder = _builder()
-    assert set(builder.build(common_batch(4096))) == {"layer.0"}
-    with pytest.raises(
-        ValidationError, match="npu: batch rejected before any call: num_rows=4097 exceeds 4096 rows per call"
-    ):
-        builder.build(common_batch(4097))
 
 
 # --- the call pattern ---------------------------------------------------------------------------------
@@ -320,8 +455,8 @@ def test_worked_example_one_write_three_segment_calls(npu_emulator: TorchNpuEmul
     v6 = torch.cat([v[3:9], v[12:18]])
     outs = forward_all(h, rows([(3, 9), (3, 9)]), q6, k6, v6, full_attn_spans=spans)
     assert npu_emulator.ops() == [SCATTER, FIA, FIA, FIA] * 2
-    for layer in range(2):
-        write, *segments = npu_emulator.calls[4 * layer : 4 * layer + 4]
+    for index in range(2):
+        write, *segments = npu_emulator.calls[4 * index : 4 * index + 4]
         assert write.shapes["key"] == (12, 4, 64)
         assert [s.args["sparse_mode"] for s in segments] == [3, 0, 3]
         assert [s.args["actual_seq_lengths"] for s in segments] == [[2, 4], [3, 6], [1, 2]]
@@ -337,7 +472,7 @@ def test_worked_example_one_write_three_segment_calls(npu_emulator: TorchNpuEmul
 
 
 def test_full_attention_layer_uses_sparse_mode_0_without_mask(npu_emulator: TorchNpuEmulator) -> None:
-    h = make_harness(NpuPlatform(), causal=False, layer_names=("layer.0",))
+    h = make_harness(NpuPlatform(), mode=AttentionMode.FULL, layer_names=("layer.0",))
     h.install("r", [10])
     q, k, v = qkv(h, 10)
     forward_all(h, rows([(0, 10)]), q, k, v)
@@ -356,9 +491,7 @@ def test_older_torch_npu_writes_through_reshape_and_cache() -> None:
             h.install("r", [140])
             q, k, v = qkv(h, 140, seed=7)
             outputs[label] = forward_all(h, rows([(0, 140)]), q, k, v)[0]
-            assert emu.ops()[0] == (
-                "npu_scatter_pa_kv_cache" if label == "scatter" else "_npu_reshape_and_cache"
-            )
+            assert emu.ops()[0] == (SCATTER if label == "scatter" else "_npu_reshape_and_cache")
             assert (
                 emu.calls[0].dtypes.get("slot_mapping", emu.calls[0].dtypes.get("slot_indices"))
                 == torch.int32
@@ -370,32 +503,33 @@ def test_backend_refusals_leave_the_cache_unchanged(npu_emulator: TorchNpuEmulat
     h = make_harness(NpuPlatform(), layer_names=("layer.0",))
     h.install("r", [6])
     q, k, v = qkv(h, 6)
-    backend = h.backends["layer.0"].inner
+    backend, geometry = h.backend, h.geometry["layer.0"]
     cache = h.kv_caches["layer.0"]
-    batch = h.translator.prepare(rows([(0, 6)]))
-    md = batch.attn_metadata["layer.0"]
+    md = h.translator.prepare(rows([(0, 6)])).attn_metadata["layer.0"]
     before = h.cache_snapshot()
     with pytest.raises(ValidationError, match="npu: slot mappings must be int32; got torch.int64"):
-        backend.write_kv(k, v, cache, md.slot_mapping.long())
-    with pytest.raises(ValidationError, match="npu: 6 K/V tokens but only 5 slots"):
-        backend.write_kv(k, v, cache, md.slot_mapping[:5])
+        backend.write_kv(geometry, k, v, cache, md.slot_mapping.long())
+    with pytest.raises(ValidationError, match="npu: 6 K/V tokens but only 5 slots \\(layer 'layer.0'\\)"):
+        backend.write_kv(geometry, k, v, cache, md.slot_mapping[:5])
     with pytest.raises(ValidationError, match="npu: query has 5 tokens; the metadata describes 6"):
-        backend.forward(q[:5], k[:5], v[:5], cache, md)
+        backend.forward(geometry, q[:5], cache, md)
     with pytest.raises(ValidationError, match="a \\(key_cache, value_cache\\) tuple"):
-        backend.write_kv(k, v, torch.stack(cache), md.slot_mapping)
+        backend.write_kv(geometry, k, v, torch.stack(cache), md.slot_mapping)
     assert npu_emulator.calls == []
     assert all(torch.equal(a, b) for a, b in zip(before, h.cache_snapshot(), strict=True))
 
 
-def test_forward_with_key_and_value_writes_then_reads(npu_emulator: TorchNpuEmulator) -> None:
+def test_forward_reads_the_pages_only(npu_emulator: TorchNpuEmulator) -> None:
     h = make_harness(NpuPlatform(), layer_names=("layer.0",))
     h.install("r", [6])
     q, k, v = qkv(h, 6)
-    backend = h.backends["layer.0"].inner
+    backend, geometry, cache = h.backend, h.geometry["layer.0"], h.kv_caches["layer.0"]
     md = h.translator.prepare(rows([(0, 6)])).attn_metadata["layer.0"]
+    backend.write_kv(geometry, k, v, cache, md.slot_mapping)
     out = torch.empty(6, 4, 64, dtype=F16)
-    result = backend.forward(q, k, v, h.kv_caches["layer.0"], md, out)
-    assert result is out
-    assert npu_emulator.ops() == [SCATTER, FIA]
+    assert backend.forward(geometry, q, cache, md, out) is out
+    again = backend.forward(geometry, q, cache, md)  # no K/V argument: the pages are the input
+    assert npu_emulator.ops() == [SCATTER, FIA, FIA]
     ref = dense_attention(q, k, v, row_mask("causal", 0, 6, 6), 64**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
@@ -37,7 +38,7 @@ P, T = 15, 7
 S = P + T
 B = 2
 NUM_BLOCKS = 32
-LAYERS = {"causal": True, "full": False, "piecewise": True}
+LAYERS = {"causal": AttentionMode.CAUSAL, "full": AttentionMode.FULL, "piecewise": AttentionMode.CAUSAL}
 SPANS = AttentionMetadata(full_attn_spans=[[(P, S)]] * B)
 
 Attend = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -61,7 +62,7 @@ def make_runner(**config: Any) -> RunnerBackend:
     base.update(config)
     runner = RunnerBackend(CpuPlatform(), RunnerConfig(**base), dcp_merger=merger)
     runner.register_kv_cache_layers(
-        {name: PagedLayerSpec(H, HKV, D, torch.float32, causal=causal) for name, causal in LAYERS.items()}
+        {name: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode) for name, mode in LAYERS.items()}
     )
     runner.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BLOCK)
     return runner

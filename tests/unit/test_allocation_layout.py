@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, single_group_layout
 
@@ -94,7 +95,7 @@ def test_layout_from_vllm_shaped_config() -> None:
         config, max_model_len=1000, max_rows_per_request=3, max_num_seqs=2, max_num_batched_tokens=4096
     )
     assert lay.groups == (
-        KVCacheGroup(16, ("blk.0.attn", "blk.1.attn"), AttentionSpec(4, 64, torch.bfloat16, False)),
+        KVCacheGroup(16, ("blk.0.attn", "blk.1.attn"), AttentionSpec(4, 64, torch.bfloat16, AttentionMode.FULL)),
     )
     assert lay.max_num_reqs == 6
     assert lay.max_blocks_per_row() == [63]

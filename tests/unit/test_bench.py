@@ -33,11 +33,19 @@ def test_paged_case_agrees_with_dense_on_cpu(kv_heads: int) -> None:
         "B", rows=3, heads=4, kv_heads=kv_heads, head_size=64, prefix=100, target=20, block_size=16, cfg=1
     )
     result = run_case(CpuPlatform(), case, torch.device("cpu"), torch.float32, None, min_ms=0.5)
-    assert set(result["paged"]) == {"default"}
-    paged = result["paged"]["default"]
+    assert set(result["paged"]) == {b.name for b in CpuPlatform().candidate_backends()}
+    paged = result["paged"]["reference"]
+    if "vllm-cpu-attn" in result["paged"] and not vllm_installed():
+        assert result["paged"]["vllm-cpu-attn"] == {"error": "unavailable: vLLM is not installed"}
     assert paged["agrees"] and paged["max_abs_diff"] < 1e-4
     assert result["best_dense"]["backend"] in result["dense"]
     assert paged["ratio_vs_best_dense"] == pytest.approx(paged["ms"] / result["best_dense"]["ms"])
+
+
+def vllm_installed() -> bool:
+    from diffusion_kv.integrations.vllm.versions import installed_vllm_version
+
+    return installed_vllm_version() is not None
 
 
 def test_run_bench_small_all_sections() -> None:

@@ -29,7 +29,9 @@ def test_platforms_json(capsys: pytest.CaptureFixture[str]) -> None:
     payload = json.loads(capsys.readouterr().out)
     names = {p["name"]: p for p in payload["platforms"]}
     assert {"cpu", "cuda", "npu"} <= set(names)
-    assert names["npu"]["capabilities"]["slot_mapping_dtype"] == "int32"
+    assert names["npu"]["capabilities"]["slot_mapping_dtypes"] == ["int32"]
+    assert [b["name"] for b in names["cpu"]["backends"]][-1] == "reference"
+    assert names["cuda"]["distributed_backend"] == "nccl" and names["cpu"]["distributed_backend"] == "gloo"
     assert names["npu"]["default_block_size"] == 128
     assert names["cpu"]["is_reference"] is True
     assert payload["error"] is None

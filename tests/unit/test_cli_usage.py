@@ -98,7 +98,7 @@ def test_usage_errors_as_json(case: str, no_work: None, capsys: pytest.CaptureFi
     [
         (["--dtype", "float32"], "dtype=float32 (supported: ['float16'])"),
         (["--dtype", "float16", "--hidden", "512", "--heads", "4"], "head_size=128 (supported: [64])"),
-        (["--dtype", "float16", "--block-size", "32"], "block_size=32 (supported: 16)"),
+        (["--dtype", "float16", "--block-size", "24"], "block_size=24 (kernel blocks: 16; none equals or divides it)"),
         (["--dtype", "float16", "--kv-heads", "2"], "grouped-query attention (num_heads=4, num_kv_heads=2)"),
     ],
 )
@@ -114,9 +114,9 @@ def test_what_the_platform_cannot_serve_is_a_usage_error(
     assert main(["demo", "--platform", "limited", *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("diffusion-kv: error: platform 'limited' cannot serve this demo: ") and fact in err
-    assert main(["bench", "--platform", "limited", "--dtype", "bf16", "--block-sizes", "16,128"]) == 2
+    assert main(["bench", "--platform", "limited", "--dtype", "bf16", "--block-sizes", "16,128,24"]) == 2
     err = capsys.readouterr().err
-    assert "--dtype bf16 (supported: ['float16']); --block-sizes 128 (supported: 16)" in err
+    assert "--dtype bf16 (supported: ['float16']); --block-sizes 24 (supported: 16)" in err
 
 
 def test_unavailable_platform_is_a_run_error(no_work: None, capsys: pytest.CaptureFixture[str]) -> None:

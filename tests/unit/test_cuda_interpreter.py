@@ -1,8 +1,8 @@
-"""The CUDA tier's Triton kernels under Triton's interpreter on CPU (small shapes).
+"""The cuda plugin's Triton kernels under Triton's interpreter on CPU (small shapes).
 
-The whole conformance kit runs against the CUDA plugin's parts (TritonBlockTables, the CUDA
-metadata builder and backend) on the CPU, once with each backend forced, so kernel-logic
-regressions are caught without a GPU. Skipped when Triton is not installed.
+The whole conformance kit runs against the cuda plugin's own backends (``triton`` and ``sdpa``,
+with TritonBlockTables) on the CPU, once each, so kernel-logic regressions are caught without
+a GPU. Skipped when Triton is not installed.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh installs it)")
 
+import dataclasses
+from collections.abc import Iterator
+
 from diffusion_kv.conformance.test_paged_attention import *  # noqa: F403
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.platforms.cuda import CudaPlatform
-from diffusion_kv.platforms.cuda.backend import ENV_BACKEND
+from diffusion_kv.platforms.cuda.backend import SdpaPagedBackend, TritonPagedBackend, triton_available
 from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
-from diffusion_kv.platforms.interface import Capabilities
+from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, PagedBackend
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,19 +33,39 @@ pytestmark = [
 ]
 
 
-class InterpretedCudaPlatform(CudaPlatform):
-    """The CUDA plugin's parts on the CPU device (Triton interpreter), fp32 allowed."""
+def interpreted(base: type[TritonPagedBackend]) -> type[PagedBackend]:
+    """``base`` on the CPU under Triton's interpreter, float32 allowed."""
 
-    capabilities = Capabilities(
-        **{**CudaPlatform.capabilities.__dict__, "device_type": "cpu", "dtypes": frozenset({torch.float32})}
-    )
+    class Interpreted(base):  # type: ignore[valid-type,misc]
+        capabilities = dataclasses.replace(base.capabilities, dtypes=frozenset({torch.float32}))
+
+        @classmethod
+        def is_available(cls) -> Availability:
+            return triton_available()
+
+    Interpreted.__name__ = Interpreted.__qualname__ = f"Interpreted{base.__name__}"
+    return Interpreted
+
+
+class InterpretedCudaPlatform(CudaPlatform):
+    """The cuda plugin's own backends on the CPU device (Triton interpreter)."""
+
+    device_type = "cpu"
     default_block_size = 16  # short sequences keep the interpreter quick
+    backends = (interpreted(TritonPagedBackend), interpreted(SdpaPagedBackend))
+
+
+@pytest.fixture(scope="module")
+def dkv_platform() -> CudaPlatform:
+    return InterpretedCudaPlatform()
 
 
 @pytest.fixture(params=["triton", "sdpa"])
-def dkv_platform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CudaPlatform:
-    monkeypatch.setenv(ENV_BACKEND, request.param)
-    return InterpretedCudaPlatform()
+def dkv_backend(
+    request: pytest.FixtureRequest, dkv_platform: CudaPlatform, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[type[PagedBackend]]:
+    monkeypatch.setenv(ENV_BACKEND, f"cuda:{request.param}")
+    yield next(b for b in dkv_platform.backends if b.name == request.param)
 
 
 def _tables(**kw: object) -> tuple[TritonBlockTables, TorchBlockTables]:

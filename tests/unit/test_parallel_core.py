@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
-from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.parallel import (
     RankGroup,
     SequencePadding,
@@ -22,6 +23,7 @@ from diffusion_kv.core.parallel import (
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
+from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 from tests.parallel import scenarios
 
 
@@ -156,7 +158,7 @@ def registered(**kw: Any) -> RunnerBackend:
 def test_dcp_configuration_errors_leave_the_runner_uninitialised() -> None:
     runner = registered(cp_size=2, cp_rank=1, cp_interleave=3)
     with pytest.raises(
-        ValidationError, match="cp_interleave=3 must divide the block size 16 of KV-cache group 0"
+        ValidationError, match="cp_interleave=3 must divide the kernel block size 16 of KV-cache group 0"
     ):
         runner.initialize_kv_cache(num_blocks=8, block_size=16)
     assert not runner.initialized and runner.registry is None
@@ -180,29 +182,19 @@ def test_dcp_configuration_errors_leave_the_runner_uninitialised() -> None:
 
 
 def test_dcp_needs_partial_backends() -> None:
-    class NoPartial:
+    class NoPartial(CpuReferenceBackend):
         name = "no-partial"
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def write_kv(self, *args: Any) -> None:
-            self.inner.write_kv(*args)
-
-        def forward(self, *args: Any) -> torch.Tensor:
-            return self.inner.forward(*args)  # type: ignore[no-any-return]
+        capabilities = dataclasses.replace(CpuReferenceBackend.capabilities, supports_dcp=False)
 
     class Platform(CpuPlatform):
-        def paged_backend(self, layer: Any, device: Any) -> Any:
-            return NoPartial(super().paged_backend(layer, device))
+        backends = (NoPartial,)
 
     runner = RunnerBackend(Platform(), config(cp_size=2, cp_rank=0), dcp_merger=Capture(2, 0))
-    runner.register_kv_cache_layers({"a": PagedLayerSpec(4, 2, 8, torch.float32)})
     with pytest.raises(
-        ValidationError, match=r"needs backends that return partial attention .* \['a \(no-partial\)'\]"
+        UnsupportedRequirementsError, match=r"no-partial: decode context parallelism \(cp_size 2\)"
     ):
-        runner.initialize_kv_cache(num_blocks=8, block_size=16)
-    assert not runner.initialized
+        runner.register_kv_cache_layers({"a": PagedLayerSpec(4, 2, 8, torch.float32)})
+    assert not runner.initialized and runner.layers == {}
 
 
 def test_dcp_snapshot_block_counts_use_the_virtual_block() -> None:
@@ -227,7 +219,7 @@ def test_cpu_forward_refuses_dcp_metadata() -> None:
     batch = runner.translator.prepare([PagedRow("r", 8, 8, 0, sequence_id=0)])
     backend = runner.executor.backends["a"]
     with pytest.raises(ValidationError, match="DCP-sharded \\(cp_size=2\\).*use forward_partial"):
-        backend.forward(torch.zeros(8, 4, 8), None, None, runner.kv_caches["a"], batch.attn_metadata["a"])
+        backend.forward(runner.layers["a"], torch.zeros(8, 4, 8), runner.kv_caches["a"], batch.attn_metadata["a"])
 
 
 def test_process_group_helpers_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +228,7 @@ def test_process_group_helpers_without_torchrun(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(
         StateError, match=r"\['RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\] are not set"
     ):
-        init_distributed_from_env("cpu")
+        init_distributed_from_env("gloo")
     with pytest.raises(StateError, match="build_parallel_groups needs an initialised torch.distributed"):
         build_parallel_groups(2, 1)
     verify_replicated({"anything": 1}, RankGroup.single(), "rows")  # a group of one agrees with itself

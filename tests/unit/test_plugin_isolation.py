@@ -24,7 +24,7 @@ from diffusion_kv.platforms.cpu import CpuPlatform
 # group -> (plugin name, what its report must say)
 CASES = {
     "sysexit": ("sysexit", "failed to import: SystemExit: 3"),
-    "badattr": ("badattr", "inspecting the class raised RuntimeError: capability table could not be read"),
+    "badattr": ("badattr", "inspecting the class raised RuntimeError: backend table could not be read"),
     "badrepr": ("badrepr", "resolved to <_BadRepr whose repr raised ValueError>, which is not a subclass"),
     "detector_exit": ("detector_exit", "detector raised SystemExit: driver library called exit()"),
     "detector_error": ("detector_error", "detector raised ValueError: malformed driver version string"),

@@ -82,21 +82,25 @@ def test_instances_are_cached_per_plugin_set() -> None:
 
 
 BROKEN = {"badcaps", "badsig", "dup", "importerror", "nomember", "notaplatform"}
+BROKEN_BACKENDS = {"notabackend", "orphan", "reference"}
 
 
 def test_broken_plugins_are_reported_not_swallowed(test_group: str) -> None:
     plugins = selection.discover()
     assert plugins.namespace == test_group
-    assert {r.name for r in plugins.broken()} == BROKEN
+    assert {r.name for r in plugins.broken()} == BROKEN | BROKEN_BACKENDS
     errors = {r.name: str(r.error) for r in plugins.broken()}
     assert "importerror = dkv_test_plugins.does_not_exist:Plugin" in errors["importerror"]
     assert "ModuleNotFoundError" in errors["importerror"] and "Fix:" in errors["importerror"]
-    assert "missing member(s) paged_backend" in errors["nomember"]
-    assert "lacks parameter 'device'" in errors["badsig"]
+    assert "missing member(s) is_available" in errors["nomember"]
+    assert "lacks parameter 'local_rank'" in errors["badsig"]
     assert "'is_available' must be a classmethod" in errors["badsig"]
-    assert "slot_mapping_dtype must be torch.int32 or torch.int64" in errors["badcaps"]
-    assert "kernel_block_sizes entry -4" in errors["badcaps"]
+    assert "capabilities: slot_mapping_dtypes must be a non-empty frozenset of torch.int32/torch.int64" in errors["badcaps"]
+    assert "head_sizes must be None or a non-empty frozenset of positive ints" in errors["badcaps"]
     assert "dtypes must hold torch.dtype values" in errors["badcaps"]
+    assert "is not a subclass of diffusion_kv.core.backend.PagedBackend" in errors["notabackend"]
+    assert "no installed platform is named 'nosuch'" in errors["orphan"]
+    assert "platform 'cpu' has a built-in backend named 'reference'; the built-in is kept" in errors["reference"]
     assert "not a subclass of diffusion_kv.platforms.interface.Platform" in errors["notaplatform"]
     assert "dkv-test-plugins 0.1.0" in errors["importerror"]
 
@@ -121,7 +125,7 @@ def test_broken_plugins_do_not_break_auto_selection(test_group: str) -> None:
         platform = diffusion_kv.get_platform()
     assert platform.name == "cpu"
     warned = {str(w.message).split("'")[1] for w in caught if issubclass(w.category, PluginLoadWarning)}
-    assert warned == BROKEN
+    assert warned == BROKEN | BROKEN_BACKENDS
 
 
 def test_one_available_accelerator_wins(test_group: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,8 +196,8 @@ def test_aggregated_reasons_show_requirements_once_and_every_reason(test_group: 
     message = str(info.value)
     assert message.count("  requirements: ") == 1
     assert "dtype=int8, ulysses_degree=2, dcp_size=2, graph_capture=True" in message
-    cpu_part = message.split("`cpu` is not supported because:")[1].split("`")[0]
-    for reason in ("dtype=int8", "graph capture"):
+    cpu_part = message.split("`cpu` is not supported because:")[1].split("`fakeaccel`")[0]
+    for reason in ("extra: dtype=int8", "extra: graph capture", "reference: dtype=int8", "reference: graph capture"):
         assert reason in cpu_part
     # the cpu reference serves strict Ulysses and DCP, so neither is a reason against it
     assert "Ulysses" not in cpu_part and "decode context parallelism" not in cpu_part
@@ -208,7 +212,7 @@ def test_explicit_platform_with_unsupported_requirements() -> None:
         diffusion_kv.get_platform("cpu", req)
     message = str(info.value)
     assert "`cpu` is not supported because:" in message
-    assert "dtype=int32 (supported: ['bfloat16', 'float16', 'float32', 'float64'])" in message
+    assert "reference: dtype=int32 (supported: ['bfloat16', 'float16', 'float32', 'float64'])" in message
 
 
 def test_allowlist_does_not_import_excluded_plugins(test_group: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,3 +223,29 @@ def test_allowlist_does_not_import_excluded_plugins(test_group: str, monkeypatch
     selection.refresh()
     assert selection.discover().names == ["cpu"]
     assert "dkv_test_plugins.bad" not in sys.modules
+
+
+# --- backends added through the entry-point group ------------------------------------------------------
+
+
+def test_a_distribution_adds_a_backend_to_a_builtin_platform(test_group: str) -> None:
+    platform = diffusion_kv.get_platform("cpu")
+    backends = platform.candidate_backends()
+    assert [(b.name, b.priority) for b in backends] == [("extra", 150), ("reference", 100)]
+    assert backends[0].__module__ == "dkv_test_plugins.good"
+    assert platform.select_backend(Requirements(dtype=torch.float32)).name == "extra"
+    lines = platform.explain()
+    assert lines[0].startswith("cpu: selects backend 'extra'")
+    assert lines[1].startswith("  [150] extra") and lines[2].startswith("  [100] reference")
+    status = next(s for s in diffusion_kv.available_platforms() if s.name == "cpu")
+    assert [(b["name"], b["source"]) for b in status.backends] == [
+        ("extra", "entry point (dkv_test_plugins.good)"),
+        ("reference", "built-in"),
+    ]
+
+
+def test_added_backends_are_limited_by_the_allowlist(test_group: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(selection.ENV_PLUGINS, "cpu")
+    selection.refresh()
+    assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == ["reference"]
+    assert selection.discover().broken() == []

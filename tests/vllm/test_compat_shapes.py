@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from diffusion_kv.core.batch import CommonBatchMetadata
+from diffusion_kv.core.batch import PagedBatch
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.integrations.vllm.compat import VllmCompat, adapt_native_metadata
 from diffusion_kv.integrations.vllm.versions import (
     SHAPES,
@@ -118,6 +119,19 @@ def test_block_tables_constructor_variants_inside_a_shape(variant: str, shape_na
     assert recorder.calls[0][1]["cp_interleave"] == 1
 
 
+@pytest.mark.parametrize("shape_name", SHAPE_NAMES)
+def test_block_tables_take_the_core_slot_dtype_keyword(shape_name: str) -> None:
+    """The runner passes ``slot_mapping_dtype``; vLLM's tables produce int64 slots only, and the
+    keyword never reaches vLLM's constructor."""
+    compat, recorder = compat_for(shape_name)
+    cls = compat.block_tables_cls()
+    cls(**PROTOCOL_KWARGS, slot_mapping_dtype=torch.int64)
+    assert "slot_mapping_dtype" not in recorder.calls[0][1]
+    with pytest.raises(ValueError, match=r"vLLM's BlockTables produces int64 slots; got torch.int32"):
+        cls(**PROTOCOL_KWARGS, slot_mapping_dtype=torch.int32)
+    assert len(recorder.calls) == 1  # refused before vLLM's constructor ran
+
+
 def test_kernel_block_sizes_must_divide() -> None:
     compat, _ = compat_for("0.26")
     with pytest.raises(
@@ -214,39 +228,55 @@ def test_init_attn_backend_per_shape(shape_name: str) -> None:
         fresh.init_attn_backend("kvcfg", "vcfg", torch.device("cpu"))
 
 
-def batch(causal: Any = True) -> CommonBatchMetadata:
+def batch(mode: AttentionMode = AttentionMode.CAUSAL) -> PagedBatch:
     qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
     seq = torch.tensor([7, 2], dtype=torch.int32)
-    return CommonBatchMetadata(
+    return PagedBatch(
         num_reqs=2,
         num_tokens=5,
         query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
+        query_start_loc_cpu=qsl.clone(),
         max_query_len=3,
         seq_lens=seq,
-        seq_lens_cpu=seq,
+        seq_lens_cpu=seq.clone(),
         max_seq_len=7,
         positions=torch.tensor([4, 5, 6, 0, 1]),
-        block_tables=(torch.zeros(2, 4, dtype=torch.int32),),
-        slot_mappings=torch.arange(5)[None],
-        causal=causal,
+        block_table=torch.tensor([[3, 1, 0, 0], [2, 0, 0, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([52, 53, 54, 32, 33]),
+        mode=mode,
     )
 
 
 @pytest.mark.parametrize("shape_name", SHAPE_NAMES)
-@pytest.mark.parametrize("causal", [True, False, {0: False}])
-def test_build_attn_metadata_per_shape(shape_name: str, causal: Any) -> None:
+@pytest.mark.parametrize(("mode", "causal"), [(AttentionMode.CAUSAL, True), (AttentionMode.FULL, False)])
+def test_build_attn_metadata_per_shape(shape_name: str, mode: AttentionMode, causal: bool) -> None:
+    """One KV-cache group's batch becomes vLLM's one-group call: its table in a list, its slots
+    as a ``[1, T]`` row, its mode as ``causal``."""
     compat, recorder = compat_for(shape_name)
-    b = batch(causal)
+    b = batch(mode)
     out = compat.build_attn_metadata(
         attn_groups=[["g"]], batch=b, kv_cache_config=kv_cache_config(["x", "y"])
     )
     assert out == {"x": ("md", causal), "y": ("md", causal)}
-    ((_, bound),) = recorder.calls
-    assert bound["num_reqs"] == 2 and bound["num_tokens"] == 5 and bound["max_seq_len"] == 7
-    assert bound["seq_lens_cpu_upper_bound"] is b.seq_lens_cpu
+    ((name, bound),) = recorder.calls
+    assert name == "build_attn_metadata"
+    assert bound["attn_groups"] == [["g"]]
+    assert (bound["num_reqs"], bound["num_tokens"], bound["max_query_len"], bound["max_seq_len"]) == (
+        2,
+        5,
+        3,
+        7,
+    )
     assert bound["query_start_loc_gpu"] is b.query_start_loc
-    assert bound["block_tables"] == list(b.block_tables)
+    assert bound["query_start_loc_cpu"] is b.query_start_loc_cpu
+    assert bound["seq_lens"] is b.seq_lens
+    assert bound["seq_lens_cpu_upper_bound"] is b.seq_lens_cpu
+    assert bound["positions"] is b.positions
+    assert len(bound["block_tables"]) == 1 and bound["block_tables"][0] is b.block_table
+    assert bound["slot_mappings"].shape == (1, 5)
+    assert bound["slot_mappings"].tolist() == [[52, 53, 54, 32, 33]]
+    assert bound["dcp_local_seq_lens"] is None
+    assert bound["causal"] is causal
 
 
 def test_build_attn_metadata_drops_seq_lens_cpu_and_rejects_unknown_keywords() -> None:

@@ -6,6 +6,7 @@ records (plain attribute objects, as vLLM-Omni passes them).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -15,11 +16,12 @@ import torch
 
 from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.block_tables import TorchBlockTables
-from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm_omni import DiffusionKVPlatformHooks, DiffusionKVRunnerBackend
 from diffusion_kv.platforms.cpu import CpuPlatform
-from diffusion_kv.platforms.cpu.backend import CpuMetadataBuilder, CpuPagedMetadata
+from diffusion_kv.platforms.cpu.backend import CpuPagedMetadata, CpuReferenceBackend
+from diffusion_kv.platforms.interface import ENV_BACKEND
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD = 4, 2, 32
@@ -42,12 +44,16 @@ def vllm_config(max_num_seqs: int = 2) -> SimpleNamespace:
     )
 
 
-class NoUlyssesCpu(CpuPlatform):
-    """The cpu platform declaring no Ulysses support (as a plugin without it would)."""
+class NoUlyssesReference(CpuReferenceBackend):
+    """The reference backend declaring no Ulysses support (as a backend without it would)."""
 
-    capabilities = CpuPlatform.capabilities.__class__(
-        **{**CpuPlatform.capabilities.__dict__, "supports_ulysses": False}
-    )
+    capabilities = dataclasses.replace(CpuReferenceBackend.capabilities, supports_ulysses=False)
+
+
+class NoUlyssesCpu(CpuPlatform):
+    """The cpu platform whose built-in backend lacks Ulysses support."""
+
+    backends = (NoUlyssesReference,)
 
 
 def od_config(mode: str = "paged_scheduler", **parallel: Any) -> SimpleNamespace:
@@ -223,29 +229,53 @@ def test_registration_rejections() -> None:
         uly.register_kv_cache_layers(layers())
 
 
-def test_platform_hooks_delegate_to_the_plugin() -> None:
+def test_platform_hooks_delegate_to_the_selected_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     hooks = DiffusionKVPlatformHooks(CpuPlatform())
-    assert hooks.get_diffusion_kv_block_tables_cls() is TorchBlockTables
+    assert hooks.get_diffusion_kv_block_tables_cls() is TorchBlockTables  # every cpu backend's
     assert hooks.requires_diffusion_paged_kv_prewrite() is True
     sentinel = type("Backend", (), {})
     assert hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=1) is sentinel
     assert hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=2) is sentinel
-    with pytest.raises(
-        NotImplementedError, match="cannot page under Ulysses degree 2: Ulysses sequence parallelism"
-    ):
+    monkeypatch.setenv(ENV_BACKEND, "cpu:reference")  # the same candidates with or without vLLM
+    assert hooks.selected_backend() is CpuReferenceBackend
+    with pytest.raises(NotImplementedError) as info:
         DiffusionKVPlatformHooks(NoUlyssesCpu()).get_diffusion_paged_kv_attn_backend(
             sentinel, ulysses_degree=2
         )
-    # the metadata hook with the plugin's builder: upstream keyword arguments in, native metadata out
+    assert str(info.value) == (
+        "platform 'cpu' cannot page under Ulysses degree 2: reference: Ulysses sequence parallelism (degree 2)"
+    )
+    with pytest.raises(ValidationError, match="ulysses_degree must be a positive integer; got 0"):
+        hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=0)
+
+
+def test_hooks_follow_the_backends_the_facade_chose() -> None:
+    be = DiffusionKVRunnerBackend(platform=NoUlyssesCpu(), vllm_config=vllm_config(), od_config=od_config())
+    sentinel = type("Backend", (), {})
+    assert be.hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=1) is sentinel
+    be.initialize_kv_cache(kv_cache_config(be.register_kv_cache_layers(layers())))
+    assert [type(b) for b in be.backend.backends] == [NoUlyssesReference]  # float32: the reference
+    assert be.hooks.selected_backend() is NoUlyssesReference
+    assert be.hooks.get_diffusion_kv_block_tables_cls() is TorchBlockTables
+    with pytest.raises(NotImplementedError) as info:
+        be.hooks.get_diffusion_paged_kv_attn_backend(sentinel, ulysses_degree=2)
+    assert str(info.value) == (
+        "platform 'cpu' cannot page under Ulysses degree 2: reference: Ulysses sequence parallelism (degree 2)"
+    )
+
+
+def test_metadata_hook_builds_through_the_group_backend() -> None:
+    """Upstream keyword arguments in; the group's backend builds; every layer of the group maps
+    to that one metadata (what the backend's forward takes)."""
     be = backend()
     specs = be.register_kv_cache_layers(layers())
     be.initialize_kv_cache(kv_cache_config(specs))
-    assert be.layout is not None and be.backend.block_tables is not None
-    builder = CpuMetadataBuilder(be.layout, be.backend.block_tables)
+    (group_backend,) = be.backend.backends
+    assert type(group_backend) is CpuReferenceBackend  # float32 layers: the reference in every lane
     qsl = torch.tensor([0, 5], dtype=torch.int32)
     seq = torch.tensor([9], dtype=torch.int32)
-    out = hooks.build_diffusion_kv_attn_metadata(
-        attn_groups=builder,
+    table = torch.tensor([[4, 0]], dtype=torch.int32)
+    kwargs: dict[str, Any] = dict(
         num_reqs=1,
         num_tokens=5,
         query_start_loc_gpu=qsl,
@@ -253,16 +283,28 @@ def test_platform_hooks_delegate_to_the_plugin() -> None:
         max_query_len=5,
         seq_lens=seq,
         max_seq_len=9,
-        block_tables=[torch.tensor([[4, 0]], dtype=torch.int32)],
+        block_tables=[table],
         slot_mappings=torch.arange(68, 73)[None],
         kv_cache_config=None,
         seq_lens_cpu=seq,
         seq_lens_cpu_upper_bound=seq,
         positions=torch.arange(4, 9),
-        causal=True,
     )
+    out = be.hooks.build_diffusion_kv_attn_metadata(attn_groups=group_backend, causal=True, **kwargs)
+    assert sorted(out) == ["blk.0.attn", "blk.1.attn"]
     md = out["blk.0.attn"]
     assert isinstance(md, CpuPagedMetadata)
     assert (md.query_start_loc, md.seq_lens, md.causal, md.block_size) == ((0, 5), (9,), True, BLOCK)
-    assert md.slot_mapping.tolist() == [68, 69, 70, 71, 72]
+    assert md.block_table is table
     assert out["blk.1.attn"] is md
+    for causal in (False, {0: False}):
+        out = be.hooks.build_diffusion_kv_attn_metadata(attn_groups=[group_backend], causal=causal, **kwargs)
+        assert out["blk.0.attn"].causal is False
+    out = be.hooks.build_diffusion_kv_attn_metadata(attn_groups=[group_backend], causal={1: False}, **kwargs)
+    assert out["blk.0.attn"].causal is True
+    with pytest.raises(
+        TypeError, match=r"unsupported metadata arguments for diffusion-kv backends: \['ubatch_idx'\]"
+    ):
+        be.hooks.build_diffusion_kv_attn_metadata(attn_groups=group_backend, ubatch_idx=0, **kwargs)
+    with pytest.raises(ValidationError, match="needs positions"):
+        be.hooks.build_diffusion_kv_attn_metadata(attn_groups=group_backend, **{**kwargs, "positions": None})

@@ -1,93 +1,73 @@
 """The ``npu`` platform plugin (Huawei Ascend through torch_npu / vllm-ascend).
 
-Two tiers share one set of declared capabilities (:mod:`.constraints`):
+Paged backends, highest priority first (all declare :data:`.constraints.CAPABILITIES`):
 
-* **direct** (:mod:`.direct`): the core's torch BlockTables with int32 slots, a metadata builder
-  producing fused-infer-attention (FIA) arguments, and a backend that calls torch_npu through
-  the kernel seam (:mod:`.kernels`). Works wherever torch_npu imports; the default.
-* **vllm-ascend** (:mod:`.vllm_ascend_tier`): vllm-ascend's own BlockTables, metadata builder
-  and attention impl. Taken automatically only when ``vllm_ascend`` is importable *and* an
-  embedding vLLM host has bound its runtime (:meth:`NpuPlatform.bind_vllm_runtime`).
+* ``vllm-ascend`` (priority 200, :mod:`diffusion_kv.integrations.vllm_ascend`, registered
+  through the ``diffusion_kv.backends`` entry-point group): vllm-ascend's own BlockTables,
+  metadata builder and attention impl. Chosen only when ``vllm_ascend`` is importable, the
+  torch_npu emulator is not installed, *and* an embedding vLLM host has bound its runtime
+  (:meth:`NpuPlatform.bind_vllm_runtime`); :meth:`NpuPlatform.backend_reasons` adds the
+  missing runtime as a reason.
+* ``direct`` (priority 100, :mod:`.direct`, built in): the core's torch BlockTables with int32
+  slots and FIA arguments built from the batch, calling torch_npu through the kernel seam
+  (:mod:`.kernels`). Works wherever torch_npu imports; what standalone use gets.
 
-``DIFFUSION_KV_NPU_TIER=direct|vllm-ascend`` forces a tier (default ``auto``).
+``DIFFUSION_KV_BACKEND=npu:direct`` (or ``npu:vllm-ascend``) forces one; its reasons are then an
+error, never a silent fallback. ``explain()`` lists both backends with why each is or is not
+chosen.
 
 Emulation: when :mod:`diffusion_kv.testing` has installed its pure-torch emulator as
 ``torch_npu`` (the module marks itself with :data:`.kernels.EMULATOR_ATTRIBUTE`), the plugin
 reports itself available with the reason ``"torch_npu emulator (CPU)"``, uses device ``cpu``
-and always takes the direct tier. ``torch_npu`` and ``vllm_ascend`` are imported only inside
-methods: discovery works on any machine.
+and the ``direct`` backend (vllm-ascend needs CANN). ``torch_npu``, ``vllm`` and
+``vllm_ascend`` are imported only inside methods: discovery works on any machine.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.block_tables import BlockTables
-from diffusion_kv.core.errors import PlatformUnavailableError, UnsupportedRequirementsError, ValidationError
-from diffusion_kv.core.layout import CacheLayout
-from diffusion_kv.platforms.interface import (
-    Availability,
-    Capabilities,
-    KVCache,
-    KVWritePolicy,
-    LayerGeometry,
-    MetadataBuilder,
-    PagedAttentionBackend,
-    Platform,
-    Requirements,
+from diffusion_kv.core.errors import PlatformUnavailableError
+from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform, Requirements
+from diffusion_kv.platforms.npu.constraints import KERNEL_BLOCK_SIZE
+from diffusion_kv.platforms.npu.direct import NpuDirectBackend
+from diffusion_kv.platforms.npu.kernels import EMULATOR_REASON, loaded_emulator, torch_npu_availability
+from diffusion_kv.platforms.npu.runtime import VllmRuntime, bind_vllm_runtime, bound_vllm_runtime
+
+NO_RUNTIME_REASON = (
+    "no vLLM runtime is bound: vllm-ascend's metadata builder and attention impl need the embedding "
+    "host's vllm_config, attn_groups and kv_cache_config (NpuPlatform.bind_vllm_runtime; embedding hosts only)"
 )
-from diffusion_kv.platforms.npu.constraints import CAPABILITIES, KERNEL_BLOCK_SIZE, head_count_reasons
-from diffusion_kv.platforms.npu.direct import NpuBlockTables, NpuMetadataBuilder, NpuPagedBackend
-from diffusion_kv.platforms.npu.kernels import AscendKernels, loaded_emulator
-from diffusion_kv.platforms.npu.vllm_ascend_tier import VllmAscendTier, VllmRuntime
 
-ENV_TIER = "DIFFUSION_KV_NPU_TIER"
-TIER_AUTO = "auto"
-TIER_DIRECT = "direct"
-TIER_VLLM_ASCEND = "vllm-ascend"
-TIERS = (TIER_AUTO, TIER_DIRECT, TIER_VLLM_ASCEND)
-
-EMULATOR_REASON = "torch_npu emulator (CPU)"
-
-__all__ = ["EMULATOR_REASON", "ENV_TIER", "NpuPlatform", "VllmRuntime"]
+__all__ = ["EMULATOR_REASON", "NO_RUNTIME_REASON", "NpuDirectBackend", "NpuPlatform", "VllmRuntime"]
 
 
-def _vllm_ascend_importable() -> bool:
+def _npu_device(index: int | None = None) -> torch.device:
     try:
-        return importlib.util.find_spec("vllm_ascend") is not None
-    except (ImportError, ValueError):
-        return False
+        return torch.device("npu") if index is None else torch.device("npu", index)
+    except RuntimeError as exc:  # the "npu" device type exists only once torch_npu is loaded
+        raise PlatformUnavailableError(
+            f"the npu device type is registered by torch_npu, which is not loaded here ({exc})"
+        ) from None
 
 
 class NpuPlatform(Platform):
     name: ClassVar[str] = "npu"
     description: ClassVar[str] = "Huawei Ascend NPUs: fused-infer-attention over paged K/V"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
-    kv_write_policy: ClassVar[KVWritePolicy] = KVWritePolicy.PREWRITE
+    device_type: ClassVar[str] = "npu"
     default_block_size: ClassVar[int] = KERNEL_BLOCK_SIZE
+    distributed_backend: ClassVar[str] = "hccl"
+    backends: ClassVar[tuple[type[PagedBackend], ...]] = (NpuDirectBackend,)
 
-    def __init__(self) -> None:
-        self._runtime: VllmRuntime | None = None
-        self._vllm_ascend: VllmAscendTier | None = None
-
-    # -- detection ------------------------------------------------------------------------------
+    # -- detection and devices ------------------------------------------------------------------
 
     @classmethod
     def is_available(cls) -> Availability:
-        if loaded_emulator() is not None:
-            return Availability(True, EMULATOR_REASON)
-        if importlib.util.find_spec("torch_npu") is None:
-            return Availability(False, "torch_npu is not installed")
-        try:
-            importlib.import_module("torch_npu")
-        except Exception as exc:  # e.g. CANN toolkit missing: the reason says so
-            return Availability(False, f"torch_npu failed to import: {type(exc).__name__}: {exc}")
+        found = torch_npu_availability()
+        if not found or found.reason == EMULATOR_REASON:
+            return found
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
             return Availability(False, "torch_npu is importable but no NPU device is visible")
@@ -96,150 +76,36 @@ class NpuPlatform(Platform):
     def device(self) -> torch.device:
         if loaded_emulator() is not None:
             return torch.device("cpu")
-        try:
-            return torch.device("npu")
-        except RuntimeError as exc:  # the "npu" device type exists only once torch_npu is loaded
-            raise PlatformUnavailableError(
-                f"the npu device type is registered by torch_npu, which is not loaded here ({exc})"
-            ) from None
+        return _npu_device()
 
-    def not_supported_reasons(self, requirements: Requirements) -> list[str]:
-        return super().not_supported_reasons(requirements) + head_count_reasons(requirements)
-
-    # -- tiers ----------------------------------------------------------------------------------
-
-    def bind_vllm_runtime(self, vllm_config: Any, attn_groups: Any, kv_cache_config: Any) -> None:
-        """Hand over the embedding vLLM host's objects the vllm-ascend tier needs."""
-        self._runtime = VllmRuntime(vllm_config, attn_groups, kv_cache_config)
-        self._vllm_ascend = None
-
-    def tier(self) -> str:
-        """The tier in use now: ``"direct"`` or ``"vllm-ascend"`` (see the module docstring)."""
-        choice = os.environ.get(ENV_TIER, TIER_AUTO).strip() or TIER_AUTO
-        if choice not in TIERS:
-            raise ValidationError(f"{ENV_TIER}={choice!r} is not one of {', '.join(TIERS)}")
+    def device_for_rank(self, local_rank: int) -> torch.device:
         if loaded_emulator() is not None:
-            if choice == TIER_VLLM_ASCEND:
-                raise NotImplementedError(
-                    f"{ENV_TIER}=vllm-ascend cannot run under the torch_npu emulator: vllm-ascend needs CANN"
-                )
-            return TIER_DIRECT
-        if choice == TIER_DIRECT:
-            return TIER_DIRECT
-        importable = _vllm_ascend_importable()
-        if choice == TIER_VLLM_ASCEND:
-            if not importable:
-                raise ValidationError(f"{ENV_TIER}=vllm-ascend, but vllm_ascend is not importable")
-            return TIER_VLLM_ASCEND
-        return TIER_VLLM_ASCEND if importable and self._runtime is not None else TIER_DIRECT
-
-    def vllm_ascend_tier(self) -> VllmAscendTier:
-        if self._vllm_ascend is None:
-            self._vllm_ascend = VllmAscendTier(self._runtime)
-        return self._vllm_ascend
-
-    def explain(self, requirements: Requirements | None = None) -> list[str]:
-        """The capability verdict, then each tier with whether it is used and why."""
-        lines = super().explain(requirements)
-        mode = os.environ.get(ENV_TIER, TIER_AUTO).strip() or TIER_AUTO
-        try:
-            chosen = self.tier()
-        except (ValidationError, NotImplementedError) as exc:
-            return [*lines, f"    tier selection failed: {exc}", f"    mode {ENV_TIER}={mode}"]
-        if loaded_emulator() is not None:
-            vllm_why = "the torch_npu emulator (CPU) is installed; vllm-ascend needs CANN"
-        elif not _vllm_ascend_importable():
-            vllm_why = "vllm_ascend is not importable"
-        elif self._runtime is None:
-            vllm_why = "vllm_ascend is importable, but no vLLM runtime is bound (embedding hosts only)"
-        else:
-            vllm_why = f"{ENV_TIER}=direct"
-        direct_why = "vllm-ascend tier in use"
-        return [
-            *lines,
-            "    tier direct (torch_npu scatter-PA write + fused-infer-attention, TND + block table): "
-            + ("used" if chosen == TIER_DIRECT else f"not used: {direct_why}"),
-            "    tier vllm-ascend (vllm-ascend BlockTables, build_attn_metadata, AscendAttentionBackendImpl): "
-            + ("used" if chosen == TIER_VLLM_ASCEND else f"not used: {vllm_why}"),
-            f"    mode {ENV_TIER}={mode}",
-        ]
+            return torch.device("cpu")
+        return _npu_device(local_rank)
 
     def init_worker(self) -> None:
+        """Fail fast on this machine, then run the worker set-up of the backend that would be
+        selected (``direct``: resolve the torch_npu operators; ``vllm-ascend``: the version
+        check, ``adapt_patch()`` and ``init_ascend_config``)."""
         found = self.is_available()
         if not found:
             raise PlatformUnavailableError(f"npu: cannot initialise a worker here: {found.reason}")
-        if self.tier() == TIER_VLLM_ASCEND:
-            self.vllm_ascend_tier().init_worker()
-        else:
-            AscendKernels.load()  # fails fast, naming the missing operator and the fix
+        backend = self.select_backend(Requirements())
+        hook = getattr(backend, "init_worker", None)
+        if callable(hook):
+            hook()
 
-    # -- the four parts -------------------------------------------------------------------------
+    # -- backends -------------------------------------------------------------------------------
 
-    def block_tables_cls(self) -> type[BlockTables]:
-        if self.tier() == TIER_VLLM_ASCEND:
-            return self.vllm_ascend_tier().block_tables_cls()
-        return NpuBlockTables
+    def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
+        """The backend's own reasons, plus the platform's: a backend that drives vllm-ascend
+        (``needs_vllm_runtime``) needs a runtime bound by an embedding vLLM host."""
+        reasons = super().backend_reasons(backend, requirements)
+        if getattr(backend, "needs_vllm_runtime", False) is True and bound_vllm_runtime() is None:
+            reasons.append(NO_RUNTIME_REASON)
+        return reasons
 
-    def metadata_builder(
-        self,
-        layout: CacheLayout,
-        block_tables: BlockTables,
-        layers: Sequence[LayerGeometry],
-        device: torch.device,
-    ) -> MetadataBuilder:
-        for layer in layers:
-            self._require_layer(layer)
-        if self.tier() == TIER_VLLM_ASCEND:
-            return self.vllm_ascend_tier().metadata_builder()
-        return NpuMetadataBuilder(layout, block_tables, self.capabilities, device)
-
-    def paged_backend(self, layer: LayerGeometry, device: torch.device) -> PagedAttentionBackend:
-        self._require_layer(layer)
-        if self.tier() == TIER_VLLM_ASCEND:
-            return self.vllm_ascend_tier().paged_backend(layer, device)
-        return NpuPagedBackend(layer, AscendKernels.load())
-
-    def _require_layer(self, layer: LayerGeometry) -> None:
-        """Reject a layer the Ascend operators cannot serve, with every reason, before any call."""
-        reasons = self.not_supported_reasons(
-            Requirements(
-                dtype=layer.dtype,
-                head_size=layer.head_size,
-                num_heads=layer.num_heads,
-                num_kv_heads=layer.num_kv_heads,
-            )
-        )
-        if reasons:
-            raise UnsupportedRequirementsError(
-                f"npu cannot serve layer {layer.layer_name!r} "
-                f"(dtype={str(layer.dtype).removeprefix('torch.')}, num_heads={layer.num_heads}, "
-                f"num_kv_heads={layer.num_kv_heads}, head_size={layer.head_size}): " + "; ".join(reasons)
-            )
-
-    # -- KV-cache allocation --------------------------------------------------------------------
-
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        """Shape of each of the two tensors (K cache and V cache) of a layer."""
-        return (num_blocks, block_size, num_kv_heads, head_size)
-
-    def allocate_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> KVCache:
-        reasons = self.not_supported_reasons(
-            Requirements(dtype=dtype, head_size=head_size, num_kv_heads=num_kv_heads, block_size=block_size)
-        )
-        if reasons:
-            raise UnsupportedRequirementsError("npu cannot allocate this KV cache: " + "; ".join(reasons))
-        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-        return (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+    def bind_vllm_runtime(self, vllm_config: Any, attn_groups: Any, kv_cache_config: Any) -> None:
+        """Hand over the embedding vLLM host's objects the vllm-ascend backend needs
+        (process-wide: see :mod:`.runtime`)."""
+        bind_vllm_runtime(VllmRuntime(vllm_config, attn_groups, kv_cache_config))

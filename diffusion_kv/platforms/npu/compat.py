@@ -2,8 +2,9 @@
 
 vllm-ascend treats these five as one compatibility set; its attention internals (the writer
 op, ``build_attn_metadata`` keywords, the BlockTables class) change between releases, so the
-vllm-ascend tier refuses to start on a set it does not know, with a message that says what to
-install instead. The direct torch_npu tier needs no vLLM; it checks operator availability in
+``vllm-ascend`` backend (:mod:`diffusion_kv.integrations.vllm_ascend`) refuses to start on a set
+it does not know, with a message that says what to install instead. The ``direct`` torch_npu
+backend needs no vLLM; it checks operator availability in
 :mod:`diffusion_kv.platforms.npu.kernels` instead of versions.
 
 Status (see docs/ascend.md): these sets are *targeted*, taken from vllm-ascend's published
@@ -59,14 +60,14 @@ SUPPORTED_VLLM_ASCEND_STACKS: tuple[AscendStack, ...] = (
 inside this project's vLLM range, 0.26-0.33, and one that writes with
 ``npu_scatter_pa_kv_cache(cache_mode="Norm")``)."""
 
-DIRECT_TIER_TARGET = AscendStack(
+DIRECT_BACKEND_TARGET = AscendStack(
     cann="9.1.0", torch="2.10.0", torch_npu="2.10.0.post4", vllm=None, vllm_ascend=None
 )
-"""What the direct tier is written against (operator schemas are identical in torch_npu 2.14.0)."""
+"""What the direct backend is written against (operator schemas are identical in torch_npu 2.14.0)."""
 
 
 class UnsupportedStackError(PlatformUnavailableError):
-    """The installed Ascend software set is not one the vllm-ascend tier supports."""
+    """The installed Ascend software set is not one the vllm-ascend backend supports."""
 
 
 def normalize_version(version: str | None) -> str | None:
@@ -134,7 +135,7 @@ def stack_problem(
         return None
     closest, mismatches = min(by_set, key=lambda item: len(item[1]))
     lines = [
-        "npu (vllm-ascend tier): the installed Ascend software set is not a supported one.",
+        "npu (vllm-ascend backend): the installed Ascend software set is not a supported one.",
         f"  installed: {installed.describe()}",
         f"  differs from the closest supported set in: {'; '.join(mismatches)}",
         "  supported sets:",
@@ -143,7 +144,7 @@ def stack_problem(
         f"    - use a CANN {closest.cann} image and `pip install vllm=={closest.vllm} "
         f"vllm-ascend=={closest.vllm_ascend}` (vllm-ascend pins torch=={closest.torch} and "
         f"torch-npu=={closest.torch_npu});",
-        "    - or set DIFFUSION_KV_NPU_TIER=direct to use the direct torch_npu tier (no vLLM needed);",
+        "    - or set DIFFUSION_KV_BACKEND=npu:direct to use the direct torch_npu backend (no vLLM needed);",
         f"    - or set {ENV_ALLOW_UNTESTED_STACK}=1 to continue with a warning at your own risk.",
     ]
     return "\n".join(lines)

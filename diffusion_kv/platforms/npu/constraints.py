@@ -2,9 +2,13 @@
 
 The numbers come from the torch_npu / CANN documentation of the two operators the plugin
 calls (``npu_fused_infer_attention_score`` with TND query layout and PageAttention, and
-``npu_scatter_pa_kv_cache``) and from vllm-ascend's attention backend. They feed the plugin's
-:class:`~diffusion_kv.platforms.interface.Capabilities` (so selection, ``explain`` and the
-conformance kit see them) plus the few limits that ``Capabilities`` has no field for.
+``npu_scatter_pa_kv_cache``) and from vllm-ascend's attention backend. Both npu paged backends
+(``direct`` and ``vllm-ascend``) declare :data:`CAPABILITIES` (so selection, ``explain`` and the
+conformance kit see them) and add :func:`head_count_reasons`, the few limits that
+``Capabilities`` has no field for, in their ``not_supported_reasons``.
+
+Slot mappings are int32 only: both K/V writers (``npu_scatter_pa_kv_cache`` and the ATB
+``_npu_reshape_and_cache``) and vllm-ascend's ``AscendBlockTables`` take int32 slots.
 """
 
 from __future__ import annotations
@@ -37,16 +41,14 @@ MASK_SIZE = 2048
 """Side of the compressed causal mask template used with ``sparse_mode=3``."""
 
 CAPABILITIES = Capabilities(
-    device_type="npu",
     dtypes=frozenset({torch.float16, torch.bfloat16}),
     head_sizes=HEAD_SIZES,
     kernel_block_sizes=(KERNEL_BLOCK_SIZE,),
-    slot_mapping_dtype=torch.int32,
+    slot_mapping_dtypes=frozenset({torch.int32}),
     attention_modes=frozenset(AttentionMode),
     supports_gqa=True,
     supports_ulysses=False,
     supports_dcp=False,
-    needs_host_lengths=True,
     supports_graph_capture=False,
     max_rows_per_call=MAX_ROWS_PER_CALL,
     max_kv_heads_x_head_size=MAX_KV_HEADS_X_HEAD_SIZE,

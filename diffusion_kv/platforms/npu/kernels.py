@@ -14,12 +14,14 @@ offers the plugin exactly two operations:
   ``sparse_mode=3`` with the compressed 2048x2048 mask; full calls use ``sparse_mode=0`` and no
   mask (any mask with mode 0 would be applied literally).
 
-``torch_npu`` is imported lazily, inside :meth:`AscendKernels.load`, never at module import.
+``torch_npu`` is imported lazily, inside :meth:`AscendKernels.load` and
+:func:`torch_npu_availability`, never at module import.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -27,10 +29,14 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.capabilities import Availability
 from diffusion_kv.platforms.npu.constraints import MASK_SIZE
 
 EMULATOR_ATTRIBUTE = "__diffusion_kv_emulator__"
 """A module installed as ``torch_npu`` that sets this attribute to True is the CPU emulator."""
+
+EMULATOR_REASON = "torch_npu emulator (CPU)"
+"""The availability reason of the npu platform and its direct backend under the emulator."""
 
 SCATTER_OP = "npu_scatter_pa_kv_cache"
 RESHAPE_AND_CACHE_OP = "_npu_reshape_and_cache"
@@ -48,6 +54,26 @@ def loaded_emulator() -> Any | None:
     if module is not None and getattr(module, EMULATOR_ATTRIBUTE, False) is True:
         return module
     return None
+
+
+def torch_npu_availability() -> Availability:
+    """Whether ``torch_npu`` imports here (the installed emulator counts), with the reason.
+
+    This says nothing about devices: the platform's detector checks those.
+    """
+    if loaded_emulator() is not None:
+        return Availability(True, EMULATOR_REASON)
+    try:
+        missing = importlib.util.find_spec("torch_npu") is None
+    except (ImportError, ValueError):  # a module without a spec in sys.modules: try importing it
+        missing = False
+    if missing:
+        return Availability(False, "torch_npu is not installed")
+    try:
+        module = importlib.import_module("torch_npu")
+    except Exception as exc:  # e.g. CANN toolkit missing: the reason says so
+        return Availability(False, f"torch_npu failed to import: {type(exc).__name__}: {exc}")
+    return Availability(True, f"torch_npu {getattr(module, '__version__', 'unknown')}")
 
 
 _MASKS: dict[str, torch.Tensor] = {}

@@ -1,0 +1,484 @@
+"""The ``vllm-ascend`` paged backend of the npu platform: vllm-ascend's own parts.
+
+This is the backend vLLM-Omni uses on Ascend: vllm-ascend's ``AscendBlockTables`` (int32
+slots), its ``build_attn_metadata`` forced into the cache-backed ``ChunkedPrefill`` state, and
+its ``AscendAttentionBackendImpl`` driven as "write once (``do_kv_cache_update``), then one
+K/V-less ``forward`` per attention call". Worker initialisation runs ``adapt_patch()`` and
+``init_ascend_config`` after checking the installed version set
+(:mod:`diffusion_kv.platforms.npu.compat`).
+
+vllm-ascend's builder and impl need objects only an embedding vLLM host has (its
+``VllmConfig``, attention groups and ``KVCacheConfig``); the host hands them over with
+:meth:`NpuPlatform.bind_vllm_runtime <diffusion_kv.platforms.npu.NpuPlatform.bind_vllm_runtime>`
+and this backend reads them from :mod:`diffusion_kv.platforms.npu.runtime`. Without a bound
+runtime the platform rules the backend out (a reason in ``explain()`` and in selection errors).
+
+One instance serves one KV-cache group ``g``: it builds with the host's attention groups of
+``g`` and a view of the host's ``KVCacheConfig`` holding only group ``g``, so the host's groups
+must be the layout's groups, in order (what ``CacheLayout.from_kv_cache_config`` gives).
+
+Status: **untested against real vllm-ascend.** vllm-ascend cannot be installed without CANN,
+so this module is written against vllm-ascend's documented v0.26 interfaces and exercised only
+with stand-in modules (``tests/npu/test_vllm_ascend_backend.py``). Every vendor import is lazy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend
+from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
+from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.capabilities import Availability, Capabilities, Requirements
+from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
+from diffusion_kv.platforms.npu.compat import check_supported_stack, installed_stack
+from diffusion_kv.platforms.npu.constraints import CAPABILITIES, head_count_reasons
+from diffusion_kv.platforms.npu.direct import require_layers
+from diffusion_kv.platforms.npu.kernels import loaded_emulator
+from diffusion_kv.platforms.npu.runtime import VllmRuntime, bound_vllm_runtime
+
+BLOCK_TABLE_MODULE = "vllm_ascend.worker.v2.block_table"
+ATTN_UTILS_MODULE = "vllm_ascend.worker.v2.attn_utils"
+ATTENTION_MODULE = "vllm_ascend.attention.attention_v1"
+UTILS_MODULE = "vllm_ascend.utils"
+ASCEND_CONFIG_MODULE = "vllm_ascend.ascend_config"
+
+EMULATED_REASON = "the torch_npu emulator (CPU) is installed; vllm-ascend needs CANN"
+NOT_IMPORTABLE_REASON = "vllm_ascend is not importable"
+
+
+def _import(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def _vllm_ascend_importable() -> bool:
+    try:
+        return importlib.util.find_spec("vllm_ascend") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _vllm_ascend_version() -> str | None:
+    for dist in ("vllm-ascend", "vllm_ascend"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_stack() -> None:
+    """Refuse an unknown (CANN, torch, torch_npu, vllm, vllm-ascend) set, with the fix."""
+    check_supported_stack(installed_stack(sys.modules.get("torch_npu")))
+
+
+def require_runtime() -> VllmRuntime:
+    runtime = bound_vllm_runtime()
+    if runtime is None:
+        raise StateError(
+            "npu (vllm-ascend backend): vllm-ascend's metadata builder and attention impl need the host's "
+            "vLLM runtime (vllm_config, attn_groups, kv_cache_config). An embedding host calls "
+            "NpuPlatform.bind_vllm_runtime(...) first; standalone use sets DIFFUSION_KV_BACKEND=npu:direct"
+        )
+    return runtime
+
+
+@contextlib.contextmanager
+def vllm_config_context(runtime: VllmRuntime) -> Iterator[None]:
+    """vllm-ascend reads the current VllmConfig while building metadata and impls."""
+    with _import("vllm.config").set_current_vllm_config(runtime.vllm_config):
+        yield
+
+
+def layer_index_problem(layer_name: str) -> str | None:
+    """vllm-ascend binds caches by the single integer component of a layer name."""
+    numbers = [part for part in layer_name.split(".") if part.isdigit()]
+    if len(numbers) == 1:
+        return None
+    return (
+        f"layer name {layer_name!r} must contain exactly one integer component "
+        f"(e.g. 'transformer.blocks.7.attn'); vllm-ascend's bind_kv_cache orders layers by it"
+    )
+
+
+def one_group_config(kv_cache_config: Any, index: int) -> Any:
+    """The host's ``KVCacheConfig`` reduced to KV-cache group ``index`` (itself when it has one
+    group): ``build_attn_metadata`` walks every group of the config it is given."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not 0 <= index < len(groups):
+        raise StateError(
+            f"npu (vllm-ascend backend): the bound KVCacheConfig has {len(groups)} KV-cache group(s); "
+            f"diffusion-kv's KV-cache group {index} has no counterpart (bind the host's own config)"
+        )
+    if len(groups) == 1:
+        return kv_cache_config
+    view = copy.copy(kv_cache_config)
+    view.kv_cache_groups = [groups[index]]
+    return view
+
+
+def build_attn_metadata(runtime: VllmRuntime, **kwargs: Any) -> dict[str, Any]:
+    """vllm-ascend's ``build_attn_metadata`` in the cache-backed ``ChunkedPrefill`` state.
+
+    ``seq_lens_cpu`` becomes ``seq_lens_np``; keywords the installed version does not take
+    are dropped (the signature drifts between releases).
+    """
+    attention = _import(ATTENTION_MODULE)
+    build = _import(ATTN_UTILS_MODULE).build_attn_metadata
+    args = dict(kwargs)
+    seq_lens_cpu = args.pop("seq_lens_cpu", None)
+    if seq_lens_cpu is not None:
+        args["seq_lens_np"] = seq_lens_cpu.detach().cpu().numpy()
+    args["attn_state"] = attention.AscendAttentionState.ChunkedPrefill
+    params = inspect.signature(build).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        args = {k: v for k, v in args.items() if k in params}
+    with vllm_config_context(runtime):
+        result = build(**args)
+    out = dict(result)
+    for name, md in out.items():
+        missing = [a for a in ("actual_seq_lengths_q", "seq_lens_list", "block_tables") if not hasattr(md, a)]
+        if missing:
+            raise StateError(
+                f"vllm-ascend returned metadata for layer {name!r} without {missing}; this vllm-ascend "
+                "version is not one the npu plugin supports (see docs/ascend.md)"
+            )
+    return out
+
+
+def _decoder_attention_type() -> Any:
+    for module in ("vllm.v1.attention.backend", "vllm.attention.backends.abstract"):
+        try:
+            return _import(module).AttentionType.DECODER
+        except (ImportError, AttributeError):
+            continue
+    raise StateError("vLLM's AttentionType was not found (vllm.v1.attention.backend or older path)")
+
+
+# -- BlockTables ------------------------------------------------------------------------------
+
+
+class _HostCountsView:
+    """``num_blocks.cpu`` over vLLM's numpy host mirror (shared memory, so writes go through)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    @property
+    def cpu(self) -> torch.Tensor:
+        return torch.from_numpy(self._inner.np)
+
+    def copy_to_uva(self) -> None:
+        self._inner.copy_to_uva()
+
+
+class AscendBlockTablesAdapter:
+    """vllm-ascend's ``AscendBlockTables`` behind the core's BlockTables protocol.
+
+    Its slot mappings are int32: ``slot_mapping_dtype`` exists for the protocol and accepts
+    nothing else. Construction checks the installed version set first.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_num_blocks_per_group: Sequence[int],
+        device: torch.device | str,
+        kernel_block_sizes: Sequence[int] | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+        slot_mapping_dtype: torch.dtype = torch.int32,
+    ) -> None:
+        if slot_mapping_dtype != torch.int32:
+            raise ValidationError(
+                f"npu (vllm-ascend backend): AscendBlockTables produce int32 slot mappings only; "
+                f"got slot_mapping_dtype={slot_mapping_dtype}"
+            )
+        check_stack()
+        kernel = list(kernel_block_sizes) if kernel_block_sizes is not None else list(block_sizes)
+        cls = _import(BLOCK_TABLE_MODULE).AscendBlockTables
+        self.inner = cls(
+            block_sizes=list(block_sizes),
+            max_num_reqs=max_num_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_blocks_per_group=list(max_num_blocks_per_group),
+            device=torch.device(device),
+            kernel_block_sizes=kernel,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            cp_interleave=cp_interleave,
+        )
+        self.slot_mapping_dtype = torch.int32
+        self.block_sizes = list(block_sizes)
+        self.kernel_block_sizes = kernel
+        self.blocks_per_kv_block = [bs // kbs for bs, kbs in zip(self.block_sizes, kernel, strict=True)]
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.cp_interleave = cp_interleave
+        self.num_blocks = _HostCountsView(self.inner.num_blocks)
+
+    @property
+    def block_tables(self) -> Sequence[Any]:
+        tables: Sequence[Any] = self.inner.block_tables
+        return tables
+
+    def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+        self.inner.append_block_ids(req_index, new_block_ids, overwrite)
+
+    def apply_staged_writes(self) -> None:
+        self.inner.apply_staged_writes()
+
+    def gather_block_tables(
+        self, idx_mapping: torch.Tensor, num_reqs_padded: int
+    ) -> tuple[torch.Tensor, ...]:
+        return tuple(self.inner.gather_block_tables(idx_mapping, num_reqs_padded))
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+    ) -> torch.Tensor:
+        slots: torch.Tensor = self.inner.compute_slot_mappings(
+            idx_mapping, query_start_loc, positions, num_tokens_padded
+        )
+        return slots
+
+    def init_block_table_layout_tensors(self) -> None:
+        self.inner.init_block_table_layout_tensors()
+
+
+# -- the backend ------------------------------------------------------------------------------
+
+
+class AscendLayerAdapter:
+    """The attributes ``AscendAttentionBackendImpl`` reads from its ``layer`` argument."""
+
+    def __init__(self, layer_name: str, device: torch.device) -> None:
+        self.layer_name = layer_name
+        self._k_scale_float = 1.0
+        self._v_scale_float = 1.0
+        self._q_scale_float = 1.0
+        self._q_scale = torch.ones((), dtype=torch.float32, device=device)
+        self._k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self._v_scale = torch.ones((), dtype=torch.float32, device=device)
+
+
+_STRICT_ULYSSES: dict[type, type] = {}
+
+
+class VllmAscendBackend(PagedBackend):
+    """A KV-cache group through vllm-ascend's BlockTables, builder and impl (module docstring).
+
+    vllm-ascend's builder counts rows with ``query_len <= 1`` as decodes that must come first;
+    ``reorder_batch_threshold = 1`` makes the core enforce that order when a batch is prepared.
+    """
+
+    name: ClassVar[str] = "vllm-ascend"
+    platform: ClassVar[str] = "npu"
+    priority: ClassVar[int] = 200
+    description: ClassVar[str] = (
+        "vllm-ascend BlockTables, build_attn_metadata (ChunkedPrefill), AscendAttentionBackendImpl"
+    )
+    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    page_layout: ClassVar[KVPageLayout] = KVPageLayout.SEPARATE
+    needs_vllm_runtime: ClassVar[bool] = True
+    """The npu platform rules this backend out while no vLLM runtime is bound."""
+
+    reorder_batch_threshold: int | None = 1
+
+    # --- selection (class level) --------------------------------------------------------------
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        if loaded_emulator() is not None:
+            return Availability(False, EMULATED_REASON)
+        if not _vllm_ascend_importable():
+            return Availability(False, NOT_IMPORTABLE_REASON)
+        return Availability(True, f"vllm-ascend {_vllm_ascend_version() or '(version unknown)'}")
+
+    @classmethod
+    def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+        return super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+
+    @classmethod
+    def block_tables_cls(cls) -> type[BlockTables]:
+        return AscendBlockTablesAdapter
+
+    # --- worker and host hooks ----------------------------------------------------------------
+
+    @classmethod
+    def init_worker(cls) -> None:
+        """Version check, then vllm-ascend's worker patches and its config singleton (called by
+        ``NpuPlatform.init_worker`` when this backend is the one selected)."""
+        runtime = require_runtime()
+        check_stack()
+        _import(UTILS_MODULE).adapt_patch()
+        _import(ASCEND_CONFIG_MODULE).init_ascend_config(runtime.vllm_config)
+
+    @staticmethod
+    def configure_block_size(vllm_config: Any) -> int:
+        """Set ``cache_config.block_size`` to vllm-ascend's kernel block size (before KV specs)."""
+        backend = _import(ATTENTION_MODULE).AscendAttentionBackend
+        sizes = [s for s in backend.get_supported_kernel_block_sizes() if type(s) is int and s > 0]
+        if not sizes:
+            raise StateError("vllm-ascend's AscendAttentionBackend reports no integer kernel block size")
+        vllm_config.cache_config.block_size = sizes[0]
+        return sizes[0]
+
+    @staticmethod
+    def paged_backend_cls(backend_cls: type, *, ulysses_degree: int) -> type:
+        """Under Ulysses (degree > 1), pin vllm-ascend's plain impl and builder.
+
+        ``AscendAttentionBackend.get_impl_cls`` would otherwise dispatch to its context-parallel
+        implementations; strict Ulysses paged FIA must stay on the plain one.
+        """
+        if ulysses_degree <= 1:
+            return backend_cls
+        attention = _import(ATTENTION_MODULE)
+        if not issubclass(backend_cls, attention.AscendAttentionBackend):
+            return backend_cls
+        cached = _STRICT_ULYSSES.get(backend_cls)
+        if cached is None:
+            impl_cls = attention.AscendAttentionBackendImpl
+            builder_cls = attention.AscendAttentionMetadataBuilder
+            cached = type(
+                f"StrictUlysses{backend_cls.__name__}",
+                (backend_cls,),
+                {
+                    "__doc__": "Paged FIA under strict Ulysses: always the plain impl and builder.",
+                    "get_impl_cls": staticmethod(lambda: impl_cls),
+                    "get_builder_cls": staticmethod(lambda: builder_cls),
+                },
+            )
+            _STRICT_ULYSSES[backend_cls] = cached
+        return cached
+
+    # --- one instance per KV-cache group ------------------------------------------------------
+
+    def __init__(self, group: GroupContext) -> None:
+        super().__init__(group)
+        if group.cp_size > 1:
+            raise UnsupportedFeatureError(
+                "the npu plugin's vllm-ascend backend does not implement decode context parallelism (cp_size > 1)"
+            )
+        check_stack()
+        runtime = self.runtime = require_runtime()
+        require_layers(type(self), group.layers)
+        problems = [p for p in map(layer_index_problem, group.layer_names) if p is not None]
+        if problems:
+            raise ValidationError("npu (vllm-ascend backend): " + "; ".join(problems))
+        attn_groups = list(runtime.attn_groups)
+        if not group.index < len(attn_groups):
+            raise StateError(
+                f"npu (vllm-ascend backend): the bound runtime has attention groups for {len(attn_groups)} "
+                f"KV-cache group(s); diffusion-kv's KV-cache group {group.index} has none"
+            )
+        self.attn_groups = [attn_groups[group.index]]
+        self.kv_cache_config = one_group_config(runtime.kv_cache_config, group.index)
+        attention = _import(ATTENTION_MODULE)
+        self.impls: dict[str, Any] = {}
+        self.adapters: dict[str, AscendLayerAdapter] = {}
+        with vllm_config_context(runtime):
+            for layer in group.layers:
+                impl = attention.AscendAttentionBackendImpl(
+                    num_heads=layer.num_heads,
+                    head_size=layer.head_size,
+                    scale=layer.scale,
+                    num_kv_heads=layer.num_kv_heads,
+                    alibi_slopes=None,
+                    sliding_window=None,
+                    kv_cache_dtype="auto",
+                    logits_soft_cap=None,
+                    attn_type=_decoder_attention_type(),
+                    kv_sharing_target_layer_name=None,
+                )
+                if not hasattr(impl, "do_kv_cache_update"):
+                    raise StateError(
+                        "vllm-ascend's AscendAttentionBackendImpl has no do_kv_cache_update; the npu "
+                        "plugin's write-once contract needs it (vllm-ascend >= 0.26)"
+                    )
+                self.impls[layer.layer_name] = impl
+                self.adapters[layer.layer_name] = AscendLayerAdapter(layer.layer_name, group.device)
+
+    def build(self, batch: PagedBatch) -> dict[str, Any]:
+        """vllm-ascend's metadata for every layer of the group (one dict, shared)."""
+        out = build_attn_metadata(
+            self.runtime,
+            attn_groups=self.attn_groups,
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            query_start_loc_gpu=batch.query_start_loc,
+            query_start_loc_cpu=batch.query_start_loc_cpu,
+            max_query_len=batch.max_query_len,
+            seq_lens=batch.seq_lens,
+            max_seq_len=batch.max_seq_len,
+            block_tables=(batch.block_table,),
+            slot_mappings=batch.slot_mapping[None],
+            kv_cache_config=self.kv_cache_config,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            seq_lens_cpu_upper_bound=batch.seq_lens_cpu,
+            dcp_local_seq_lens=batch.dcp_local_seq_lens,
+            positions=batch.positions,
+            causal=batch.causal,
+        )
+        missing = [name for name in self.group.layer_names if name not in out]
+        if missing:
+            raise StateError(
+                f"vllm-ascend returned no metadata for layer(s) {missing} of KV-cache group {self.group.index}; "
+                "the bound attention groups do not hold these layers"
+            )
+        return out
+
+    def write_kv(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if slot_mapping.dtype != torch.int32:
+            raise ValidationError(f"npu: slot mappings must be int32; got {slot_mapping.dtype}")
+        tokens = key.shape[0]
+        self.impls[layer.layer_name].do_kv_cache_update(
+            self.adapters[layer.layer_name],
+            key.contiguous(),
+            value.contiguous(),
+            kv_cache,
+            slot_mapping[:tokens].contiguous(),
+        )
+
+    def forward(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        name = layer.layer_name
+        target = (
+            out if out is not None else query.new_empty((query.shape[0], layer.num_heads, layer.head_size))
+        )
+        self.impls[name].forward(
+            self.adapters[name], query.contiguous(), None, None, kv_cache, metadata[name], target
+        )
+        return target
