@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_kv.platforms.npu import EMULATOR_REASON, NpuPlatform
+from diffusion_kv.platforms.interface import Requirements
+from diffusion_kv.platforms.npu import EMULATOR_REASON, NpuDirectBackend, NpuPlatform
 from diffusion_kv.platforms.npu.kernels import SCATTER_OP, AscendKernels, compressed_causal_mask
 from diffusion_kv.testing import TorchNpuEmulator
 
@@ -38,6 +39,12 @@ TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 def test_the_scatter_writer_is_selected() -> None:
     assert AscendKernels.load().writer == SCATTER_OP
+
+
+def test_standalone_use_selects_the_direct_backend() -> None:
+    platform = NpuPlatform()  # no vLLM runtime is bound here: vllm-ascend is never chosen
+    assert platform.select_backend(Requirements(dtype=torch.float16, head_size=128)) is NpuDirectBackend
+    platform.init_worker()  # resolves the direct backend's operators
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import ast
+import importlib.abc
 import pathlib
+import sys
+from importlib.machinery import ModuleSpec
 
 import pytest
 import torch
 
 from diffusion_kv.integrations import vllm_ascend
-from diffusion_kv.platforms.npu import kernels
+from diffusion_kv.platforms.interface import Availability
+from diffusion_kv.platforms.npu import NpuPlatform, kernels
 from diffusion_kv.platforms.npu.kernels import (
     AscendKernels,
     accepts_keyword,
     compressed_causal_mask,
     loaded_emulator,
+    torch_npu_availability,
 )
 from diffusion_kv.testing import EmulatorProfile, TorchNpuEmulator, emulated_torch_npu
 
@@ -167,6 +172,32 @@ def test_load_takes_the_installed_emulator() -> None:
         assert loaded_emulator() is emu.module
         assert AscendKernels.load().module is emu.module
     assert loaded_emulator() is None
+
+
+class _BrokenTorchNpu(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torch_npu`` and fails to load it, as torch_npu does without the CANN libraries."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> ModuleSpec | None:
+        return ModuleSpec(name, self) if name == "torch_npu" else None
+
+    def create_module(self, spec: ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: object) -> None:
+        raise ImportError("libascendcl.so: cannot open shared object file")
+
+
+@without_torch_npu
+def test_torch_npu_availability_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torch_npu_availability() == Availability(False, "torch_npu is not installed")
+    with emulated_torch_npu():
+        assert torch_npu_availability() == Availability(True, "torch_npu emulator (CPU)")
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpu(), *sys.meta_path])
+    assert torch_npu_availability() == Availability(
+        False, "torch_npu failed to import: ImportError: libascendcl.so: cannot open shared object file"
+    )
+    assert NpuPlatform.is_available() == torch_npu_availability()
+    assert "torch_npu" not in sys.modules
 
 
 def _module_level_imports(path: pathlib.Path) -> list[str]:

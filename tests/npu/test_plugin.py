@@ -133,7 +133,9 @@ def test_backends_in_priority_order() -> None:
         ("direct", 100, "npu"),
     ]
     assert candidates[0] is VllmAscendBackend  # added through the entry-point group
-    (ep,) = [e for e in importlib.metadata.entry_points(group="diffusion_kv.backends") if e.name == "vllm-ascend"]
+    (ep,) = [
+        e for e in importlib.metadata.entry_points(group="diffusion_kv.backends") if e.name == "vllm-ascend"
+    ]
     assert ep.value == "diffusion_kv.integrations.vllm_ascend.backend:VllmAscendBackend"
     assert validate_platform_class(NpuPlatform, "npu") == []
     assert validate_backend_class(NpuDirectBackend) == []
@@ -166,7 +168,9 @@ def test_forcing_vllm_ascend_without_a_runtime_is_an_error(
         f"  {ENV_BACKEND} forces 'vllm-ascend'",
         f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_RUNTIME_REASON}",
     ]
-    with pytest.raises(UnsupportedRequirementsError, match="vllm-ascend: unavailable: the torch_npu emulator"):
+    with pytest.raises(
+        UnsupportedRequirementsError, match="vllm-ascend: unavailable: the torch_npu emulator"
+    ):
         make_harness(platform)  # the worker refuses at layer registration
     with pytest.raises(UnsupportedRequirementsError, match="`npu:vllm-ascend` \\(priority 200\\)"):
         platform.init_worker()
@@ -221,7 +225,11 @@ def test_declared_capabilities() -> None:
     assert VllmAscendBackend.page_layout is KVPageLayout.SEPARATE
     assert NpuPlatform().capabilities == CAPABILITIES  # the union of two identical declarations
     # scheduler blocks of 256 are served as two kernel blocks of 128; 64 is not served
-    assert (caps.kernel_block_size_for(128), caps.kernel_block_size_for(256), caps.kernel_block_size_for(64)) == (
+    assert (
+        caps.kernel_block_size_for(128),
+        caps.kernel_block_size_for(256),
+        caps.kernel_block_size_for(64),
+    ) == (
         128,
         128,
         None,
@@ -247,7 +255,9 @@ def test_every_unsupported_shape_is_named() -> None:
         "num_rows=5000 exceeds 4096 rows per call",
         "num_heads=512 exceeds 256",
     ]
-    assert NpuDirectBackend.not_supported_reasons(Requirements(num_heads=512, num_kv_heads=512, head_size=128)) == [
+    assert NpuDirectBackend.not_supported_reasons(
+        Requirements(num_heads=512, num_kv_heads=512, head_size=128)
+    ) == [
         "num_kv_heads*head_size=65536 exceeds 65535",
         "num_heads=512 exceeds 256",
         "num_kv_heads=512 exceeds 256",
@@ -301,7 +311,8 @@ def test_backend_refuses_what_fia_cannot_take(npu_emulator: TorchNpuEmulator) ->
     with pytest.raises(UnsupportedFeatureError, match="does not implement decode context parallelism"):
         NpuDirectBackend(group_context(one, cp_size=2))
     with pytest.raises(
-        ValidationError, match="the K/V writers take int32 slot mappings; this BlockTables produces torch.int64"
+        ValidationError,
+        match="the K/V writers take int32 slot mappings; this BlockTables produces torch.int64",
     ):
         NpuDirectBackend(group_context(one, slot_mapping_dtype=torch.int64))
     assert npu_emulator.calls == []

@@ -65,8 +65,10 @@ class NpuPlatform(Platform):
 
     @classmethod
     def is_available(cls) -> Availability:
+        if loaded_emulator() is not None:
+            return Availability(True, EMULATOR_REASON)
         found = torch_npu_availability()
-        if not found or found.reason == EMULATOR_REASON:
+        if not found:
             return found
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
