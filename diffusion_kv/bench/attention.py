@@ -289,7 +289,8 @@ def run_case(
         cache = paged.runner.kv_caches[LAYER]
 
         def fn(md: Any = md, backend: Any = backend, layer: Any = layer, cache: Any = cache) -> torch.Tensor:
-            return backend.forward(layer, paged.query, cache, md, out)  # noqa: B023
+            result: torch.Tensor = backend.forward(layer, paged.query, cache, md, out)  # noqa: B023
+            return result
 
         fn()
         synchronize(device)

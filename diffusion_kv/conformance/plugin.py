@@ -4,7 +4,7 @@ Run the kit against any installed platform and one of its paged backends::
 
     pytest --pyargs diffusion_kv.conformance --dkv-platform NAME [--dkv-backend BACKEND]
 
-``--dkv-backend`` defaults to the platform's highest-priority available backend; the fixture
+``--dkv-backend`` defaults to the platform's highest-priority usable backend; the fixture
 forces it for each case with ``DIFFUSION_KV_BACKEND``. The cases derive what they run from
 the backend's declared capabilities and skip, with the backend's own reasons, what it does
 not declare; the terminal summary prints the matrix of what ran and what was skipped.
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.platforms.interface import ENV_BACKEND, Platform
+from diffusion_kv.platforms.interface import ENV_BACKEND, Platform, Requirements
 
 MATRIX: list[str] = []
 """Lines the capability-matrix case records; printed in the terminal summary."""
@@ -57,7 +57,7 @@ def choose_backend(platform: Platform, name: str | None) -> type[PagedBackend]:
             )
         return named[0]
     for backend in candidates:
-        if backend.is_available():
+        if not platform.backend_reasons(backend, Requirements()):
             return backend
     pytest.skip(f"{platform.name}: no paged backend is available here")
 
@@ -68,9 +68,9 @@ def dkv_backend(
 ) -> Iterator[type[PagedBackend]]:
     """The backend under test, forced for the case through ``DIFFUSION_KV_BACKEND``."""
     backend = choose_backend(dkv_platform, request.config.getoption("--dkv-backend"))
-    found = backend.is_available()
-    if not found:
-        pytest.skip(f"{dkv_platform.name}:{backend.name}: unavailable ({found.reason})")
+    reasons = dkv_platform.backend_reasons(backend, Requirements())
+    if reasons:
+        pytest.skip(f"{dkv_platform.name}:{backend.name}: {'; '.join(reasons)}")
     monkeypatch.setenv(ENV_BACKEND, f"{dkv_platform.name}:{backend.name}")
     yield backend
 

@@ -19,7 +19,7 @@ from diffusion_kv.conformance.harness import PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.core.capabilities import MultipleOf, dtype_name
+from diffusion_kv.core.capabilities import dtype_name
 from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.parallel import merge_partial_attention
@@ -546,7 +546,8 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
                 {"dtype": base_dtype, "head_size": base_head, "num_heads": 2 * ratio, "num_kv_heads": 2},
             )
         )
-    ran, skipped = [], []
+    ran: list[str] = []
+    skipped: list[str] = []
     for label, kw in cases:
         reason = _matrix_case(dkv_platform, dkv_backend, **kw)
         (skipped if reason else ran).append(label + (f": {reason}" if reason else ""))
@@ -564,14 +565,17 @@ def test_dcp_partials_merge_to_full_attention(dkv_platform: Platform, dkv_backen
 
     class Capture:
         def __init__(self, rank: int) -> None:
-            self.size, self.rank, self.parts = 2, rank, []
+            self.size, self.rank = 2, rank
+            self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
             self.parts.append((output, lse))
             return output
 
     lens = [45, 23]
-    data, outs, lses = None, [], []
+    data: list[RowData] | None = None
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
     for rank in (0, 1):
         capture = Capture(rank)
         h = harness(
@@ -602,7 +606,7 @@ def test_ulysses_rank_local_heads(dkv_platform: Platform, dkv_backend: Backend) 
     full.install("r", lens)
     data = make_rows(full, lens, seed=32)
     rows = rows_for("r", [(0, n) for n in lens])
-    parts = []
+    parts: list[torch.Tensor] = []
     for rank in (0, 1):
         h = harness(dkv_platform, dkv_backend, num_heads=4, num_kv_heads=2, layer_names=("layer.0",))
         h.install("r", lens)

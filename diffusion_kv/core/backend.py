@@ -34,7 +34,13 @@ import torch
 
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
-from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, Requirements, capability_reasons
+from diffusion_kv.core.capabilities import (
+    AttentionMode,
+    Availability,
+    Capabilities,
+    Requirements,
+    capability_reasons,
+)
 from diffusion_kv.core.errors import UnsupportedFeatureError
 
 if TYPE_CHECKING:
@@ -64,10 +70,17 @@ def allocate_pages(
     """Zeroed pages in ``layout``."""
     if layout is KVPageLayout.SEPARATE:
         shape = (kernel_blocks, kernel_block_size, num_kv_heads, head_size)
-        return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
     if layout is KVPageLayout.HEAD_FIRST:
-        return torch.zeros((2, kernel_blocks, num_kv_heads, kernel_block_size, head_size), dtype=dtype, device=device)
-    return torch.zeros((2, kernel_blocks, kernel_block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+        return torch.zeros(
+            (2, kernel_blocks, num_kv_heads, kernel_block_size, head_size), dtype=dtype, device=device
+        )
+    return torch.zeros(
+        (2, kernel_blocks, kernel_block_size, num_kv_heads, head_size), dtype=dtype, device=device
+    )
 
 
 @dataclass(frozen=True)
@@ -160,7 +173,12 @@ class PagedBackend(abc.ABC):
 
     @abc.abstractmethod
     def write_kv(
-        self, layer: LayerGeometry, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Write ``key``/``value`` ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``; ``-1`` slots are
         padding and must not be written."""
@@ -189,8 +207,11 @@ class PagedBackend(abc.ABC):
 class BackendProvider(Protocol):
     """What the runner needs of a platform: its name, device and per-group backend choice."""
 
-    name: str
-    default_block_size: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def default_block_size(self) -> int: ...
 
     def device(self) -> torch.device: ...
 

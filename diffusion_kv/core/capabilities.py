@@ -118,10 +118,14 @@ class Capabilities:
             out.append("attention_modes must be a non-empty frozenset of AttentionMode")
         elif any(not isinstance(m, AttentionMode) for m in self.attention_modes):
             out.append(f"attention_modes must hold AttentionMode values; got {self.attention_modes!r}")
-        elif AttentionMode.PIECEWISE in self.attention_modes and not {
-            AttentionMode.CAUSAL,
-            AttentionMode.FULL,
-        } <= self.attention_modes:
+        elif (
+            AttentionMode.PIECEWISE in self.attention_modes
+            and not {
+                AttentionMode.CAUSAL,
+                AttentionMode.FULL,
+            }
+            <= self.attention_modes
+        ):
             out.append("attention_modes: piecewise runs as causal and full calls; declare both")
         for name in ("supports_gqa", "supports_ulysses", "supports_dcp", "supports_graph_capture"):
             if type(getattr(self, name)) is not bool:
@@ -174,7 +178,11 @@ class Capabilities:
         checks; whether one backend serves a combination is always asked of the backends)."""
         if not parts:
             raise ValueError("a union of capabilities needs at least one part")
-        heads = None if any(p.head_sizes is None for p in parts) else frozenset().union(*(p.head_sizes or () for p in parts))
+        heads = (
+            None
+            if any(p.head_sizes is None for p in parts)
+            else frozenset().union(*(p.head_sizes or () for p in parts))
+        )
         rules: list[BlockSizeRule] = []
         for p in parts:
             rules.extend(r for r in p.kernel_block_sizes if r not in rules)
@@ -235,7 +243,9 @@ def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
     """Every reason ``caps`` cannot serve ``req`` (empty list: supported)."""
     reasons: list[str] = []
     if req.dtype is not None and req.dtype not in caps.dtypes:
-        reasons.append(f"dtype={dtype_name(req.dtype)} (supported: {sorted(dtype_name(d) for d in caps.dtypes)})")
+        reasons.append(
+            f"dtype={dtype_name(req.dtype)} (supported: {sorted(dtype_name(d) for d in caps.dtypes)})"
+        )
     if req.head_size is not None and caps.head_sizes is not None and req.head_size not in caps.head_sizes:
         reasons.append(f"head_size={req.head_size} (supported: {sorted(caps.head_sizes)})")
     if req.block_size is not None and not caps.supports_block_size(req.block_size):

@@ -47,7 +47,9 @@ def run_layer(
         return out
 
     if ctx.plan is not None:
-        out = run_piecewise_plan(ctx.query, ctx.plan, ctx.segment_metadata, runner, out_head_size=layer.head_size)
+        out = run_piecewise_plan(
+            ctx.query, ctx.plan, ctx.segment_metadata, runner, out_head_size=layer.head_size
+        )
     else:
         out = runner(ctx.query, ctx.native_metadata, None)
     return ctx.restore_output(out)

@@ -45,7 +45,9 @@ class AttentionSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise ValidationError(f"AttentionSpec.dtype must be a torch.dtype; got {self.dtype!r}")
         if self.mode not in (AttentionMode.CAUSAL, AttentionMode.FULL):
-            raise ValidationError(f"AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got {self.mode!r}")
+            raise ValidationError(
+                f"AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got {self.mode!r}"
+            )
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the cache (K and V)."""

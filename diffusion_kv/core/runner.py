@@ -269,7 +269,9 @@ class RunnerBackend:
         """What a group of layers like ``layer`` needs (spans refine causal layers, so a causal
         group needs piecewise attention too)."""
         modes = (
-            {AttentionMode.CAUSAL, AttentionMode.PIECEWISE} if layer.mode is AttentionMode.CAUSAL else {AttentionMode.FULL}
+            {AttentionMode.CAUSAL, AttentionMode.PIECEWISE}
+            if layer.mode is AttentionMode.CAUSAL
+            else {AttentionMode.FULL}
         )
         return Requirements(
             dtype=layer.dtype,
@@ -372,7 +374,9 @@ class RunnerBackend:
         parts = self._build_parts(layout, chosen, kernels, merger)  # raises before anything is published
         self.layout = layout
         self.dcp_merger = merger
-        (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches, self.backends) = parts
+        (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches, self.backends) = (
+            parts
+        )
         return layout
 
     def _select_backends(self, layout: CacheLayout) -> list[type[PagedBackend]]:
@@ -422,7 +426,9 @@ class RunnerBackend:
                 block_sizes=layout.block_sizes,
                 max_num_reqs=layout.max_num_reqs,
                 max_num_batched_tokens=layout.max_num_batched_tokens,
-                max_num_blocks_per_group=[cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes],
+                max_num_blocks_per_group=[
+                    cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
+                ],
                 device=self.device,
                 kernel_block_sizes=kernels,
                 cp_size=c.cp_size,

@@ -128,7 +128,9 @@ class Translator:
         self._modes = tuple(grp.spec.mode for grp in layout.groups)
         self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m is AttentionMode.CAUSAL)
         thresholds = [
-            t for g in self._causal_groups if (t := getattr(self.backends[g], "reorder_batch_threshold", None)) is not None
+            t
+            for g in self._causal_groups
+            if (t := getattr(self.backends[g], "reorder_batch_threshold", None)) is not None
         ]
         self._reorder_threshold: int | None = min(thresholds) if thresholds else None
 

@@ -173,10 +173,7 @@ def run_paged(
     )
     mc = model.cfg
     runner.register_kv_cache_layers(
-        {
-            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype)
-            for name in model.layer_names
-        }
+        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
     )
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
     allocator = DiffusionKVAllocator(

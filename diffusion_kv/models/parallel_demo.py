@@ -101,10 +101,7 @@ def run_paged_parallel(
     )
     mc = model.cfg
     geometry = runner.register_kv_cache_layers(
-        {
-            name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype)
-            for name in model.layer_names
-        }
+        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
     )
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
     # The scheduler side is replicated: every rank reserves the same blocks for every CFG row.

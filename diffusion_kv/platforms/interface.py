@@ -173,7 +173,8 @@ class Platform(abc.ABC):
                         f"KV-cache group 0's backend {other.name!r} uses ({other.block_tables_cls().__name__})"
                     )
                 common = frozenset.intersection(
-                    backend.capabilities.slot_mapping_dtypes, *(b.capabilities.slot_mapping_dtypes for b in compatible_with)
+                    backend.capabilities.slot_mapping_dtypes,
+                    *(b.capabilities.slot_mapping_dtypes for b in compatible_with),
                 )
                 if not common:
                     reasons.append("no slot-mapping dtype in common with the other KV-cache groups' backends")
@@ -196,7 +197,9 @@ class Platform(abc.ABC):
         if forced_backend(self.name) is not None:
             lines.append(f"  ({ENV_BACKEND} limits the candidates to one)")
         for backend, reasons in candidates:
-            lines.append(f"  `{self.name}:{backend.name}` (priority {backend.priority}) is not supported because:")
+            lines.append(
+                f"  `{self.name}:{backend.name}` (priority {backend.priority}) is not supported because:"
+            )
             lines.extend(f"      {reason}" for reason in reasons)
         raise UnsupportedRequirementsError("\n".join(lines))
 
@@ -209,14 +212,17 @@ class Platform(abc.ABC):
             return [f"{self.name}: {exc}"]
         chosen = next((b for b, reasons in candidates if not reasons), None)
         lines = [
-            f"{self.name}: " + (f"selects backend {chosen.name!r}" if chosen else "no backend serves")
+            f"{self.name}: "
+            + (f"selects backend {chosen.name!r}" if chosen else "no backend serves")
             + f" for {req.describe()}"
         ]
         forced = forced_backend(self.name)
         if forced is not None:
             lines.append(f"  {ENV_BACKEND} forces {forced!r}")
         for backend, reasons in candidates:
-            verdict = "selected" if backend is chosen else ("supported" if not reasons else "; ".join(reasons))
+            verdict = (
+                "selected" if backend is chosen else ("supported" if not reasons else "; ".join(reasons))
+            )
             description = f" — {backend.description}" if backend.description else ""
             lines.append(f"  [{backend.priority:>3}] {backend.name}{description}: {verdict}")
         return lines

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from stevedore import ExtensionManager, NamedExtensionManager
 
+from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
     DuplicatePlatformError,
@@ -48,7 +49,6 @@ from diffusion_kv.core.errors import (
     PluginLoadError,
     UnsupportedRequirementsError,
 )
-from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.platforms.interface import Availability, Capabilities, Platform, Requirements
 
 ENTRY_POINT_GROUP = "diffusion_kv.platforms"
@@ -307,9 +307,13 @@ def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
     if type(name) is not str or not name or ":" in name:
         problems.append(f"name must be a non-empty string without ':'; got {name!r}")
     elif entry_point_name is not None and name != entry_point_name:
-        problems.append(f"class attribute name={name!r} differs from the entry-point name {entry_point_name!r}")
+        problems.append(
+            f"class attribute name={name!r} differs from the entry-point name {entry_point_name!r}"
+        )
     if entry_point_name is not None and (type(obj.platform) is not str or not obj.platform):
-        problems.append("an entry-point backend must name the platform it serves (class attribute 'platform')")
+        problems.append(
+            "an entry-point backend must name the platform it serves (class attribute 'platform')"
+        )
     if type(getattr(obj, "priority", None)) is not int:
         problems.append(f"priority must be an int; got {getattr(obj, 'priority', None)!r}")
     abstract = sorted(getattr(obj, "__abstractmethods__", ()))
@@ -464,11 +468,17 @@ class PluginSet:
                     problems.append(
                         f"platform {platform!r} has a built-in backend named {obj.name!r}; the built-in is kept"
                     )
-                elif any(r.backend_cls is not None and r.platform == platform and r.name == ep.name for r in self.backend_records):
-                    problems.append(f"another entry point already adds a backend {ep.name!r} to platform {platform!r}")
+                elif any(
+                    r.backend_cls is not None and r.platform == platform and r.name == ep.name
+                    for r in self.backend_records
+                ):
+                    problems.append(
+                        f"another entry point already adds a backend {ep.name!r} to platform {platform!r}"
+                    )
             if problems:
                 error = PluginLoadError(
-                    f"{where} was skipped: " + "; ".join(problems)
+                    f"{where} was skipped: "
+                    + "; ".join(problems)
                     + ". Fix: make the class follow diffusion_kv.core.backend.PagedBackend"
                 )
                 self.backend_records.append(BackendRecord(ep.name, text, dist, None, error, notes))
@@ -477,7 +487,11 @@ class PluginSet:
 
     def backends_for(self, platform: str) -> list[type[PagedBackend]]:
         """The valid entry-point backends serving ``platform``."""
-        return [r.backend_cls for r in self.backend_records if r.backend_cls is not None and r.platform == platform]
+        return [
+            r.backend_cls
+            for r in self.backend_records
+            if r.backend_cls is not None and r.platform == platform
+        ]
 
     def _load_one(self, ep: EntryPoint, dist: str) -> PluginRecord:
         text = _format_entry_point(ep)
@@ -572,11 +586,15 @@ class PluginSet:
             for r in self.records.values()
             if r.error is None and r.name in self._construct_errors
         )
-        return out + self.shadowed + [
-            PluginRecord(r.name, (r.entry_point,), (r.distribution,), None, r.error)
-            for r in self.backend_records
-            if r.error is not None
-        ]
+        return (
+            out
+            + self.shadowed
+            + [
+                PluginRecord(r.name, (r.entry_point,), (r.distribution,), None, r.error)
+                for r in self.backend_records
+                if r.error is not None
+            ]
+        )
 
 
 _CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}

@@ -28,7 +28,9 @@ def test_the_docs_show_the_tested_plugin_verbatim() -> None:
 
 
 def test_the_plugin_is_at_most_150_lines() -> None:
-    lines = [line for line in SOURCE.read_text().splitlines() if line.strip() and not line.strip().startswith("#")]
+    lines = [
+        line for line in SOURCE.read_text().splitlines() if line.strip() and not line.strip().startswith("#")
+    ]
     assert len(lines) <= 150, len(lines)
 
 

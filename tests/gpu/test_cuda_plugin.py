@@ -26,7 +26,7 @@ def _run(
     )
 
 
-@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
 def test_conformance_kit_passes_on_cuda(backend: str) -> None:
     proc = _run(
         [
@@ -39,8 +39,9 @@ def test_conformance_kit_passes_on_cuda(backend: str) -> None:
             "diffusion_kv.conformance",
             "--dkv-platform",
             "cuda",
+            "--dkv-backend",
+            backend,
         ],
-        env={"DIFFUSION_KV_CUDA_BACKEND": backend},
     )
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
@@ -140,18 +141,21 @@ def test_bench_small_runs_on_cuda_and_paged_agrees() -> None:
     report = json.loads(proc.stdout)
     assert report["platform"] == "cuda"
     variants = {v for r in report["attention"] for v in r["paged"]}
-    assert variants == {"auto", "triton", "sdpa"}
-    assert all(p.get("agrees") for r in report["attention"] for p in r["paged"].values())
+    assert {"paged", "triton", "sdpa"} <= variants
+    timed = [p for r in report["attention"] for p in r["paged"].values() if "error" not in p]
+    assert timed and all(p["agrees"] for p in timed)
     for h in report["host"]:
         assert h["launches"]["gather_slots"] <= 2
 
 
 def test_cuda_platform_capabilities_are_honest() -> None:
     platform = get_platform("cuda")
-    caps = platform.capabilities
-    assert caps.head_sizes == frozenset({64, 128})
-    assert torch.float32 not in caps.dtypes
-    assert not caps.supports_dcp
+    names = [b.name for b in platform.candidate_backends()]
+    assert names[-3:] == ["paged", "triton", "sdpa"]
+    own = {b.name: b.capabilities for b in platform.candidate_backends()}
+    assert own["triton"].head_sizes == frozenset({64, 128}) and 96 in (own["sdpa"].head_sizes or ())
+    assert torch.float32 not in platform.capabilities.dtypes
+    assert not own["paged"].supports_dcp and not own["paged"].supports_ulysses
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
@@ -159,7 +163,7 @@ def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch:
     """torch's sync debug mode turns any host synchronisation into an error."""
     from diffusion_kv.bench.attention import AttentionCase, build_setup
 
-    monkeypatch.setenv("DIFFUSION_KV_CUDA_BACKEND", backend)
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
     dev = torch.device("cuda")
     case = AttentionCase(
         "B", rows=4, heads=8, kv_heads=2, head_size=128, prefix=600, target=40, block_size=16, cfg=1

@@ -95,7 +95,9 @@ def test_layout_from_vllm_shaped_config() -> None:
         config, max_model_len=1000, max_rows_per_request=3, max_num_seqs=2, max_num_batched_tokens=4096
     )
     assert lay.groups == (
-        KVCacheGroup(16, ("blk.0.attn", "blk.1.attn"), AttentionSpec(4, 64, torch.bfloat16, AttentionMode.FULL)),
+        KVCacheGroup(
+            16, ("blk.0.attn", "blk.1.attn"), AttentionSpec(4, 64, torch.bfloat16, AttentionMode.FULL)
+        ),
     )
     assert lay.max_num_reqs == 6
     assert lay.max_blocks_per_row() == [63]

@@ -98,7 +98,10 @@ def test_usage_errors_as_json(case: str, no_work: None, capsys: pytest.CaptureFi
     [
         (["--dtype", "float32"], "dtype=float32 (supported: ['float16'])"),
         (["--dtype", "float16", "--hidden", "512", "--heads", "4"], "head_size=128 (supported: [64])"),
-        (["--dtype", "float16", "--block-size", "24"], "block_size=24 (kernel blocks: 16; none equals or divides it)"),
+        (
+            ["--dtype", "float16", "--block-size", "24"],
+            "block_size=24 (kernel blocks: 16; none equals or divides it)",
+        ),
         (["--dtype", "float16", "--kv-heads", "2"], "grouped-query attention (num_heads=4, num_kv_heads=2)"),
     ],
 )

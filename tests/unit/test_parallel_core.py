@@ -219,7 +219,9 @@ def test_cpu_forward_refuses_dcp_metadata() -> None:
     batch = runner.translator.prepare([PagedRow("r", 8, 8, 0, sequence_id=0)])
     backend = runner.executor.backends["a"]
     with pytest.raises(ValidationError, match="DCP-sharded \\(cp_size=2\\).*use forward_partial"):
-        backend.forward(runner.layers["a"], torch.zeros(8, 4, 8), runner.kv_caches["a"], batch.attn_metadata["a"])
+        backend.forward(
+            runner.layers["a"], torch.zeros(8, 4, 8), runner.kv_caches["a"], batch.attn_metadata["a"]
+        )
 
 
 def test_process_group_helpers_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ def test_the_readme_embedding_example_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     (example,) = [b for b in blocks if "RunnerBackend(" in b]
     namespace: dict[str, object] = {}
-    exec(compile(example, str(README), "exec"), namespace)  # noqa: S102 - the documented code
+    exec(compile(example, str(README), "exec"), namespace)
     out = namespace["out"]
     assert tuple(out.shape) == (100, 8, 64)  # type: ignore[attr-defined]
     runner = namespace["runner"]
@@ -24,6 +24,16 @@ def test_the_readme_embedding_example_runs() -> None:
 def test_every_exported_name_exists() -> None:
     missing = [name for name in diffusion_kv.__all__ if not hasattr(diffusion_kv, name)]
     assert missing == []
-    for name in ("RunnerBackend", "RunnerConfig", "PagedLayerSpec", "RequestAllocation", "PhaseRows",
-                 "PagedRow", "AttentionMetadata", "PagedBackend", "Platform", "DiffusionKVAllocator"):
+    for name in (
+        "RunnerBackend",
+        "RunnerConfig",
+        "PagedLayerSpec",
+        "RequestAllocation",
+        "PhaseRows",
+        "PagedRow",
+        "AttentionMetadata",
+        "PagedBackend",
+        "Platform",
+        "DiffusionKVAllocator",
+    ):
         assert name in diffusion_kv.__all__

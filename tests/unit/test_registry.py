@@ -29,7 +29,12 @@ def test_install_assigns_lowest_rows_and_writes_tables() -> None:
     assert bt.gather_block_tables(torch.tensor([0, 1]), 2)[0].tolist()[0][:2] == [7, 3]
     assert bt.num_blocks.cpu[0, :2].tolist() == [2, 1]
     binding = reg.resolve("a", 1)
-    assert (binding.row_index, binding.max_seq_len, binding.block_ids, binding.cache_role) == (1, 4, ((9,),), None)
+    assert (binding.row_index, binding.max_seq_len, binding.block_ids, binding.cache_role) == (
+        1,
+        4,
+        ((9,),),
+        None,
+    )
     assert (binding.read_only_tokens, binding.written) == (0, ())
 
 
@@ -56,7 +61,9 @@ def test_shared_context_is_one_row_across_sequences() -> None:
 def test_repeated_block_ids_within_a_row_are_refused() -> None:
     reg, bt = make_registry()
     before = state_of(reg)
-    with pytest.raises(ValidationError, match=r"row \('a', 0, None\) group 0 lists block 4 twice \(positions 0 and 2\)"):
+    with pytest.raises(
+        ValidationError, match=r"row \('a', 0, None\) group 0 lists block 4 twice \(positions 0 and 2\)"
+    ):
         reg.install(request("a", 0, (seq(0, 12, [4, 5, 4]),)))
     assert state_of(reg) == before and bt.appends == 0
 

@@ -209,7 +209,10 @@ def test_vllm_shaped_config_and_mixed_modes() -> None:
         SimpleNamespace(num_blocks=32, kv_cache_groups=[mk(["c"], True), mk(["f"], False)])
     )
     assert [g.spec.mode for g in layout.groups] == [AttentionMode.CAUSAL, AttentionMode.FULL]
-    assert backend.translator is not None and backend.translator._modes == (AttentionMode.CAUSAL, AttentionMode.FULL)
+    assert backend.translator is not None and backend.translator._modes == (
+        AttentionMode.CAUSAL,
+        AttentionMode.FULL,
+    )
 
 
 def test_end_to_end_install_activate_remove() -> None:

@@ -95,12 +95,17 @@ def test_broken_plugins_are_reported_not_swallowed(test_group: str) -> None:
     assert "missing member(s) is_available" in errors["nomember"]
     assert "lacks parameter 'local_rank'" in errors["badsig"]
     assert "'is_available' must be a classmethod" in errors["badsig"]
-    assert "capabilities: slot_mapping_dtypes must be a non-empty frozenset of torch.int32/torch.int64" in errors["badcaps"]
+    assert (
+        "capabilities: slot_mapping_dtypes must be a non-empty frozenset of torch.int32/torch.int64"
+        in errors["badcaps"]
+    )
     assert "head_sizes must be None or a non-empty frozenset of positive ints" in errors["badcaps"]
     assert "dtypes must hold torch.dtype values" in errors["badcaps"]
     assert "is not a subclass of diffusion_kv.core.backend.PagedBackend" in errors["notabackend"]
     assert "no installed platform is named 'nosuch'" in errors["orphan"]
-    assert "platform 'cpu' has a built-in backend named 'reference'; the built-in is kept" in errors["reference"]
+    assert (
+        "platform 'cpu' has a built-in backend named 'reference'; the built-in is kept" in errors["reference"]
+    )
     assert "not a subclass of diffusion_kv.platforms.interface.Platform" in errors["notaplatform"]
     assert "dkv-test-plugins 0.1.0" in errors["importerror"]
 
@@ -197,7 +202,12 @@ def test_aggregated_reasons_show_requirements_once_and_every_reason(test_group: 
     assert message.count("  requirements: ") == 1
     assert "dtype=int8, ulysses_degree=2, dcp_size=2, graph_capture=True" in message
     cpu_part = message.split("`cpu` is not supported because:")[1].split("`fakeaccel`")[0]
-    for reason in ("extra: dtype=int8", "extra: graph capture", "reference: dtype=int8", "reference: graph capture"):
+    for reason in (
+        "extra: dtype=int8",
+        "extra: graph capture",
+        "reference: dtype=int8",
+        "reference: graph capture",
+    ):
         assert reason in cpu_part
     # the cpu reference serves strict Ulysses and DCP, so neither is a reason against it
     assert "Ulysses" not in cpu_part and "decode context parallelism" not in cpu_part
@@ -244,7 +254,9 @@ def test_a_distribution_adds_a_backend_to_a_builtin_platform(test_group: str) ->
     ]
 
 
-def test_added_backends_are_limited_by_the_allowlist(test_group: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_added_backends_are_limited_by_the_allowlist(
+    test_group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(selection.ENV_PLUGINS, "cpu")
     selection.refresh()
     assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == ["reference"]

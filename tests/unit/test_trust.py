@@ -45,7 +45,9 @@ H, HKV, D, BS = 2, 1, 8, 4
 LAYERS = ("l0", "l1")
 
 
-def runner(platform: CpuPlatform | None = None, mode: AttentionMode = AttentionMode.CAUSAL, **cfg: Any) -> RunnerBackend:
+def runner(
+    platform: CpuPlatform | None = None, mode: AttentionMode = AttentionMode.CAUSAL, **cfg: Any
+) -> RunnerBackend:
     base: dict[str, Any] = dict(
         max_model_len=32, max_rows_per_request=2, max_num_seqs=3, max_num_batched_tokens=96
     )

@@ -164,7 +164,12 @@ class VllmPagedBackend(PagedBackend):
         return self.session.allocate_kv_cache(layer.layer_name, self.group.num_blocks)
 
     def write_kv(
-        self, layer: LayerGeometry, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         adapter = self.session.adapters[layer.layer_name]
         slots = slot_mapping.reshape(-1)[: key.shape[0]]
@@ -182,7 +187,9 @@ class VllmPagedBackend(PagedBackend):
     ) -> torch.Tensor:
         adapter = self.session.adapters[layer.layer_name]
         output = out if out is not None else query.new_empty(query.shape)
-        result = adapter.impl.forward(adapter, query, None, None, kv_cache, metadata[layer.layer_name], output)
+        result = adapter.impl.forward(
+            adapter, query, None, None, kv_cache, metadata[layer.layer_name], output
+        )
         return (result if isinstance(result, torch.Tensor) else output).view(query.shape)
 
 

@@ -108,7 +108,12 @@ class CpuReferenceBackend(PagedBackend):
         )
 
     def write_kv(
-        self, layer: LayerGeometry, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
     ) -> None:
         key_cache, value_cache = _cache_views(kv_cache)
         nb, bs, hkv, d = key_cache.shape

@@ -24,13 +24,19 @@ class CudaPlatform(Platform):
     device_type: ClassVar[str] = "cuda"
     default_block_size: ClassVar[int] = 128
     distributed_backend: ClassVar[str] = "nccl"
-    backends: ClassVar[tuple[type[PagedBackend], ...]] = (CudaPagedBackend, TritonPagedBackend, SdpaPagedBackend)
+    backends: ClassVar[tuple[type[PagedBackend], ...]] = (
+        CudaPagedBackend,
+        TritonPagedBackend,
+        SdpaPagedBackend,
+    )
 
     @classmethod
     def is_available(cls) -> Availability:
         if not torch.cuda.is_available():
             build = torch.version.cuda
-            why = "torch is a CPU-only build" if build is None else f"torch (CUDA {build}) sees no CUDA device"
+            why = (
+                "torch is a CPU-only build" if build is None else f"torch (CUDA {build}) sees no CUDA device"
+            )
             return Availability(False, why)
         count = torch.cuda.device_count()
         return Availability(True, f"{count} CUDA device(s): {torch.cuda.get_device_name(0)}")

@@ -214,7 +214,9 @@ class CudaPagedBackend(PagedBackend):
     ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
-        block_m = min(128 if max_q * self.group_ratio >= 128 else _pow2_at_least(max_q * self.group_ratio), 128)
+        block_m = min(
+            128 if max_q * self.group_ratio >= 128 else _pow2_at_least(max_q * self.group_ratio), 128
+        )
         block_m = max(block_m, _pow2_at_least(self.group_ratio))
         per_tile = max(block_m // self.group_ratio, 1)
         rows: list[int] = []
