@@ -16,6 +16,7 @@ TEST_GROUP = "diffusion_kv_test.platforms"
 def _clean_platform_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts from the real group, no overrides, and no cached plugin sets."""
     for var in (
+        "DIFFUSION_KV_BACKEND",
         selection.ENV_PLATFORM,
         selection.ENV_PLUGINS,
         selection.ENV_GROUP,

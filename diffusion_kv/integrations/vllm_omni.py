@@ -355,7 +355,7 @@ class DiffusionKVRunnerBackend:
 
     @property
     def platform(self) -> Platform:
-        return self.backend.platform
+        return self.hooks.platform
 
     @property
     def kv_caches_by_layer(self) -> dict[str, KVCache]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.capabilities import AttentionMode, Availability, Requirements
 from diffusion_kv.core.errors import UnsupportedRequirementsError
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
@@ -51,7 +52,7 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_environment(monkeypatch, flash="vLLM is not installed", found=None)
 
 
-def line(backend: type, verdict: str) -> str:
+def line(backend: type[PagedBackend], verdict: str) -> str:
     return f"  [{backend.priority:>3}] {backend.name} — {backend.description}: {verdict}"
 
 
@@ -108,7 +109,10 @@ def test_without_vllm_the_cuda_backends_serve_with_the_reason(no_vllm: None) -> 
     ],
 )
 def test_what_only_vllm_serves_needs_vllm(
-    monkeypatch: pytest.MonkeyPatch, requirements: Requirements, with_vllm: type, without_vllm: type | None
+    monkeypatch: pytest.MonkeyPatch,
+    requirements: Requirements,
+    with_vllm: type[PagedBackend],
+    without_vllm: type[PagedBackend] | None,
 ) -> None:
     vllm_environment(monkeypatch, flash=None, found=VLLM_CUDA)
     platform = CudaPlatform()

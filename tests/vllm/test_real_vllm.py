@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
 from diffusion_kv.integrations.vllm.versions import SHAPES, installed_vllm_version
+from diffusion_kv.platforms.interface import ENV_BACKEND
+
+if TYPE_CHECKING:
+    from diffusion_kv.integrations.vllm.backend import VllmCpuAttnBackend
 
 pytestmark = pytest.mark.skipif(installed_vllm_version() is None, reason="vLLM is not installed")
 
 
-def cpu_tier_or_skip() -> None:
-    from diffusion_kv.platforms.cpu import vllm_tier
+@pytest.fixture
+def cpu_attn(monkeypatch: pytest.MonkeyPatch) -> type[VllmCpuAttnBackend]:
+    """vLLM's CPU backend, skipping where it cannot run; nothing forced."""
+    from diffusion_kv.integrations.vllm.backend import VllmCpuAttnBackend
 
-    reason = vllm_tier.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"vLLM CPU tier unusable here: {reason}")
+    found = VllmCpuAttnBackend.is_available()
+    if not found:
+        pytest.skip(f"vLLM's CPU backend is unusable here: {found.reason}")
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    return VllmCpuAttnBackend
 
 
 def test_installed_release_has_a_shape_and_real_width() -> None:
@@ -27,19 +37,40 @@ def test_installed_release_has_a_shape_and_real_width() -> None:
     assert compat.block_table_width(3, 128) == 3
 
 
-def test_conformance_harness_runs_through_vllm_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_tier_or_skip()
+def test_cpu_platform_selects_vllm_for_what_it_declares(cpu_attn: type[VllmCpuAttnBackend]) -> None:
+    from diffusion_kv.platforms.cpu import CpuPlatform
+    from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+    from diffusion_kv.platforms.interface import Requirements
+
+    dist, version = installed_vllm_version()  # type: ignore[misc]
+    assert cpu_attn.is_available().reason == f"{dist} {version}"
+    platform = CpuPlatform()
+    assert (
+        platform.select_backend(Requirements(dtype=torch.float16, head_size=128, block_size=32)) is cpu_attn
+    )
+    assert platform.select_backend(Requirements(dtype=torch.float32)) is CpuReferenceBackend
+    assert platform.explain(Requirements(dtype=torch.float32))[1] == (
+        "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables: "
+        "dtype=float32 (supported: ['bfloat16', 'float16'])"
+    )
+
+
+def test_conformance_harness_runs_through_vllm_cpu(
+    cpu_attn: type[VllmCpuAttnBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from diffusion_kv.conformance import test_paged_attention as kit
-    from diffusion_kv.integrations.vllm.tier import VllmMetadataBuilder
+    from diffusion_kv.core.block_tables import TorchBlockTables
     from diffusion_kv.platforms.cpu import CpuPlatform
 
-    monkeypatch.setenv("DIFFUSION_KV_CPU_TIER", "vllm")
-    platform = CpuPlatform()
-    h = kit.harness(platform, num_heads=8, num_kv_heads=2)
+    monkeypatch.setenv(ENV_BACKEND, "cpu:vllm-cpu-attn")
+    h = kit.harness(CpuPlatform(), cpu_attn, num_heads=8, num_kv_heads=2)
     assert h.dtype == torch.float16 and h.block_size == 32
-    assert isinstance(h.translator.builder, VllmMetadataBuilder)
-    assert {b.name for b in h.backends.values()} == {"vllm:CPU_ATTN"}
-    assert all(c.shape == (h.num_blocks, 2, 32, 128) for c in h.kv_caches.values())
+    assert type(h.backend) is cpu_attn and isinstance(h.backend, cpu_attn)
+    assert h.backend.session.backend_name == "CPU_ATTN"
+    assert type(h.block_tables) is TorchBlockTables
+    assert all(
+        isinstance(c, torch.Tensor) and c.shape == (h.num_blocks, 2, 32, 128) for c in h.kv_caches.values()
+    )
     lens = [45, 70]
     h.install("r", lens)
     data = kit.make_rows(h, lens, seed=3)
@@ -48,15 +79,65 @@ def test_conformance_harness_runs_through_vllm_cpu(monkeypatch: pytest.MonkeyPat
     rows = kit.rows_for("r", [(n - 9, n) for n in lens])
     kit.check(h, kit.run(h, rows, data), kit.expected(h, rows, data, "causal"))
     for backend in h.backends.values():
-        assert backend.writes == [115, 18]  # do_kv_cache_update once per layer and forward
-        assert backend.forwards == [(115, False), (18, False)]  # forward reads pages: K/V absent
-    lines = platform.explain()
-    assert lines[1] == "  tier vllm (vLLM CPU_ATTN builder + impl, torch BlockTables): usable"
+        assert backend.writes == [115, 18]  # do_kv_cache_update once per layer and batch
+        assert backend.forwards == [115, 18]  # forward reads pages: K/V absent
 
 
-def test_init_kv_cache_binds_the_session_adapters() -> None:
+def test_causal_and_full_groups_run_through_their_own_sessions(cpu_attn: type[VllmCpuAttnBackend]) -> None:
+    """Two KV-cache groups (causal and full layers): one vLLM session each, built once per group
+    and batch, both equal to dense attention."""
+    from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
+    from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+    from diffusion_kv.core.capabilities import AttentionMode
+    from diffusion_kv.core.rows import PagedRow
+    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.platforms.cpu import CpuPlatform
+
+    runner = RunnerBackend(
+        CpuPlatform(),
+        RunnerConfig(max_model_len=128, max_rows_per_request=2, max_num_seqs=1, max_num_batched_tokens=256),
+    )
+    modes = {"blk.0.attn": AttentionMode.CAUSAL, "blk.1.attn": AttentionMode.FULL}
+    runner.register_kv_cache_layers(
+        {n: PagedLayerSpec(4, 2, 64, torch.float16, mode=m) for n, m in modes.items()}
+    )
+    layout = runner.initialize_kv_cache(num_blocks=8, block_size=32)
+    assert [type(b) for b in runner.backends] == [cpu_attn, cpu_attn]
+    sessions = [b.session for b in runner.backends if isinstance(b, cpu_attn)]
+    assert [list(s.adapters) for s in sessions] == [["blk.0.attn"], ["blk.1.attn"]]
+    assert [g.spec.mode for g in layout.groups] == [AttentionMode.CAUSAL, AttentionMode.FULL]
+    lens = [40, 23]
+    blocks = [(0, 1), (2,)]
+    runner.install(
+        RequestAllocation(
+            "r", 0, tuple(SequenceAllocation(i, 0, n, n, (blocks[i], blocks[i])) for i, n in enumerate(lens))
+        )
+    )
+    g = torch.Generator().manual_seed(5)
+    q = [torch.randn(n, 4, 64, generator=g).half() for n in lens]
+    k = [torch.randn(n, 2, 64, generator=g).half() for n in lens]
+    v = [torch.randn(n, 2, 64, generator=g).half() for n in lens]
+    rows = tuple(PagedRow("r", n, n, 0, sequence_id=i) for i, n in enumerate(lens))
+    assert runner.translator is not None and runner.executor is not None
+    batch = runner.translator.prepare(rows)
+    assert sorted(batch.attn_metadata) == ["blk.0.attn", "blk.1.attn"]
+    assert list(batch.attn_metadata["blk.0.attn"]) == ["blk.0.attn"]  # vLLM's dict for the group's layers
+    with runner.translator.activate(batch):
+        outs = {n: runner.executor.forward(n, torch.cat(q), torch.cat(k), torch.cat(v)) for n in modes}
+    tol = tolerance(torch.float16)
+    for name, mode in modes.items():
+        start = 0
+        for i, n in enumerate(lens):
+            mask = row_mask(mode.value, 0, n, n)
+            ref = dense_attention(q[i], k[i], v[i], mask, 64**-0.5)
+            torch.testing.assert_close(
+                outs[name][start : start + n].double(), ref, atol=tol["atol"], rtol=tol["rtol"]
+            )
+            start += n
+
+
+def test_init_kv_cache_binds_the_session_adapters(cpu_attn: type[VllmCpuAttnBackend]) -> None:
     # vLLM's binder reads the layer index from the name, as in model prefixes
-    cpu_tier_or_skip()
     from diffusion_kv.core.batch import LayerGeometry
     from diffusion_kv.core.layout import single_group_layout
     from diffusion_kv.integrations.vllm.tier import COMPAT, VllmSession

@@ -249,7 +249,7 @@ def test_one_vllm_session_per_kv_cache_group(monkeypatch: pytest.MonkeyPatch) ->
     assert type(r.block_tables) is TorchBlockTables
     assert r.block_tables.slot_mapping_dtype == torch.int64
     causal, full = sessions
-    assert [b.session for b in r.backends] == [causal, full]
+    assert [id(b.session) for b in r.backends if isinstance(b, VllmCpuAttnBackend)] == [id(causal), id(full)]
     assert causal.layout.groups == (r.layout.groups[0],) and full.layout.groups == (r.layout.groups[1],)
     assert [g.layer_name for g in causal.layers] == ["blk.0.attn", "blk.1.attn"]
     assert [(g.layer_name, g.mode) for g in full.layers] == [("blk.2.attn", FULL)]
@@ -259,7 +259,8 @@ def test_one_vllm_session_per_kv_cache_group(monkeypatch: pytest.MonkeyPatch) ->
     # every layer's cache comes from its group's session, for the scheduler's block count
     assert causal.log == [("allocate", "blk.0.attn", 8), ("allocate", "blk.1.attn", 8)]
     assert full.log == [("allocate", "blk.2.attn", 8)]
-    assert r.kv_caches["blk.2.attn"].shape == (8, 2, 32, 128)
+    cache = r.kv_caches["blk.2.attn"]
+    assert isinstance(cache, torch.Tensor) and cache.shape == (8, 2, 32, 128)
 
 
 def test_build_once_per_group_then_one_write_and_one_forward_per_layer(

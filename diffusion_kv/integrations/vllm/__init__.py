@@ -3,9 +3,11 @@
 * :mod:`.versions` — supported releases (:data:`~.versions.SUPPORTED_RANGE`) and the API shape
   of each, read from package metadata (no vLLM import);
 * :mod:`.compat` — :class:`~.compat.VllmCompat`, the version-compat seam every call goes through;
-* :mod:`.tier` — the vLLM-native parts (session, layer adapter, metadata builder, paged backend)
-  shared by the platform tiers; importing it fails with the supported range on other releases;
-* :mod:`.cuda_tier` — what the ``cuda`` plugin calls to prefer vLLM's FlashAttention tier.
+* :mod:`.tier` — the vLLM-native parts (session, layer adapter, config synthesis) the paged
+  backends run on; importing it fails with the supported range on other releases;
+* :mod:`.backend` — the paged backends over vLLM (``cuda:vllm-flash-attn``,
+  ``cpu:vllm-cpu-attn``), added to those platforms through the ``diffusion_kv.backends``
+  entry points.
 
 Importing this package never imports vLLM.
 """

@@ -219,7 +219,7 @@ class VllmFlashAttnBackend(VllmPagedBackend):
     def block_tables_cls(cls) -> type[BlockTables]:
         from diffusion_kv.integrations.vllm.tier import COMPAT
 
-        return COMPAT.block_tables_cls()  # type: ignore[no-any-return]
+        return COMPAT.block_tables_cls()
 
 
 class VllmCpuAttnBackend(VllmPagedBackend):

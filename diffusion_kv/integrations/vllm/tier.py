@@ -1,4 +1,4 @@
-"""vLLM-native parts shared by the platform tiers that run on vLLM's own machinery.
+"""vLLM-native parts shared by the paged backends that run on vLLM's own machinery.
 
 Importing this module checks the installed vLLM first: a release outside
 :data:`~diffusion_kv.integrations.vllm.versions.SUPPORTED_RANGE` raises
@@ -227,7 +227,7 @@ def synthesize_vllm_config(
 
 
 # --------------------------------------------------------------------------------------------
-# Session, metadata builder, paged backend
+# Session
 # --------------------------------------------------------------------------------------------
 
 
