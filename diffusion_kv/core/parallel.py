@@ -76,14 +76,6 @@ class RankGroup:
         require_distributed("RankGroup.of")
         return cls(dist.get_world_size(group), dist.get_rank(group), group)
 
-    def expect(self, size: int, rank: int | None, what: str) -> None:
-        """Raise unless the group has ``size`` ranks (and this rank is ``rank`` when given)."""
-        if self.size != size or (rank is not None and self.rank != rank):
-            raise ValidationError(
-                f"{what}: the process group has size {self.size} and this rank is {self.rank}; "
-                f"expected size {size}" + (f" and rank {rank}" if rank is not None else "")
-            )
-
 
 # --------------------------------------------------------------------------------------------
 # Strict Ulysses
