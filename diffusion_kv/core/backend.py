@@ -41,7 +41,7 @@ from diffusion_kv.core.capabilities import (
     Requirements,
     capability_reasons,
 )
-from diffusion_kv.core.errors import UnsupportedFeatureError
+from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 
 if TYPE_CHECKING:
     from diffusion_kv.core.layout import CacheLayout
@@ -58,6 +58,18 @@ class KVPageLayout(enum.Enum):
     """One tensor ``[2, kernel_blocks, Hkv, kernel_block_size, D]``."""
 
 
+def page_shapes(
+    layout: KVPageLayout, kernel_blocks: int, kernel_block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """The shape of each tensor of one layer's cache in ``layout``."""
+    if layout is KVPageLayout.SEPARATE:
+        shape = (kernel_blocks, kernel_block_size, num_kv_heads, head_size)
+        return (shape, shape)
+    if layout is KVPageLayout.HEAD_FIRST:
+        return ((2, kernel_blocks, num_kv_heads, kernel_block_size, head_size),)
+    return ((2, kernel_blocks, kernel_block_size, num_kv_heads, head_size),)
+
+
 def allocate_pages(
     layout: KVPageLayout,
     kernel_blocks: int,
@@ -68,19 +80,9 @@ def allocate_pages(
     device: torch.device,
 ) -> KVCache:
     """Zeroed pages in ``layout``."""
-    if layout is KVPageLayout.SEPARATE:
-        shape = (kernel_blocks, kernel_block_size, num_kv_heads, head_size)
-        return (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-    if layout is KVPageLayout.HEAD_FIRST:
-        return torch.zeros(
-            (2, kernel_blocks, num_kv_heads, kernel_block_size, head_size), dtype=dtype, device=device
-        )
-    return torch.zeros(
-        (2, kernel_blocks, kernel_block_size, num_kv_heads, head_size), dtype=dtype, device=device
-    )
+    shapes = page_shapes(layout, kernel_blocks, kernel_block_size, num_kv_heads, head_size)
+    tensors = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
+    return tensors if layout is KVPageLayout.SEPARATE else tensors[0]
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,32 @@ class PagedBackend(abc.ABC):
             layer.dtype,
             g.device,
         )
+
+    def bind_kv_cache(self, layer: LayerGeometry, cache: KVCache) -> KVCache:
+        """Adopt a cache the host allocated (e.g. vLLM's ``KVCacheConfig`` tensors) instead of
+        allocating one; the default checks it has ``page_layout``'s shapes, the layer's dtype
+        and the worker's device, and uses it as is (zero-copy)."""
+        g = self.group
+        expected = page_shapes(
+            self.page_layout, g.num_kernel_blocks, g.kernel_block_size, layer.num_kv_heads, layer.head_size
+        )
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
+        problems = []
+        if got != [tuple(s) for s in expected] or isinstance(cache, tuple) != (
+            self.page_layout is KVPageLayout.SEPARATE
+        ):
+            problems.append(f"shapes {got} (expected {list(expected)} for {self.page_layout.value} pages)")
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and (t.dtype != layer.dtype or t.device != g.device):
+                problems.append(f"dtype/device {t.dtype}/{t.device} (expected {layer.dtype}/{g.device})")
+                break
+        if problems:
+            raise ValidationError(
+                f"backend {self.name!r} cannot use the given cache of layer {layer.layer_name!r}: "
+                + "; ".join(problems)
+            )
+        return cache
 
     @abc.abstractmethod
     def build(self, batch: PagedBatch) -> Any:

@@ -315,11 +315,14 @@ class RunnerBackend:
         *,
         num_blocks: int | None = None,
         block_size: int | None = None,
+        kv_caches: Mapping[str, KVCache] | None = None,
     ) -> CacheLayout:
         """Allocate caches and build the platform parts; atomic (see module docstring).
 
         ``config`` is a :class:`CacheLayout`, a vLLM ``KVCacheConfig``-shaped object, or None
         (then ``num_blocks`` and optionally ``block_size`` describe a layout for the layers).
+        ``kv_caches`` (one per layer) binds caches the host owns instead of allocating them —
+        e.g. the scheduler's ``KVCacheConfig`` tensors — after each backend checked its layout.
         """
         if self.initialized:
             raise StateError("the paged KV cache is already initialised")
@@ -341,6 +344,11 @@ class RunnerBackend:
                 max_num_batched_tokens=c.max_num_batched_tokens,
             )
         configured = set(layout.layer_names)
+        if kv_caches is not None and set(kv_caches) != set(self.layers):
+            raise ValidationError(
+                f"kv_caches must name every paged layer: missing {sorted(set(self.layers) - set(kv_caches))}, "
+                f"unknown {sorted(set(kv_caches) - set(self.layers))}"
+            )
         if configured != set(self.layers):
             raise ValidationError(
                 f"KV-cache layout layers differ from the registered ones: registered={sorted(self.layers)}, "
@@ -371,7 +379,9 @@ class RunnerBackend:
                 )
             kernels.append(kernel)
         merger = self._dcp_merger()
-        parts = self._build_parts(layout, chosen, kernels, merger)  # raises before anything is published
+        parts = self._build_parts(
+            layout, chosen, kernels, merger, kv_caches
+        )  # raises before anything is published
         self.layout = layout
         self.dcp_merger = merger
         (self.block_tables, self.registry, self.translator, self.executor, self.kv_caches, self.backends) = (
@@ -404,6 +414,7 @@ class RunnerBackend:
         chosen: list[type[PagedBackend]],
         kernels: list[int],
         merger: PartialMerger | None,
+        given: Mapping[str, KVCache] | None = None,
     ) -> tuple[
         BlockTables, RowRegistry, Translator, PagedExecutor, dict[str, KVCache], tuple[PagedBackend, ...]
     ]:
@@ -473,9 +484,16 @@ class RunnerBackend:
         for group, backend in zip(layout.groups, backends, strict=True):
             for name in group.layer_names:
                 by_layer[name] = backend
-                caches[name] = part(
-                    "KV-cache allocation", name, partial(backend.allocate_kv_cache, self.layers[name])
-                )
+                if given is not None:
+                    caches[name] = part(
+                        "KV-cache binding",
+                        name,
+                        partial(backend.bind_kv_cache, self.layers[name], given[name]),
+                    )
+                else:
+                    caches[name] = part(
+                        "KV-cache allocation", name, partial(backend.allocate_kv_cache, self.layers[name])
+                    )
         executor = PagedExecutor(translator, self.layers, by_layer, caches, merger, platform.name)
         return block_tables, registry, translator, executor, caches, tuple(backends)
 

@@ -244,3 +244,30 @@ def test_dense_mode_and_uninitialised_calls() -> None:
     backend.initialize_kv_cache(num_blocks=4, block_size=4)
     with pytest.raises(ValidationError, match="dense execution must not install"):
         backend.install(RequestAllocation("r", 0, (SequenceAllocation(0, 0, 1, 1, ((1,),)),)))
+
+
+def test_caches_the_host_owns_are_bound_not_copied() -> None:
+    from diffusion_kv.core.backend import KVPageLayout, allocate_pages
+
+    backend = RunnerBackend(CpuPlatform(), config())
+    backend.register_kv_cache_layers({"a": spec(), "b": spec()})
+    owned = {
+        n: allocate_pages(KVPageLayout.COMBINED, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
+        for n in "ab"
+    }
+    backend.initialize_kv_cache(num_blocks=16, block_size=4, kv_caches=owned)
+    assert all(backend.kv_caches[n] is owned[n] for n in "ab")  # zero-copy: the host's tensors
+
+    wrong = dict(owned, b=torch.zeros(2, 16, 4, 2, 16))
+    other = RunnerBackend(CpuPlatform(), config())
+    other.register_kv_cache_layers({"a": spec(), "b": spec()})
+    with pytest.raises(
+        ValidationError, match=r"cannot use the given cache of layer 'b': shapes \[\(2, 16, 4, 2, 16\)\]"
+    ):
+        other.initialize_kv_cache(num_blocks=16, block_size=4, kv_caches=wrong)
+    with pytest.raises(ValidationError, match=r"kv_caches must name every paged layer: missing \['b'\]"):
+        other.initialize_kv_cache(num_blocks=16, block_size=4, kv_caches={"a": owned["a"]})
+    half = {n: t.half() for n, t in owned.items()}  # type: ignore[union-attr]
+    with pytest.raises(ValidationError, match="dtype/device torch.float16/cpu"):
+        other.initialize_kv_cache(num_blocks=16, block_size=4, kv_caches=half)
+    assert not other.initialized
