@@ -13,8 +13,8 @@ from typing import Any
 def attention_table(report: dict[str, Any]) -> list[str]:
     variants = report["backends"]
     head = "| case | best dense SDPA (ms, TFLOP/s) | " + " | ".join(f"{v} (ms, ratio)" for v in variants)
-    head += " | bandwidth bound (ms) |"
-    lines = [head, "|" + " --- |" * (3 + len(variants))]
+    head += " | vLLM FA3 peer (ms, ratio) | bandwidth bound (ms) |"
+    lines = [head, "|" + " --- |" * (4 + len(variants))]
     for r in report["attention"]:
         if "error" in r:
             lines.append(f"| {r['case']} | failed: {r['error'][:80]} |")
@@ -26,9 +26,16 @@ def attention_table(report: dict[str, Any]) -> list[str]:
             if "ms" not in p:
                 cells.append(p.get("error", "-")[:40])
                 continue
-            via = f" [{p['backend']}]" if "backend" in p and v == "auto" else ""
+            via = f" [{p['backend']}]" if "backend" in p and v == "paged" else ""
             flag = "" if p["agrees"] else " DISAGREES"
-            cells.append(f"{p['ms']:.3f}, **{p['ratio_vs_best_dense']:.2f}x**{via}{flag}")
+            vs_peer = f" ({p['ratio_vs_peer']:.2f}x FA3)" if "ratio_vs_peer" in p else ""
+            cells.append(f"{p['ms']:.3f}, **{p['ratio_vs_best_dense']:.2f}x**{via}{vs_peer}{flag}")
+        peer = r.get("peer", {})
+        cells.append(
+            f"{peer['ms']:.3f}, {peer['ratio_vs_best_dense']:.2f}x"
+            if "ms" in peer
+            else peer.get("error", "-")[:40]
+        )
         cells.append(f"{r.get('bandwidth_bound_ms', float('nan')):.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines

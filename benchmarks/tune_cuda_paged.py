@@ -25,7 +25,9 @@ from diffusion_kv.bench.timing import time_device
 
 def _shape(regime: str, kv_grouped: bool, page: int) -> dict[str, int]:
     """The bench's CFG-2 case of ``regime`` (the issue's reference shape) as the sweep's dict."""
-    (case,) = attention_cases("full", regimes=(regime,), block_sizes=(page,), cfgs=(2,), gqa=(kv_grouped,))
+    (case,) = attention_cases(
+        "full", regimes=(regime,), block_sizes=(page,), cfgs=(2,), gqa=(kv_grouped,), contiguous_regimes=()
+    )
     return dict(
         rows=case.rows,
         heads=case.heads,

@@ -158,7 +158,19 @@ def format_report(report: dict[str, Any]) -> str:
                         if "ratio_vs_bandwidth_bound" in p
                         else ""
                     )
+                    + (f", {p['ratio_vs_peer']:.2f}x the peer" if "ratio_vs_peer" in p else "")
                     + ("" if p["agrees"] else f"  DISAGREES (max diff {p['max_abs_diff']:.3g})")
+                )
+            peer = r.get("peer")
+            if peer is not None:
+                lines.append(
+                    f"    peer {peer['name']}: "
+                    + (
+                        f"{_fmt_ms(peer['ms'])} ms ratio {peer['ratio_vs_best_dense']:.2f}x"
+                        + ("" if peer["agrees"] else "  DISAGREES")
+                        if "ms" in peer
+                        else peer["error"]
+                    )
                 )
     if "host" in report:
         lines.append("")
@@ -182,8 +194,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"tiny-DiT end to end (prefix {s['prefix_len']} + target {s['target_len']}, hidden {s['hidden']}, "
             f"{s['layers']} layers, CFG {s['cfg_rows']}): dense step {_fmt_ms(e['dense_step_ms'])} ms, "
-            f"paged step {_fmt_ms(e['paged_step_ms'])} ms -> {e['speedup']:.2f}x "
-            f"(target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
+            f"paged step {_fmt_ms(e['paged_step_ms'])} ms{' (CUDA graph)' if e['paged_graphs'] else ''} -> "
+            f"{e['speedup']:.2f}x; eager paged step {_fmt_ms(e['paged_eager_step_ms'])} ms -> "
+            f"{e['speedup_eager']:.2f}x (target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
             + ("" if e["agrees"] else f"  DISAGREES (max diff {e['max_abs_diff']:.3g})")
         )
     for where, error in report.get("errors", {}).items():

@@ -11,6 +11,8 @@ baseline. Paged outputs are checked against the dense output before they are tim
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -44,6 +46,9 @@ class AttentionCase:
     target: int
     block_size: int
     cfg: int
+    placement: str = "shuffled"
+    """``shuffled``: the blocks are a random permutation of the pool; ``contiguous``: the rows
+    lie back to back (what the best-fit pool gives one request)."""
 
     @property
     def seq_len(self) -> int:
@@ -51,8 +56,10 @@ class AttentionCase:
 
     @property
     def name(self) -> str:
+        suffix = "" if self.placement == "shuffled" else f" {self.placement}"
         return (
             f"{self.regime} cfg{self.cfg} rows{self.rows} H{self.heads}/kv{self.kv_heads} bs{self.block_size}"
+            + suffix
         )
 
     def flops(self) -> float:
@@ -83,7 +90,10 @@ def attention_cases(
     block_sizes: Sequence[int] = (128, 16),
     cfgs: Sequence[int] = (1, 2),
     gqa: Sequence[bool] = (False, True),
+    contiguous_regimes: Sequence[str] = ("A",),
 ) -> list[AttentionCase]:
+    """Every combination, physically shuffled; the ``contiguous_regimes`` once more with the rows'
+    pages back to back (regime A is where a gather costs: compute-bound, gather + SDPA)."""
     table = FULL_REGIMES if sizes == "full" else SMALL_REGIMES
     cases = []
     for regime in regimes:
@@ -106,6 +116,8 @@ def attention_cases(
                             cfg=cfg,
                         )
                     )
+                    if regime in contiguous_regimes:
+                        cases.append(dataclasses.replace(cases[-1], placement="contiguous"))
     return cases
 
 
@@ -187,7 +199,10 @@ def build_setup(
     num_blocks = R * nblk + 1
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=case.block_size)
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # physically shuffled blocks
+    if case.placement == "contiguous":
+        order = list(range(num_blocks))  # rows back to back
+    else:
+        order = torch.randperm(num_blocks, generator=gen).tolist()  # physically shuffled blocks
     seqs = tuple(
         SequenceAllocation(i, case.prefix, case.target, S, (tuple(order[i * nblk : (i + 1) * nblk]),))
         for i in range(R)
@@ -268,6 +283,7 @@ def run_case(
     result["best_dense"] = {"backend": best[0], "ms": best[1], "tflops": case.flops() / best[1] / 1e9}
     reference = dense_out.transpose(1, 2).reshape_as(setup.query).float()
     out = torch.empty_like(setup.query)
+    peer_source: tuple[PagedSetup, Any, tuple[torch.Tensor, torch.Tensor]] | None = None
     for candidate in platform.candidate_backends():
         variant = candidate.name
         found = candidate.is_available()
@@ -310,7 +326,89 @@ def run_case(
             bound_ms = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
             entry["ratio_vs_bandwidth_bound"] = ms / bound_ms
         result["paged"][variant] = entry
-        paged.runner.remove(["bench"])
+        pages = _fa_pages(cache)
+        if peer_source is None and pages is not None:
+            peer_source = (paged, batch, pages)  # the same pages, for the peer below
+        else:
+            paged.runner.remove(["bench"])
+    peer = _time_peer(case, peer_source, reference, best[1], device, dtype, min_ms)
+    if peer is not None:
+        result["peer"] = peer
+        if "ms" in peer:
+            for entry in result["paged"].values():
+                if "ms" in entry:
+                    entry["ratio_vs_peer"] = entry["ms"] / peer["ms"]
+    if peer_source is not None:
+        peer_source[0].runner.remove(["bench"])
     if bandwidth_gbs:
         result["bandwidth_bound_ms"] = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
     return result
+
+
+def _fa_pages(cache: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(key_cache, value_cache)`` as ``[blocks, block_size, Hkv, D]`` when ``cache`` holds them
+    that way (what FlashAttention's paged varlen reads), else None."""
+    if isinstance(cache, tuple) and len(cache) == 2 and all(c.dim() == 4 for c in cache):
+        return cache[0], cache[1]
+    if isinstance(cache, torch.Tensor) and cache.dim() == 5 and cache.shape[0] == 2:
+        return cache[0], cache[1]
+    return None
+
+
+def _time_peer(
+    case: AttentionCase,
+    source: tuple[PagedSetup, Any, tuple[torch.Tensor, torch.Tensor]] | None,
+    reference: torch.Tensor,
+    best_dense_ms: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    min_ms: float,
+) -> dict[str, Any] | None:
+    """vLLM's FA3 paged varlen on the same pages, when ``vllm.vllm_flash_attn`` is importable."""
+    if device.type != "cuda":
+        return None
+    try:
+        fa = importlib.import_module("vllm.vllm_flash_attn")
+    except Exception as exc:  # absent, or present but unusable: a reason, not a failure
+        return {
+            "name": "vllm-fa3",
+            "error": f"vllm.vllm_flash_attn not importable: {type(exc).__name__}: {exc}",
+        }
+    if source is None:
+        return {"name": "vllm-fa3", "error": "no backend kept FlashAttention-shaped pages to compare on"}
+    setup, batch, (k_cache, v_cache) = source
+    common = batch.common
+    out = torch.empty_like(setup.query)
+
+    def fn() -> torch.Tensor:
+        fa.flash_attn_varlen_func(
+            setup.query,
+            k_cache,
+            v_cache,
+            max_seqlen_q=common.max_query_len,
+            cu_seqlens_q=common.query_start_loc,
+            max_seqlen_k=common.max_seq_len,
+            seqused_k=common.seq_lens,
+            softmax_scale=case.head_size**-0.5,
+            causal=False,
+            block_table=common.block_tables[0],
+            out=out,
+            fa_version=3,
+        )
+        return out
+
+    try:
+        fn()
+        synchronize(device)
+    except Exception as exc:
+        return {"name": "vllm-fa3", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    diff = float((out.float() - reference).abs().max())
+    ms = time_device(fn, device, min_ms=min_ms)
+    return {
+        "name": "vllm-fa3",
+        "ms": ms,
+        "tflops": case.flops() / ms / 1e9,
+        "ratio_vs_best_dense": ms / best_dense_ms,
+        "max_abs_diff": diff,
+        "agrees": diff <= TOLERANCE.get(dtype, 5e-2),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from diffusion_kv.models.demo import TOLERANCE, DemoConfig, build_model, max_difference, run_dense, run_paged
 from diffusion_kv.platforms.interface import Platform
 
-FULL = dict(prefix_len=4096, target_len=1024, hidden=1536, heads=12, kv_heads=12, layers=8, steps=6)
+FULL = dict(prefix_len=4096, target_len=1024, hidden=1536, heads=12, kv_heads=12, layers=8, steps=8)
 SMALL = dict(prefix_len=512, target_len=128, hidden=128, heads=2, kv_heads=2, layers=2, steps=4)
 
 
@@ -30,9 +31,14 @@ def end_to_end(
     run_dense(model, cfg, device, quiet)  # warm-up (kernel selection, allocator)
     dense_out, dense_ms = run_dense(model, cfg, device, quiet)
     paged_out, paged_ms, info = run_paged(model, cfg, platform, device, quiet)
-    # Steady state: skip dense step 0 and paged steps 0 (full write) and 1 (second prepare).
+    eager_cfg = dataclasses.replace(cfg, graphs=False)
+    _, eager_ms, _ = run_paged(model, eager_cfg, platform, device, quiet)
+    # Steady state: skip dense step 0 and paged steps 0 (full write), 1 (second prepare) and, with
+    # graphs, 2 (the capture).
     dense_step = statistics.median(dense_ms[1:])
-    paged_step = statistics.median(paged_ms[2:]) if len(paged_ms) > 2 else paged_ms[-1]
+    skip = 3 if info["graphs"] else 2
+    paged_step = statistics.median(paged_ms[skip:]) if len(paged_ms) > skip else paged_ms[-1]
+    eager_step = statistics.median(eager_ms[2:]) if len(eager_ms) > 2 else eager_ms[-1]
     ideal = (cfg.prefix_len + cfg.target_len) / cfg.target_len
     diff = float(max_difference(dense_out, paged_out).item())
     return {
@@ -40,6 +46,9 @@ def end_to_end(
         "dense_step_ms": dense_step,
         "paged_step_ms": paged_step,
         "paged_step0_ms": paged_ms[0],
+        "paged_graphs": info["graphs"],
+        "paged_eager_step_ms": eager_step,
+        "speedup_eager": dense_step / eager_step,
         "speedup": dense_step / paged_step,
         "ideal_speedup": ideal,
         "target_speedup": 0.8 * ideal,

@@ -25,7 +25,6 @@ allocator's place in vLLM-Omni, since the worker only sees snapshots.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,14 +52,32 @@ class BlockPool(Protocol):
     def free(self, block_ids: Sequence[int]) -> None: ...
 
 
+def free_runs(free: Iterable[int]) -> list[tuple[int, int]]:
+    """``(first, length)`` of every run of consecutive ids in ``free``, in id order."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(free):
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
 class FreeListPool:
-    """A FIFO free list of block ids ``0 .. num_blocks-1``."""
+    """Block ids ``0 .. num_blocks-1``, handed out as contiguous runs where possible.
+
+    ``allocate(n)`` takes the first ``n`` ids of the smallest free run that holds ``n`` (best
+    fit; the lowest such run on a tie), so one request's rows land back to back and the large
+    runs stay whole; only when no run is long enough does it take whole runs, longest first.
+    Contiguous pages let a backend read a row (or all rows of a request) as one strided view
+    instead of gathering them. :meth:`fragmentation` reports how split the free space is.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if type(num_blocks) is not int or num_blocks <= 0:
             raise ValidationError(f"num_blocks must be a positive integer; got {num_blocks!r}")
         self._total = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: set[int] = set(range(num_blocks))
         self._used: set[int] = set()
 
     @property
@@ -74,9 +91,31 @@ class FreeListPool:
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        out = [self._free.popleft() for _ in range(n)]
+        runs = free_runs(self._free)
+        fitting = [run for run in runs if run[1] >= n]
+        if fitting:
+            first, _ = min(fitting, key=lambda run: (run[1], run[0]))
+            out = list(range(first, first + n))
+        else:  # fragmented: whole runs, longest first, then the rest of the last one
+            out = []
+            for first, length in sorted(runs, key=lambda run: (-run[1], run[0])):
+                out.extend(range(first, first + min(length, n - len(out))))
+                if len(out) == n:
+                    break
+        self._free.difference_update(out)
         self._used.update(out)
         return out
+
+    def fragmentation(self) -> dict[str, float | int]:
+        """Free blocks, free runs, the longest run, and ``1 - longest / free`` (0: one run)."""
+        runs = free_runs(self._free)
+        longest = max((length for _, length in runs), default=0)
+        return {
+            "free_blocks": len(self._free),
+            "free_runs": len(runs),
+            "longest_free_run": longest,
+            "fragmentation": 1 - longest / len(self._free) if self._free else 0.0,
+        }
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Return blocks to the pool; all or nothing (a bad id frees none of them)."""
@@ -94,7 +133,7 @@ class FreeListPool:
             seen.add(b)
         for b in ids:
             self._used.discard(b)
-            self._free.append(b)
+            self._free.add(b)
 
 
 @dataclass(frozen=True)

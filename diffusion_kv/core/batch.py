@@ -72,6 +72,11 @@ class PagedBatch:
     dcp_local_seq_lens: torch.Tensor | None = None
     """Under decode context parallelism, the keys of each row this rank holds (device)."""
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
+    host_block_ids: tuple[tuple[int, ...], ...] = ()
+    """Per row, its scheduler block ids on the host (before the kernel-block split: scheduler
+    block ``b`` is kernel blocks ``b * r .. b * r + r - 1``, ``r = block_size //
+    kernel_block_size``); lets a backend plan by placement (e.g. read a contiguous run as a
+    view) without reading the device table."""
 
     @property
     def causal(self) -> bool:
@@ -99,6 +104,8 @@ class CommonBatchMetadata:
     """Per KV-cache group, CAUSAL or FULL."""
     dcp_local_seq_lens: torch.Tensor | None = None
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
+    host_block_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Per KV-cache group, per row, the scheduler block ids (host)."""
 
     def for_group(self, group: int) -> PagedBatch:
         return PagedBatch(
@@ -116,4 +123,5 @@ class CommonBatchMetadata:
             mode=self.modes[group],
             dcp_local_seq_lens=self.dcp_local_seq_lens,
             dcp_local_seq_lens_cpu=self.dcp_local_seq_lens_cpu,
+            host_block_ids=self.host_block_ids[group] if self.host_block_ids else (),
         )

@@ -49,6 +49,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.execute import PagedExecutor
+from diffusion_kv.core.graphs import CapturedStep
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
 from diffusion_kv.core.parallel import (
     DCPMerger,
@@ -560,6 +561,27 @@ class RunnerBackend:
         attn_metadata: Any | None = None,
     ) -> torch.Tensor:
         return self._require()[2].forward(layer_name, query, key, value, attn_metadata)
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Whether every chosen backend declares ``supports_graph_capture`` on a CUDA device."""
+        return (
+            self.device.type == "cuda"
+            and bool(self.backends)
+            and all(b.capabilities.supports_graph_capture for b in self.backends)
+        )
+
+    def capture(self, fn: Callable[..., Any], *inputs: torch.Tensor, warmups: int = 1) -> CapturedStep:
+        """Record ``fn(*inputs)`` — one step of the model over the active batch — as a CUDA graph
+        (see :mod:`diffusion_kv.core.graphs`); ``replay(*new_inputs)`` re-runs it."""
+        _, translator, _ = self._require()
+        lacking = [b.name for b in self.backends if not b.capabilities.supports_graph_capture]
+        if lacking:
+            raise UnsupportedFeatureError(
+                f"graph capture needs backends declaring supports_graph_capture; {lacking} of platform "
+                f"{self.platform.name!r} do not"
+            )
+        return CapturedStep(translator, fn, inputs, warmups=warmups)
 
     # -- accounting ---------------------------------------------------------------------------
 

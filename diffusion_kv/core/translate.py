@@ -241,6 +241,7 @@ class Translator:
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
         modes: tuple[AttentionMode, ...],
+        host_block_ids: tuple[tuple[tuple[int, ...], ...], ...] = (),
     ) -> CommonBatchMetadata:
         """Common metadata from host lengths and their device copies (already staged)."""
         qsl_cpu, seq_cpu = host.query_start_loc, host.seq_lens
@@ -264,6 +265,7 @@ class Translator:
             modes=modes,
             dcp_local_seq_lens=dcp,
             dcp_local_seq_lens_cpu=dcp_cpu,
+            host_block_ids=host_block_ids,
         )
 
     def _stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
@@ -303,7 +305,11 @@ class Translator:
         bt = self.block_tables
         tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
         slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
-        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._modes)
+        block_ids = tuple(
+            tuple(b.block_ids[g] if g < len(b.block_ids) else () for b in bindings)
+            for g in range(len(self.layout.groups))
+        )
+        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._modes, block_ids)
         attn_metadata = self._build(common, range(len(self.layout.groups)))
         by_layer: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.layout.groups):
@@ -423,6 +429,7 @@ class Translator:
                 batch.common.block_tables,
                 slots,
                 tuple(seg.mode for _ in self._modes),
+                batch.common.host_block_ids,
             )
             out.append(self._build(common, self._causal_groups))  # spans refine causal layers only
         state.segment_metadata = tuple(out)

@@ -43,6 +43,9 @@ class DemoConfig:
     seed: int = 0
     inject_fault: bool = False
     """Testing aid: corrupt one cached prefix block after step 0 (the run must then fail)."""
+    graphs: bool | None = None
+    """Capture the steady-state paged step as a CUDA graph and replay it (None: whenever every
+    backend supports it on a CUDA device; False: never; True: required)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -196,6 +199,12 @@ def run_paged(
         tuple(PagedRow("demo", seq_len, seq_len, 0, sequence_id=i) for i in range(rows)),
         tuple(PagedRow("demo", cfg.target_len, seq_len, cfg.prefix_len, sequence_id=i) for i in range(rows)),
     )
+    use_graphs = runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
+    captured = None
+
+    def denoise_step(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model.paged_step(prefixes, target, t, 1, runner.forward)
+
     try:
         runner.install(snapshot)
         with torch.no_grad(), runner.activate(phases) as runtime:
@@ -203,7 +212,15 @@ def run_paged(
                 t0 = time.perf_counter()
                 runtime.ensure_active(step)
                 target = latent.expand(rows, -1, -1)
-                velocity = model.paged_step(prefixes, target, 1.0 - step * dt, step, runner.forward)
+                if use_graphs and step >= 2:  # the denoise batch is settled: capture once, replay
+                    inputs = (target.contiguous(), torch.full((), 1.0 - step * dt, device=device))
+                    if captured is None or not captured.valid:
+                        captured = runner.capture(denoise_step, *inputs)
+                        velocity = captured.warmup_output
+                    else:
+                        velocity = captured.replay(*inputs)
+                else:
+                    velocity = model.paged_step(prefixes, target, 1.0 - step * dt, step, runner.forward)
                 latent = latent - dt * _combine(cfg, velocity)
                 _sync(device)
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -220,6 +237,8 @@ def run_paged(
         "kv_bytes_paged": blocks_used * runner.kv_bytes_per_block(),
         "tokens": rows * seq_len,
         "preparations": 2 if cfg.steps > 1 else 1,
+        "graph_replays": captured.replays if captured is not None else 0,
+        "graphs": bool(use_graphs),
     }
     return latent, times, info
 
@@ -304,7 +323,8 @@ def run_demo(
     dense_out, dense_ms = run_dense(model, cfg, device, progress)
     paged_out, paged_ms, info = run_paged(model, cfg, platform, device, progress)
     diff = float(max_difference(dense_out, paged_out).item())
-    return make_result(platform, cfg, device, diff, dense_ms, paged_ms, info)
+    extra = {"graphs": info["graphs"], "graph_replays": info["graph_replays"]}
+    return make_result(platform, cfg, device, diff, dense_ms, paged_ms, info, extra)
 
 
 def text_progress(stream: Any = sys.stderr) -> Progress:
@@ -337,6 +357,10 @@ def format_result(r: DemoResult) -> str:
         f"{r.kv_bytes_dense_max_len / mib:.2f} MiB (max_model_len {s['max_model_len']})",
         f"block utilisation: {r.block_utilisation:.1%} of {r.blocks_used} blocks",
     ]
+    if r.extra.get("graphs"):
+        lines.append(
+            f"steady-state paged steps: CUDA graph replays ({r.extra['graph_replays']} after one capture)"
+        )
     par = r.extra.get("parallel")
     if par:
         lines.insert(

@@ -130,7 +130,8 @@ class TinyDiT(nn.Module):
     def layer_names(self) -> list[str]:
         return [f"blocks.{i}.attn" for i in range(len(self.blocks))]
 
-    def timestep(self, t: float, device: torch.device) -> torch.Tensor:
+    def timestep(self, t: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The timestep embedding; ``t`` a float or a 0-d device tensor (a captured step's input)."""
         freqs = torch.exp(-math.log(1000.0) * torch.arange(8, device=device, dtype=torch.float32) / 8)
         feats = torch.cat([torch.sin(t * 1000 * freqs), torch.cos(t * 1000 * freqs)])
         return self.time_embed(feats.to(self.cfg.dtype))  # type: ignore[no-any-return]
@@ -168,7 +169,7 @@ class TinyDiT(nn.Module):
         return self.run(x, torch.arange(S, device=prefix.device), attention, T)
 
     def paged_inputs(
-        self, prefix: torch.Tensor, target: torch.Tensor, t: float, step: int
+        self, prefix: torch.Tensor, target: torch.Tensor, t: float | torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The paged step's input tokens, their absolute positions and the attention spans."""
         B, P, _ = prefix.shape
@@ -183,7 +184,7 @@ class TinyDiT(nn.Module):
         self,
         prefix: torch.Tensor,
         target: torch.Tensor,
-        t: float,
+        t: float | torch.Tensor,
         step: int,
         paged_attention: Callable[
             [str, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor

@@ -182,3 +182,63 @@ def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert out.shape == setup.query.shape and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_a_captured_step_replays_the_eager_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A denoise step captured as a CUDA graph gives the eager step's output on every replay, and
+    is refused (not replayed stale) once the active batch changed."""
+    from diffusion_kv import StaleBatchError
+    from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+    from diffusion_kv.core.rows import PagedRow, PhaseRows
+    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.models.demo import DemoConfig, build_model
+
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
+    dev = torch.device("cuda")
+    cfg = DemoConfig(
+        prefix_len=300, target_len=100, hidden=256, heads=2, kv_heads=2, layers=2, dtype=torch.bfloat16
+    )
+    model = build_model(cfg, dev)
+    runner = RunnerBackend(get_platform("cuda"), RunnerConfig(512, 2, 1, 1024, device=dev))
+    mc = model.cfg
+    runner.register_kv_cache_layers(
+        {n: PagedLayerSpec(2, 2, mc.head_size, mc.dtype) for n in model.layer_names}
+    )
+    runner.initialize_kv_cache(num_blocks=16, block_size=128)
+    assert runner.supports_graph_capture
+    runner.install(
+        RequestAllocation(
+            "r",
+            0,
+            tuple(
+                SequenceAllocation(i, 300, 100, 400, ((4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3),))
+                for i in range(2)
+            ),
+        )
+    )
+    g = torch.Generator(device=dev).manual_seed(0)
+    prefixes = torch.randn(2, 300, 256, device=dev, dtype=torch.bfloat16, generator=g)
+    targets = [torch.randn(2, 100, 256, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4)]
+    phases = PhaseRows(
+        tuple(PagedRow("r", 400, 400, 0, sequence_id=i) for i in range(2)),
+        tuple(PagedRow("r", 100, 400, 300, sequence_id=i) for i in range(2)),
+    )
+
+    def step(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model.paged_step(prefixes, target, t, 1, runner.forward)
+
+    with torch.no_grad(), runner.activate(phases) as runtime:
+        runtime.ensure_active(0)
+        model.paged_step(prefixes, targets[0], 1.0, 0, runner.forward)
+        runtime.ensure_active(1)
+        t = torch.full((), 0.5, device=dev)
+        eager = [step(x, t).clone() for x in targets[1:]]
+        captured = runner.capture(step, targets[1], t)
+        torch.testing.assert_close(captured.warmup_output, eager[0], atol=0, rtol=0)
+        for x, ref in zip(targets[1:], eager, strict=True):
+            torch.testing.assert_close(captured.replay(x, t), ref, atol=0, rtol=0)
+        assert captured.replays == 3
+        runtime.ensure_active(0)  # a phase change: another batch is active now
+        with pytest.raises(StaleBatchError, match="capture it again"):
+            captured.replay(targets[1], t)

@@ -136,3 +136,26 @@ def test_accounting_under_random_reserve_free(ops: list) -> None:
         assert set(a.reserved()) == set(held)
         for r, blocks in held.items():
             assert a.blocks_of(r) == blocks
+
+
+def test_best_fit_keeps_requests_contiguous_and_reports_fragmentation() -> None:
+    pool = FreeListPool(16)
+    assert pool.fragmentation() == {
+        "free_blocks": 16,
+        "free_runs": 1,
+        "longest_free_run": 16,
+        "fragmentation": 0.0,
+    }
+    a, b, c = pool.allocate(4), pool.allocate(3), pool.allocate(5)
+    assert (a, b, c) == ([0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11])
+    pool.free(b)  # free runs: 4..6 (3 blocks) and 12..15 (4 blocks)
+    assert pool.allocate(3) == [4, 5, 6]  # the run that fits best, not the first free ids
+    pool.free([4, 5, 6])
+    pool.free(a)  # runs: 0..6 (7), 12..15 (4)
+    assert pool.allocate(4) == [12, 13, 14, 15]  # best fit leaves the larger run whole
+    frag = pool.fragmentation()
+    assert (frag["free_blocks"], frag["free_runs"], frag["longest_free_run"]) == (7, 1, 7)
+    pool.free([13])  # runs: 0..6 (7), 13 (1)
+    assert pool.fragmentation()["fragmentation"] == 1 - 7 / 8
+    assert pool.allocate(8) == [0, 1, 2, 3, 4, 5, 6, 13]  # fragmented: longest runs first
+    assert pool.allocate(1) is None and pool.num_free == 0

@@ -15,7 +15,10 @@ from diffusion_kv.platforms.cpu import CpuPlatform
 
 def test_case_grid_and_flop_count() -> None:
     cases = attention_cases("full")
-    assert len(cases) == 16
+    assert len(cases) == 24  # 16 shuffled + regime A's 8 once more with contiguous pages
+    assert sum(c.placement == "contiguous" for c in cases) == 8
+    assert {c.regime for c in cases if c.placement == "contiguous"} == {"A"}
+    assert "A cfg2 rows2 H24/kv24 bs128 contiguous" in {c.name for c in cases}
     a = next(c for c in cases if c.regime == "A" and c.cfg == 2 and c.kv_heads == 24 and c.block_size == 128)
     assert (a.rows, a.heads, a.head_size, a.prefix, a.target, a.seq_len) == (2, 24, 128, 2048, 4096, 6144)
     assert a.flops() == 4 * 2 * 24 * 4096 * 6144 * 128
@@ -74,7 +77,11 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     argv += ["--cfg", "1", "--gqa", "no", "--min-ms", "0.5", "--json", "--no-progress"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["platform"] == "cpu" and len(report["attention"]) == 1
+    assert report["platform"] == "cpu"
+    assert [r["case"] for r in report["attention"]] == [
+        "A cfg1 rows1 H4/kv4 bs16",
+        "A cfg1 rows1 H4/kv4 bs16 contiguous",
+    ]
     assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e\n"

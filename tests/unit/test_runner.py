@@ -271,3 +271,19 @@ def test_caches_the_host_owns_are_bound_not_copied() -> None:
     with pytest.raises(ValidationError, match="dtype/device torch.float16/cpu"):
         other.initialize_kv_cache(num_blocks=16, block_size=4, kv_caches=half)
     assert not other.initialized
+
+
+def test_graph_capture_is_refused_where_it_cannot_be_honoured() -> None:
+    from diffusion_kv import StateError as PublicStateError
+    from diffusion_kv import UnsupportedFeatureError
+
+    backend = RunnerBackend(CpuPlatform(), config())
+    backend.register_kv_cache_layers({"a": spec()})
+    backend.initialize_kv_cache(num_blocks=16, block_size=4)
+    assert not backend.supports_graph_capture
+    with pytest.raises(
+        UnsupportedFeatureError,
+        match=r"backends declaring supports_graph_capture; \['reference'\] of platform 'cpu'",
+    ):
+        backend.capture(lambda x: x, torch.zeros(1))
+    assert issubclass(UnsupportedFeatureError, NotImplementedError) and PublicStateError is StateError

@@ -112,7 +112,7 @@ class RowModel:
 
 @dataclass
 class Model:
-    free: list[int]  # the pool's FIFO free list
+    free: set[int]  # the pool's free block ids
     reserved: dict[str, tuple[KVRequest, list[int]]] = field(default_factory=dict)
     generation: int = 0
     installed: dict[str, tuple[RequestAllocation, int]] = field(
@@ -142,6 +142,25 @@ class Model:
                     return True
                 others.append(writes)
         return False
+
+
+def best_fit(free: set[int], n: int) -> list[int]:
+    """What the pool must hand out: the first ``n`` ids of the shortest free run holding ``n``
+    (lowest on a tie), else whole runs longest first (an independent restatement)."""
+    runs: list[list[int]] = []
+    for b in range(NUM_BLOCKS):
+        if b in free:
+            if runs and runs[-1][-1] == b - 1:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+    fitting = sorted((r for r in runs if len(r) >= n), key=lambda r: (len(r), r[0]))
+    if fitting:
+        return fitting[0][:n]
+    out: list[int] = []
+    for r in sorted(runs, key=lambda r: (-len(r), r[0])):
+        out.extend(r[: n - len(out)])
+    return out[:n]
 
 
 def repeated(snap: RequestAllocation) -> bool:
@@ -174,7 +193,7 @@ class Fuzz:
             worker_rows=WORKER_ROWS,
             pool=self.pool,
         )
-        self.model = Model(free=list(range(NUM_BLOCKS)))
+        self.model = Model(free=set(range(NUM_BLOCKS)))
         # The scheduler's prefix cache: blocks it holds for good, with content computed elsewhere.
         prefix = self.alloc.reserve(KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),)))
         assert prefix is not None
@@ -184,7 +203,7 @@ class Fuzz:
             KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),)),
             self.prefix_blocks,
         )
-        del self.model.free[:PREFIX_POOL]
+        self.model.free -= set(range(PREFIX_POOL))
         for cache in self.runner.kv_caches.values():
             assert isinstance(cache, torch.Tensor)
             cache[:, self.prefix_blocks] = torch.randn(cache[:, self.prefix_blocks].shape, generator=self.gen)
@@ -194,7 +213,7 @@ class Fuzz:
 
     def state(self) -> tuple[Any, ...]:
         caches = [c.clone() for c in self.runner.kv_caches.values()]  # type: ignore[union-attr]
-        return (state_of(self.registry), dict(self.alloc._reserved), list(self.pool._free), caches)
+        return (state_of(self.registry), dict(self.alloc._reserved), sorted(self.pool._free), caches)
 
     def same(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         return a[:3] == b[:3] and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True))
@@ -261,7 +280,8 @@ class Fuzz:
             self.note("reserve: wait")
             return
         assert snap is not None
-        taken, m.free = m.free[: sum(needs)], m.free[sum(needs) :]
+        taken = best_fit(m.free, sum(needs))
+        m.free -= set(taken)
         m.generation += 1
         assert snap.allocation_generation == m.generation
         cursor = 0
@@ -446,7 +466,7 @@ class Fuzz:
         before = self.state()
         if roll < 0.2:  # double frees and duplicates straight into the pool
             used = [b for _, blocks in m.reserved.values() for b in blocks]
-            choices = [[b] for b in m.free[:3]] + ([[used[0], used[0]]] if used else [])
+            choices = [[b] for b in sorted(m.free)[:3]] + ([[used[0], used[0]]] if used else [])
             if not choices:
                 return
             with pytest.raises(ValidationError):
@@ -463,7 +483,7 @@ class Fuzz:
         _, blocks = m.reserved.pop(rid)
         assert self.alloc.free(rid) == len(blocks)
         assert self.alloc.free(rid) == 0
-        m.free.extend(blocks)
+        m.free |= set(blocks)
         self.note("free" + (" (worker still holds)" if rid in m.installed else ""))
 
     def op_step(self) -> None:
@@ -577,7 +597,7 @@ class Fuzz:
         reserved = [b for _, blocks in m.reserved.values() for b in blocks]
         assert len(reserved) == len(set(reserved)) and set(reserved).isdisjoint(m.free)
         assert len(reserved) + self.pool.num_free == NUM_BLOCKS, "a block leaked"
-        assert list(self.pool._free) == m.free
+        assert sorted(self.pool._free) == sorted(m.free)
         assert {k: v for k, v in self.registry.rows.items()} == {
             (r, s, None): i for (r, s), i in m.row_index.items()
         }

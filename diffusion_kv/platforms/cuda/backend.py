@@ -49,20 +49,38 @@ DEFAULT_NUM_SMS = 132
 
 @dataclass(frozen=True)
 class SdpaRowGroup:
-    """Rows sharing one (query_len, seq_len) shape: one gather + one SDPA call per layer."""
+    """Rows sharing one (query_len, seq_len) shape: one gather (or view) + one SDPA call per layer."""
 
     query_len: int
     seq_len: int
     rows: tuple[int, ...]
     row_index: torch.Tensor | None  # device indices when the rows are not consecutive
+    view: tuple[int, int] | None = None
+    """``(first kernel block, kernel blocks from one row's start to the next)`` when every row's
+    pages form one contiguous run and the runs are evenly spaced: K/V are then read as a strided
+    view of the cache, with no gather."""
 
     @property
     def contiguous(self) -> bool:
         return self.row_index is None
 
 
+def contiguous_run(ids: tuple[int, ...], ratio: int, count: int) -> int | None:
+    """The first kernel block when the first ``count`` kernel blocks of a row (scheduler ids
+    ``ids``, ``ratio`` kernel blocks each) are consecutive, else None."""
+    needed = -(-count // ratio)
+    if len(ids) < needed or any(ids[i] != ids[0] + i for i in range(needed)):
+        return None
+    return ids[0] * ratio
+
+
 def sdpa_row_groups(
-    qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
+    qsl: tuple[int, ...],
+    seq: tuple[int, ...],
+    device: torch.device,
+    host_block_ids: tuple[tuple[int, ...], ...] = (),
+    ratio: int = 1,
+    page: int = 1,
 ) -> tuple[SdpaRowGroup, ...]:
     shapes: dict[tuple[int, int], list[int]] = {}
     for r in range(len(seq)):
@@ -73,7 +91,18 @@ def sdpa_row_groups(
             continue
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-        groups.append(SdpaRowGroup(ql, sl, tuple(rows), index))
+        view = None
+        if host_block_ids:
+            nblk = -(-sl // page)
+            starts = [contiguous_run(host_block_ids[r], ratio, nblk) for r in rows]
+            if all(start is not None for start in starts):
+                first = starts[0]
+                assert first is not None
+                step = (starts[1] - first) if len(starts) > 1 else nblk  # type: ignore[operator]
+                evenly = all(st == first + i * step for i, st in enumerate(starts))
+                if evenly and step >= nblk:
+                    view = (first, step)
+        groups.append(SdpaRowGroup(ql, sl, tuple(rows), index, view))
     return tuple(groups)
 
 
@@ -151,7 +180,22 @@ CAPABILITIES = Capabilities(
     slot_mapping_dtypes=frozenset({torch.int64}),
     attention_modes=frozenset(AttentionMode),
     supports_gqa=True,
+    supports_graph_capture=True,
 )
+"""Per layer the backends only launch work (plans, row groups and device indices are fixed in
+``build``): a denoise step can be captured as a CUDA graph and replayed."""
+
+
+def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
+    """``[rows, tokens, Hkv, D]`` over ``cache`` ``[blocks, page, Hkv, D]``: row ``r`` starts at
+    kernel block ``first + r * step``."""
+    first, step = view
+    page_elems = cache.stride(0)
+    return cache.as_strided(
+        (rows, tokens, cache.shape[2], cache.shape[3]),
+        (step * page_elems, cache.stride(1), cache.stride(2), cache.stride(3)),
+        cache.storage_offset() + first * page_elems,
+    )
 
 
 def _caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +308,17 @@ class CudaPagedBackend(PagedBackend):
                 num_warps=8 if block_m >= 128 else 4,
             )
         else:
-            extra = dict(sdpa_groups=sdpa_row_groups(qsl, seq, device))
+            g = self.group
+            extra = dict(
+                sdpa_groups=sdpa_row_groups(
+                    qsl,
+                    seq,
+                    device,
+                    batch.host_block_ids,
+                    g.block_size // g.kernel_block_size,
+                    g.kernel_block_size,
+                )
+            )
         return CudaPagedMetadata(
             query_start_loc=batch.query_start_loc,
             seq_lens=batch.seq_lens,
@@ -373,10 +427,13 @@ class CudaPagedBackend(PagedBackend):
                 table = md.block_table[rows[0] : rows[0] + R, :nblk]
             else:
                 table = md.block_table[grp.row_index, :nblk]
-            flat = table.reshape(-1).long()
             k_cache, v_cache = _caches(kv_cache)
-            k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
-            v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
+            if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
+                k, v = (_row_view(c, grp.view, R, nblk * md.page)[:, :sl] for c in (k_cache, v_cache))
+            else:
+                flat = table.reshape(-1).long()
+                k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
+                v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
             if contiguous:
                 q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
             else:
@@ -432,5 +489,6 @@ class SdpaPagedBackend(CudaPagedBackend):
         slot_mapping_dtypes=CAPABILITIES.slot_mapping_dtypes,
         attention_modes=CAPABILITIES.attention_modes,
         supports_gqa=True,
+        supports_graph_capture=True,
     )
     way: ClassVar[str | None] = "sdpa"
