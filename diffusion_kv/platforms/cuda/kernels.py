@@ -164,8 +164,14 @@ def _paged_attention_kernel(
     for n0 in range(start, end, BLOCK_N):
         kidx = n0 + n_offs
         kmask = kidx < end
-        page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
-        kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
+        if PAGE % BLOCK_N == 0:
+            # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
+            # page, found with one scalar load, and its rows are evenly strided.
+            page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            kv_off = page_s * stride_cb + (n0 % PAGE + n_offs) * stride_cs + kvh * stride_ch
+        else:
+            page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
+            kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         allowed = kmask[None, :]
