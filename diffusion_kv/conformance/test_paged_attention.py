@@ -255,6 +255,62 @@ def test_empty_spans_are_causal(dkv_platform: Platform, dkv_backend: Backend) ->
     check(h, run(h, rows, data, [[]]), expected(h, rows, data, "causal"))
 
 
+def test_mixed_phase_batch(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """One batch serves a request at denoise (its target over cached prefix pages), one without
+    prefix (its whole sequence is the target) and one at prefill (writes and attends over its
+    whole sequence), each row with its own span: one causal call (the prefill row's prefix)
+    and one full call serving all three rows, per layer."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend, max_num_seqs=3)
+    pa, ta = h.block_size + 5, 9  # "a": prefill now
+    pb, tb = 2 * h.block_size + 1, 6  # "b": denoise now
+    tc = 13  # "c": no prefix
+    h.install("a", [pa + ta])
+    h.install("b", [pb + tb])
+    h.install("c", [tc])
+    a, b, c = (make_rows(h, [n], seed=40 + i)[0] for i, n in enumerate((pa + ta, pb + tb, tc)))
+    prefill(h, "b", [b])
+    fresh = make_rows(h, [pb + tb], seed=50)[0]  # the target changes at every denoise step
+    b.q[pb:], b.k[pb:], b.v[pb:] = fresh.q[pb:], fresh.k[pb:], fresh.v[pb:]
+    rows = (  # short queries first (backends that reorder batches require it)
+        PagedRow("b", tb, pb + tb, pb, sequence_id=0),
+        PagedRow("c", tc, tc, 0, sequence_id=0),
+        PagedRow("a", pa + ta, pa + ta, 0, sequence_id=0),
+    )
+    spans = [[(pb, pb + tb)], [(0, tc)], [(pa, pa + ta)]]
+    data = [b, c, a]
+    out = run(h, rows, data, spans)
+    check(h, out, expected(h, rows, data, "piecewise", spans))
+    for backend in h.backends.values():
+        assert backend.writes == [tb + tc + pa + ta]
+        assert backend.forwards == [tb + tc + ta, pa]  # calls in order of first appearance
+
+
+def test_mixed_span_structures(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Rows cutting into different segment sequences share calls: per mode, as many calls as
+    the row with the most segments of that mode needs."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend)
+    lens = [30, 24, 27, 20]
+    h.install("r", lens)
+    data = make_rows(h, lens, seed=17)
+    prefill(h, "r", data)
+    spans = [
+        [(10, 16), (22, 26)],  # C F C F C
+        [],  # C
+        [(5, 9)],  # F C (the query starts inside the span)
+        [(0, 20)],  # F
+    ]
+    rows = rows_for("r", [(8, 30), (12, 24), (6, 27), (4, 20)])
+    out = run(h, rows, data, spans)
+    check(h, out, expected(h, rows, data, "piecewise", spans))
+    for backend in h.backends.values():
+        # causal: 3 calls (row 0 has three causal pieces), full: 2 (row 0 has two spans). Each
+        # row's j-th piece of a mode joins that mode's j-th call: C0 = rows 0, 1, 2 (2 + 12 + 18
+        # queries), F0 = rows 0, 2, 3 (6 + 3 + 16), then row 0 alone: C1 (6), F1 (4), C2 (4)
+        assert backend.forwards == [32, 25, 6, 4, 4]
+
+
 def test_gqa(dkv_platform: Platform, dkv_backend: Backend) -> None:
     require(
         dkv_platform,
@@ -417,7 +473,6 @@ BAD_INPUTS: dict[str, BadInput] = {
         v,
         AttentionMetadata(full_attn_spans=[[(6, 8), (4, 6)], [(5, 8)]]),
     ),
-    "unaligned segments": lambda q, k, v: (q, k, v, AttentionMetadata(full_attn_spans=[[(5, 8)], []])),
     "span rows": lambda q, k, v: (q, k, v, AttentionMetadata(full_attn_spans=[[(5, 8)]])),
     "mask without spans": lambda q, k, v: (
         q,

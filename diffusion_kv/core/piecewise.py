@@ -8,8 +8,13 @@ causal. A row's query ``[q0, q0 + L)`` is cut at span boundaries into segments:
 * a full segment ``(s, e, kv_end=b)`` keeps the span's original end ``b``, so a query range that
   starts or stops inside a span still sees the whole span.
 
-All rows of a batch must produce the same number of segments with the same mode at each index,
-so one native call per segment serves every row.
+Rows of one batch may cut into different segment sequences (a row at prefill beside rows at
+denoise, rows with different spans or none). The plan groups the rows' segments into native
+calls: a row's ``j``-th segment of a mode joins that mode's ``j``-th call, so a batch takes
+``sum over modes of max over rows (segments of that mode in the row)`` calls -- the least
+possible, since one call serves at most one segment per row and one mode. A call carries only
+the rows that have a segment in it. A uniform batch (every row the same sequence of modes)
+keeps one call per segment index, in order.
 """
 
 from __future__ import annotations
@@ -56,19 +61,29 @@ def build_segments(spans: Sequence[tuple[int, int]], query_offset: int, query_le
 
 @dataclass(frozen=True, slots=True)
 class PlanSegment:
-    """One native call: the row segments (aligned by row) and where their queries sit."""
+    """One native call: the rows taking part, their segments and where their queries sit."""
 
+    rows: tuple[int, ...]
+    """Indices (into the batch's rows) of the rows in this call, in call order."""
     row_segments: tuple[Segment, ...]
+    """One segment per entry of ``rows``."""
     query_indices: torch.Tensor
-    """Positions in the packed ``[T]`` query axis, in row order."""
+    """Positions in the packed ``[T]`` query axis, in call order."""
     query_range: tuple[int, int] | None
     """Set when ``query_indices`` is one contiguous run (view fast path)."""
     local_range: tuple[int, int] | None
-    """Set when every row uses the same range relative to its own query start."""
+    """Set when every row of the call uses the same range relative to its own query start."""
+    num_batch_rows: int = 0
+    """Rows in the whole batch (``rows`` may be a subset)."""
 
     @property
     def mode(self) -> AttentionMode:
         return self.row_segments[0].mode
+
+    @property
+    def all_rows(self) -> bool:
+        """Every row of the batch takes part, in batch order."""
+        return self.rows == tuple(range(self.num_batch_rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +129,11 @@ def build_piecewise_plan(
     seq_lens: Sequence[int],
     *,
     device: torch.device | None = None,
+    reorder_threshold: int | None = None,
 ) -> PiecewisePlan:
+    """The calls for one batch (see the module docstring). With ``reorder_threshold`` (a
+    backend that needs short queries first), each call lists rows whose segment has at most
+    that many queries before the others."""
     spans = freeze_spans(full_attn_spans)
     n = len(query_lens)
     if n == 0:
@@ -139,41 +158,43 @@ def build_piecewise_plan(
         if ql <= 0 or q0 < 0 or q0 + ql > sl:
             raise ValidationError(f"row {r}: query range [{q0}, {q0 + ql}) must lie in [0, seq_len={sl}]")
         per_row.append(build_segments(row_spans, q0, ql))
-    counts = {len(s) for s in per_row}
-    if len(counts) != 1:
-        raise ValidationError(
-            f"rows must produce aligned segments; got segment counts {[len(s) for s in per_row]} "
-            "(each native call serves one segment of every row)"
-        )
-    num_segments = counts.pop()
+    # A row's j-th segment of a mode joins call (mode, j); calls are ordered by first appearance
+    # scanning segment positions, so a uniform batch keeps one call per position, in order.
+    members: dict[tuple[AttentionMode, int], list[tuple[int, Segment]]] = {}
+    seen = [dict.fromkeys(AttentionMode, 0) for _ in range(n)]
+    for i in range(max(len(s) for s in per_row)):
+        for r, segs in enumerate(per_row):
+            if i < len(segs):
+                seg = segs[i]
+                key = (seg.mode, seen[r][seg.mode])
+                seen[r][seg.mode] += 1
+                members.setdefault(key, []).append((r, seg))
     packed_offsets = [0]
     for ql in query_lens:
         packed_offsets.append(packed_offsets[-1] + ql)
     total = packed_offsets[-1]
     segments: list[PlanSegment] = []
-    for k in range(num_segments):
-        row_segments = tuple(rows[k] for rows in per_row)
-        modes = {s.mode for s in row_segments}
-        if len(modes) != 1:
-            raise ValidationError(
-                f"segment {k} mixes modes {sorted(m.value for m in modes)} across rows; rows need the same "
-                "attention mode per segment"
-            )
-        starts = [packed_offsets[r] + (s.q_start - query_offsets[r]) for r, s in enumerate(row_segments)]
+    for entries in members.values():
+        entries = sorted(entries, key=lambda e: e[0])  # batch order
+        if reorder_threshold is not None:
+            entries = sorted(entries, key=lambda e: e[1].q_end - e[1].q_start > reorder_threshold)
+        rows = tuple(r for r, _ in entries)
+        row_segments = tuple(seg for _, seg in entries)
+        starts = [packed_offsets[r] + (s.q_start - query_offsets[r]) for r, s in entries]
         lens = [s.q_end - s.q_start for s in row_segments]
         pieces = [torch.arange(st, st + ln, dtype=torch.long) for st, ln in zip(starts, lens, strict=True)]
         indices = torch.cat(pieces)
-        contiguous_run = all(starts[r] + lens[r] == starts[r + 1] for r in range(n - 1))
+        contiguous_run = all(starts[j] + lens[j] == starts[j + 1] for j in range(len(starts) - 1))
         query_range = (starts[0], starts[0] + sum(lens)) if contiguous_run else None
-        local = {
-            (s.q_start - query_offsets[r], s.q_end - query_offsets[r]) for r, s in enumerate(row_segments)
-        }
+        local = {(s.q_start - query_offsets[r], s.q_end - query_offsets[r]) for r, s in entries}
         segments.append(
             PlanSegment(
+                rows=rows,
                 row_segments=row_segments,
                 query_indices=indices.to(device) if device is not None else indices,
                 query_range=query_range,
                 local_range=local.pop() if len(local) == 1 else None,
+                num_batch_rows=n,
             )
         )
     cursor = 0
@@ -185,9 +206,20 @@ def build_piecewise_plan(
         cursor = seg.query_range[1]
     contiguous = contiguous and cursor == total
     homogeneous = None
-    if n > 1 and len(set(query_lens)) == 1 and all(seg.local_range is not None for seg in segments):
+    if (
+        n > 1
+        and len(set(query_lens)) == 1
+        and all(seg.all_rows and seg.local_range is not None for seg in segments)
+    ):
         homogeneous = (n, query_lens[0])
     return PiecewisePlan(spans, tuple(segments), total, contiguous, homogeneous)
+
+
+def plan_call_count(segment_modes: Sequence[Sequence[AttentionMode]]) -> int:
+    """Native calls a batch takes given each row's segment modes (the planner's rule)."""
+    if not segment_modes:
+        return 0
+    return sum(max(list(row).count(mode) for row in segment_modes) for mode in AttentionMode)
 
 
 SegmentRunner = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]

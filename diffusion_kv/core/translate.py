@@ -401,6 +401,7 @@ class Translator:
             [r.query_len for r in rows],
             [r.seq_len for r in rows],
             device=self.device,
+            reorder_threshold=self._reorder_threshold,
         )
         return state.plan
 
@@ -422,14 +423,21 @@ class Translator:
                 positions = batch.common.positions.index_select(0, seg.query_indices)
                 slots = batch.common.slot_mappings.index_select(1, seg.query_indices)
             host = self._lengths(q_lens, kv_lens)
+            tables = batch.common.block_tables
+            host_block_ids = batch.common.host_block_ids
+            if not seg.all_rows:  # the call serves a subset of the batch's rows, in its order
+                (picked,) = self._stage(torch.tensor(seg.rows, dtype=torch.int32))
+                picked = picked.to(torch.long)
+                tables = tuple(t.index_select(0, picked) for t in tables)
+                host_block_ids = tuple(tuple(ids[r] for r in seg.rows) for ids in host_block_ids)
             common = self._common(
                 host,
                 self._stage(host.query_start_loc, host.seq_lens),
                 positions,
-                batch.common.block_tables,
+                tables,
                 slots,
                 tuple(seg.mode for _ in self._modes),
-                batch.common.host_block_ids,
+                host_block_ids,
             )
             out.append(self._build(common, self._causal_groups))  # spans refine causal layers only
         state.segment_metadata = tuple(out)

@@ -12,7 +12,13 @@ from diffusion_kv.core.batch import PagedBatch
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import StaleBatchError, StateError, UnknownIdentityError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
-from diffusion_kv.core.piecewise import Segment, build_piecewise_plan, build_segments
+from diffusion_kv.core.piecewise import (
+    PiecewisePlan,
+    Segment,
+    build_piecewise_plan,
+    build_segments,
+    plan_call_count,
+)
 from diffusion_kv.core.registry import RowBinding
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
@@ -163,6 +169,59 @@ def test_plan_paths() -> None:
     assert mixed.homogeneous_batch_shape is not None  # same local ranges, different offsets
 
 
+def _calls(plan: PiecewisePlan) -> list[tuple[str, tuple[int, ...], list[tuple[int, int, int]]]]:
+    return [
+        (seg.mode.value, seg.rows, [(s.q_start, s.q_end, s.kv_end) for s in seg.row_segments])
+        for seg in plan.segments
+    ]
+
+
+def test_rows_with_different_segment_structures_share_calls() -> None:
+    # row 0: [C 3-5, F 5-8, C 8-9]; row 1 has no span: [C 3-9] -> 2 causal calls + 1 full call
+    plan = build_piecewise_plan([[(5, 8)], []], [3, 3], [6, 6], [9, 9])
+    assert _calls(plan) == [
+        ("causal", (0, 1), [(3, 5, 5), (3, 9, 9)]),
+        ("full", (0,), [(5, 8, 8)]),
+        ("causal", (0,), [(8, 9, 9)]),
+    ]
+    assert [s.query_indices.tolist() for s in plan.segments] == [[0, 1, 6, 7, 8, 9, 10, 11], [2, 3, 4], [5]]
+    assert plan.homogeneous_batch_shape is None and not plan.contiguous
+    # modes at different positions: row 0 [F 0-2, C 2-6], row 1 [C 0-4, F 4-6]
+    plan = build_piecewise_plan([[(0, 2)], [(4, 6)]], [0, 0], [6, 6], [6, 6])
+    assert _calls(plan) == [
+        ("full", (0, 1), [(0, 2, 2), (4, 6, 6)]),
+        ("causal", (0, 1), [(2, 6, 6), (0, 4, 4)]),
+    ]
+
+
+def test_mixed_phase_batch_plan() -> None:
+    """A row at prefill (query = the whole sequence) beside rows at denoise (query = the target)
+    and a row without prefix: one causal call (the prefill row's prefix) and one full call."""
+    spans = [[(4, 10)], [(6, 9)], [(0, 5)]]
+    plan = build_piecewise_plan(spans, [0, 6, 0], [10, 3, 5], [10, 9, 5])
+    assert _calls(plan) == [
+        ("causal", (0,), [(0, 4, 4)]),
+        ("full", (0, 1, 2), [(4, 10, 10), (6, 9, 9), (0, 5, 5)]),
+    ]
+    assert plan.segments[1].query_indices.tolist() == list(range(4, 18))
+    assert plan.segments[1].query_range == (4, 18) and plan.contiguous
+    assert plan_call_count([[AttentionMode.CAUSAL, AttentionMode.FULL], [AttentionMode.FULL]] * 2) == 2
+
+
+def test_call_count_rule() -> None:
+    C, F = AttentionMode.CAUSAL, AttentionMode.FULL
+    assert plan_call_count([[C, F, C], [C, F, C]]) == 3  # uniform: one call per segment
+    assert plan_call_count([[C, F], [F], [C]]) == 2
+    assert plan_call_count([[C, F, C, F], [F], [C, F]]) == 4
+    assert plan_call_count([]) == 0
+
+
+def test_reorder_threshold_puts_short_segments_first() -> None:
+    plan = build_piecewise_plan([[], []], [0, 6], [8, 2], [8, 8], reorder_threshold=4)
+    assert _calls(plan) == [("causal", (1, 0), [(6, 8, 8), (0, 8, 8)])]
+    assert plan.segments[0].query_indices.tolist() == [8, 9, *range(8)]
+
+
 @pytest.mark.parametrize(
     ("spans", "offsets", "lens", "seq", "message"),
     [
@@ -170,8 +229,6 @@ def test_plan_paths() -> None:
         ([[(5, 10)]], [3], [6], [9], r"span \(5, 10\) must satisfy 0 <= start < end <= seq_len=9"),
         ([[(6, 6)]], [3], [6], [9], "must satisfy 0 <= start < end"),
         ([[(6, 8), (4, 6)]], [0], [9], [9], "sorted and non-overlapping"),
-        ([[(5, 8)], []], [3, 3], [6, 6], [9, 9], r"aligned segments; got segment counts \[3, 1\]"),
-        ([[(0, 2)], [(4, 6)]], [0, 0], [6, 6], [6, 6], "segment 0 mixes modes"),
         ([["x"]], [0], [1], [1], "must be per-row lists of"),
     ],
 )
