@@ -199,17 +199,17 @@ def build_piecewise_plan(
         )
     cursor = 0
     contiguous = True
-    for seg in segments:
-        if seg.query_range is None or seg.query_range[0] != cursor:
+    for call in segments:
+        if call.query_range is None or call.query_range[0] != cursor:
             contiguous = False
             break
-        cursor = seg.query_range[1]
+        cursor = call.query_range[1]
     contiguous = contiguous and cursor == total
     homogeneous = None
     if (
         n > 1
         and len(set(query_lens)) == 1
-        and all(seg.all_rows and seg.local_range is not None for seg in segments)
+        and all(call.all_rows and call.local_range is not None for call in segments)
     ):
         homogeneous = (n, query_lens[0])
     return PiecewisePlan(spans, tuple(segments), total, contiguous, homogeneous)
