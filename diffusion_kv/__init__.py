@@ -9,7 +9,8 @@ The public API is what this module exports; everything else may change between r
   :class:`PagedLayerSpec`; the scheduler's snapshots :class:`RequestAllocation`,
   :class:`SequenceAllocation`, :class:`ContextAllocation`; rows and phases :class:`PagedRow`,
   :class:`PhaseRows`; per-forward :class:`AttentionMetadata`; a standalone scheduler-side
-  :class:`DiffusionKVAllocator`.
+  :class:`DiffusionKVAllocator`, and :class:`DiffusionScheduler`, which steps many
+  :class:`DiffusionRequest` together, each at its own phase (continuous batching).
 * Errors: everything raised for bad input or wrong state derives from :class:`DiffusionKVError`.
 """
 
@@ -49,6 +50,16 @@ from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.scheduler import (
+    BatchEntry,
+    DiffusionRequest,
+    DiffusionScheduler,
+    Phase,
+    RequestRecord,
+    RequestStatus,
+    StepBatch,
+    StepReport,
+)
 from diffusion_kv.platforms.interface import Platform
 from diffusion_kv.platforms.selection import PlatformStatus, available_platforms, get_platform
 from diffusion_kv.platforms.selection import refresh as refresh_platforms
@@ -62,6 +73,7 @@ __all__ = [
     "AttentionMode",
     "AttentionSpec",
     "Availability",
+    "BatchEntry",
     "CacheLayout",
     "Capabilities",
     "ConfigurationError",
@@ -69,6 +81,8 @@ __all__ = [
     "ContextRequest",
     "DiffusionKVAllocator",
     "DiffusionKVError",
+    "DiffusionRequest",
+    "DiffusionScheduler",
     "DuplicatePlatformError",
     "FreeListPool",
     "GenerationError",
@@ -85,6 +99,7 @@ __all__ = [
     "PagedLayerSpec",
     "PagedRow",
     "ParallelConfig",
+    "Phase",
     "PhaseRows",
     "Platform",
     "PlatformError",
@@ -93,6 +108,8 @@ __all__ = [
     "PlatformUnavailableError",
     "PluginLoadError",
     "RequestAllocation",
+    "RequestRecord",
+    "RequestStatus",
     "Requirements",
     "RunnerBackend",
     "RunnerConfig",
@@ -100,6 +117,8 @@ __all__ = [
     "SequenceRequest",
     "StaleBatchError",
     "StateError",
+    "StepBatch",
+    "StepReport",
     "UnknownIdentityError",
     "UnknownLayerError",
     "UnsupportedFeatureError",

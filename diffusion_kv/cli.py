@@ -37,7 +37,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-SECTION_NAMES = ("attention", "host", "e2e")
+SECTION_NAMES = ("attention", "host", "e2e", "stream")
 """``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
 
 
@@ -281,6 +281,16 @@ def preferred_dtype(platform: Platform) -> torch.dtype:
     )
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1]; got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1]; got {text!r}")
+    return value
+
+
 def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
     """The demo's configuration, or a UsageError naming every problem with the arguments."""
     import torch
@@ -393,11 +403,64 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
         dist.destroy_process_group()
 
 
+def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platform) -> int:
+    """``demo --stream N``: N requests of mixed shapes served together (continuous batching)."""
+    from diffusion_kv.models.stream import StreamConfig, format_stream, run_stream, text_progress
+
+    problems = []
+    if args.ulysses != 1 or args.cfg_parallel:
+        problems.append("--stream runs on one device; drop --ulysses/--cfg-parallel")
+    if args.inject_fault:
+        problems.append("--inject-fault applies to the single-request demo only")
+    if args.target < 2:
+        problems.append("--stream needs --target >= 2 (requests use the target or half of it)")
+    if problems:
+        raise UsageError("; ".join(problems))
+    stream_cfg = StreamConfig(
+        requests=args.stream,
+        prefix_len=cfg.prefix_len,
+        target_len=cfg.target_len,
+        steps=cfg.steps,
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        layers=cfg.layers,
+        block_size=cfg.block_size,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        arrival_gap=args.arrival_gap,
+        max_running=args.max_running,
+        pool_fraction=args.pool_fraction,
+    )
+    show = not args.json and not args.no_progress
+    if show:
+        print(
+            f"diffusion-kv demo --stream {args.stream} on platform {platform.name!r}: the requests one after "
+            "another, then served together",
+            file=sys.stderr,
+        )
+    result = run_stream(platform, stream_cfg, progress=text_progress() if show else None)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(format_stream(result))
+    if not result.agree:
+        print(
+            f"diffusion-kv: error: a request's paged output disagrees with its dense run (max abs diff "
+            f"{result.max_abs_diff:.3g} > {result.tolerance:g})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from diffusion_kv.models.demo import format_result, run_demo, text_progress
 
     platform = _select(args.platform, warn=_stderr_warning)
     cfg = _demo_config(args, platform)
+    if args.stream is not None:
+        return _cmd_demo_stream(args, cfg, platform)
     if args.ulysses != 1 or args.cfg_parallel:
         return _cmd_demo_parallel(args, platform, cfg)
     show = not args.json and not args.no_progress
@@ -485,6 +548,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     ]
     if "e2e" in report and not report["e2e"]["agrees"]:
         disagreements.append("tiny-DiT end to end")
+    if "stream" in report and not report["stream"]["agree"]:
+        disagreements.append("stream (a request disagrees with its dense run)")
     if report["errors"]:
         print(f"diffusion-kv: error: bench parts failed: {', '.join(report['errors'])}", file=sys.stderr)
         return EXIT_ERROR
@@ -563,6 +628,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the 2 CFG branches on different ranks; launch with torchrun (world size = 2 x --ulysses)",
     )
+    d.add_argument(
+        "--stream",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="serve N requests of mixed shapes together (prefix up to --prefix, none included; target "
+        "--target or half; --steps +-2; 1 or 2 CFG rows), each checked against its own dense run",
+    )
+    d.add_argument(
+        "--arrival-gap", type=non_negative_int, default=1, help="--stream: scheduler steps between arrivals"
+    )
+    d.add_argument(
+        "--max-running", type=positive_int, default=8, help="--stream: requests stepped together at most"
+    )
+    d.add_argument(
+        "--pool-fraction",
+        type=_fraction,
+        default=0.6,
+        help="--stream: block pool as a fraction of what all requests need at once (below 1: back-pressure)",
+    )
     d.set_defaults(func=_cmd_demo)
     b = sub.add_parser(
         "bench",
@@ -577,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         type=_list_of(str, SECTION_NAMES),
         default=SECTION_NAMES,
-        help="comma list of attention, host, e2e",
+        help="comma list of attention, host, e2e, stream",
     )
     b.add_argument(
         "--regimes",

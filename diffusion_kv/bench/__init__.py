@@ -1,4 +1,5 @@
-"""``diffusion-kv bench``: attention regimes, translation host overhead, tiny-DiT end to end.
+"""``diffusion-kv bench``: attention regimes, translation host overhead, tiny-DiT end to end,
+continuous batching (stream).
 
 Sizes: ``full`` (the issue's regime A/B shapes; meant for a GPU) or ``small`` (the same
 structure at sizes a CPU finishes in seconds: CI's smoke run). ``auto`` picks ``full`` on CUDA.
@@ -19,7 +20,7 @@ import torch
 from diffusion_kv.core.translate import resolve_device
 from diffusion_kv.platforms.interface import Platform
 
-SECTIONS = ("attention", "host", "e2e")
+SECTIONS = ("attention", "host", "e2e", "stream")
 Progress = Callable[[str], None]
 
 
@@ -68,7 +69,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    from diffusion_kv.bench import attention, e2e, host
+    from diffusion_kv.bench import attention, e2e, host, stream
 
     say = progress or (lambda _m: None)
     device = resolve_device(platform.device())
@@ -113,6 +114,12 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)
         except Exception as exc:
             errors["e2e"] = f"{type(exc).__name__}: {exc}"
+    if "stream" in config.sections:
+        say("continuous batching: mixed requests served together vs one after another")
+        try:
+            report["stream"] = stream.stream_throughput(platform, device, dtype, sizes)
+        except Exception as exc:
+            errors["stream"] = f"{type(exc).__name__}: {exc}"
     errors.update({r["case"]: r["error"] for r in report.get("attention", []) if "error" in r})
     report["errors"] = errors
     return report
@@ -198,6 +205,18 @@ def format_report(report: dict[str, Any]) -> str:
             f"{e['speedup']:.2f}x; eager paged step {_fmt_ms(e['paged_eager_step_ms'])} ms -> "
             f"{e['speedup_eager']:.2f}x (target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
             + ("" if e["agrees"] else f"  DISAGREES (max diff {e['max_abs_diff']:.3g})")
+        )
+    if "stream" in report:
+        st = report["stream"]
+        s, q = st["stream"], st["sequential"]
+        lines.append("")
+        lines.append(
+            f"stream ({len(st['requests'])} mixed requests, up to {st['shape']['prefix_len']} + "
+            f"{st['shape']['target_len']} tokens, hidden {st['shape']['hidden']}, {st['shape']['layers']} layers): "
+            f"together {s['wall_ms']:.0f} ms ({s['requests_per_s']:.2f} req/s, up to {s['max_running']} at once), "
+            f"one after another {q['wall_ms']:.0f} ms ({q['requests_per_s']:.2f} req/s) -> {st['speedup']:.2f}x "
+            f"(target >= {st['target_speedup']:.1f}x); peak blocks {s['peak_blocks']}/{st['pool_blocks']}"
+            + ("" if st["agree"] else f"  DISAGREES (max diff {st['max_abs_diff']:.3g})")
         )
     for where, error in report.get("errors", {}).items():
         lines.append(f"error in {where}: {error}")

@@ -308,6 +308,11 @@ class DiffusionKVAllocator:
             )
         return blocks
 
+    def check(self, request: KVRequest) -> int:
+        """Blocks ``request`` needs in all; :class:`AdmissionError` if it can never be admitted.
+        Reserves nothing (a scheduler checks at submission, reserves at admission)."""
+        return sum(self._check(request))
+
     def reserve(self, request: KVRequest) -> RequestAllocation | None:
         """Reserve every row of ``request`` (see module docstring for the three outcomes)."""
         existing = self._reserved.get(getattr(request, "request_id", None))  # type: ignore[arg-type]

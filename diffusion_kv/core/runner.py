@@ -552,6 +552,20 @@ class RunnerBackend:
         with runtime.activate():
             yield runtime
 
+    @contextmanager
+    def stepper(self) -> Iterator[PagedRuntime]:
+        """A runtime for a scheduler that steps explicit rows, each request at its own phase
+        (:meth:`PagedRuntime.ensure_rows`); closed (and deactivated) on exit."""
+        _, translator, _ = self._require()
+        if self.config.cfg_parallel_size > 1:
+            raise UnsupportedFeatureError(
+                "stepping explicit rows under CFG parallelism is not supported: pass this rank's rows "
+                "through activate(PhaseRows) per request instead"
+            )
+        runtime = PagedRuntime(translator)
+        with runtime.activate():
+            yield runtime
+
     def forward(
         self,
         layer_name: str,

@@ -1,27 +1,32 @@
-"""Denoise-step-driven activation of prepared batches.
+"""Step-driven activation of prepared batches.
 
-Step 0 activates the prefill rows, every later step the denoise rows; each phase is prepared
-once and its batch is reused by every later step and layer. The model's denoise loop publishes
-its step index through :meth:`PagedRuntime.ensure_active`.
+Two ways to drive it:
+
+* one request's denoise loop (:class:`PhaseRows`): step 0 activates the prefill rows, every
+  later step the denoise rows; each phase is prepared once and its batch is reused by every
+  later step and layer (:meth:`PagedRuntime.ensure_active`);
+* a scheduler stepping many requests, each at its own phase (:meth:`PagedRuntime.ensure_rows`):
+  the batch is prepared again only when its composition (the ordered rows) changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 from diffusion_kv.core.errors import StateError, ValidationError
-from diffusion_kv.core.rows import PhaseRows
+from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.translate import PreparedBatch, Translator
 
 
 class PagedRuntime:
-    def __init__(self, translator: Translator, phases: PhaseRows) -> None:
-        if not isinstance(phases, PhaseRows):
-            raise ValidationError(f"PagedRuntime needs PhaseRows; got {type(phases).__name__}")
+    def __init__(self, translator: Translator, phases: PhaseRows | None = None) -> None:
+        if phases is not None and not isinstance(phases, PhaseRows):
+            raise ValidationError(f"PagedRuntime needs PhaseRows (or None); got {type(phases).__name__}")
         self.translator = translator
         self.phases = phases
         self._phase: bool | None = None  # True: prefill, False: denoise
+        self._rows: tuple[PagedRow, ...] | None = None  # the composition ensure_rows activated
         self._activation: AbstractContextManager[PreparedBatch] | None = None
         self._closed = False
         self.preparations = 0
@@ -34,23 +39,48 @@ class PagedRuntime:
         """Activate the rows of ``step``'s phase (preparing them on a phase change)."""
         if self._closed:
             raise StateError("the paged runtime is closed")
+        if self.phases is None:
+            raise StateError("this runtime steps explicit rows (ensure_rows); it has no phase rows")
         rows = self.phases.rows_for_step(step)
         prefill = step == 0
         if self._phase is prefill:
             active = self.translator.active_batch
             assert active is not None
             return active
+        batch = self._activate(rows)
+        self._phase = prefill
+        return batch
+
+    def ensure_rows(self, rows: Sequence[PagedRow]) -> PreparedBatch:
+        """Activate ``rows`` (each at its own phase), preparing them only when the composition
+        differs from the active one; returns the active batch."""
+        if self._closed:
+            raise StateError("the paged runtime is closed")
+        rows = tuple(rows)
+        if self._rows is not None and self._rows == rows:
+            active = self.translator.active_batch
+            assert active is not None
+            return active
+        batch = self._activate(rows)
+        self._rows = rows
+        return batch
+
+    def _activate(self, rows: tuple[PagedRow, ...]) -> PreparedBatch:
         self._deactivate()
         batch = self.translator.prepare(rows)
         self.preparations += 1
         activation = self.translator.activate(batch)
         activation.__enter__()
         self._activation = activation
-        self._phase = prefill
         return batch
 
+    def deactivate(self) -> None:
+        """End the active batch (its completed writes are recorded); the next ``ensure_*``
+        prepares again. Needed before installing or removing requests."""
+        self._deactivate()
+
     def _deactivate(self) -> None:
-        activation, self._activation, self._phase = self._activation, None, None
+        activation, self._activation, self._phase, self._rows = self._activation, None, None, None
         if activation is not None:
             activation.__exit__(None, None, None)
 

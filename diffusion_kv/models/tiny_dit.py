@@ -142,6 +142,16 @@ class TinyDiT(nn.Module):
             x = block(x, tables, attention)
         return self.final(self.final_norm(x[:, -target_len:]))  # type: ignore[no-any-return]
 
+    def run_packed(
+        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn, out_index: torch.Tensor
+    ) -> torch.Tensor:
+        """Tokens of several rows packed along one axis (``x [1, N, hidden]``, each token at its
+        own absolute position): the output for the tokens at ``out_index`` (``[n, hidden]``)."""
+        tables = rope_tables(positions, self.cfg.head_size) if self.cfg.rope else None
+        for block in self.blocks:
+            x = block(x, tables, attention)
+        return self.final(self.final_norm(x[0].index_select(0, out_index)))  # type: ignore[no-any-return]
+
     # -- the two modes ------------------------------------------------------------------------
 
     def dense_step(self, prefix: torch.Tensor, target: torch.Tensor, t: float) -> torch.Tensor:
@@ -162,8 +172,10 @@ class TinyDiT(nn.Module):
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
             qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            head = F.scaled_dot_product_attention(qh[:, :, :P], kh[:, :, :P], vh[:, :, :P], is_causal=True)
             tail = F.scaled_dot_product_attention(qh[:, :, P:], kh, vh)
+            if P == 0:  # no condition prefix: the target alone, bidirectional
+                return tail.transpose(1, 2)
+            head = F.scaled_dot_product_attention(qh[:, :, :P], kh[:, :, :P], vh[:, :, :P], is_causal=True)
             return torch.cat([head, tail], dim=2).transpose(1, 2)
 
         return self.run(x, torch.arange(S, device=prefix.device), attention, T)

@@ -70,6 +70,10 @@ def test_run_bench_small_all_sections() -> None:
     assert all(h["prepare_us"] > 0 and h["launches"] is None for h in report["host"])
     e2e = report["e2e"]
     assert e2e["agrees"] and e2e["ideal_speedup"] == (512 + 128) / 128
+    stream = report["stream"]
+    assert stream["agree"] and len(stream["requests"]) == 6 and stream["target_speedup"] == 1.5
+    assert stream["stream"]["max_running"] > 1 and stream["sequential"]["max_running"] == 1
+    assert stream["speedup"] == stream["sequential"]["wall_ms"] / stream["stream"]["wall_ms"]
 
 
 def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,7 +88,7 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
-        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e\n"
+        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e, stream\n"
     )
     assert main(["bench", "--cfg", "3", "--no-progress"]) == 2
     assert "argument --cfg: unknown value(s) 3; choose from 1, 2" in capsys.readouterr().err

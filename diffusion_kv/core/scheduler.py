@@ -1,0 +1,570 @@
+"""Continuous batching of diffusion requests for standalone use.
+
+:class:`DiffusionScheduler` sits on top of the scheduler-side allocator and the worker
+(:class:`~diffusion_kv.core.runner.RunnerBackend`) and steps many requests together, each at
+its own step:
+
+* **admission** in submission order, as blocks free up: a request is reserved all or nothing
+  and installed; when the pool, the worker's rows or the step's token budget cannot take the
+  next request, it waits (back-pressure; nothing is over-committed, and later requests do not
+  overtake it);
+* **one batch per step** with every running request at its own phase -- *prefill* at its
+  first step (its rows write and attend over the whole sequence) and *denoise* afterwards
+  (its rows write the target and attend over the cached prefix pages); a request without
+  prefix is at prefill every step. Each row carries its own ``full_attn_spans``. The batch is
+  prepared again only when its composition changes (an arrival, a phase change, a retirement);
+* **retirement** of finished, failed and cancelled requests: their rows are removed from the
+  worker and their blocks returned to the pool on every terminal path.
+
+The model runs through a callback that receives the :class:`StepBatch` (rows, spans, where each
+request's tokens sit in the packed batch) and calls the runner's paged layers; an exception in
+it fails the requests of that batch only (their K/V may be half written), and the scheduler goes
+on with the others. ``KeyboardInterrupt`` and other non-``Exception`` errors cancel everything
+and propagate.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import RunnerBackend
+from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.translate import PreparedBatch
+
+Span = tuple[int, int]
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    """The row writes and attends over its whole sequence."""
+    DENOISE = "denoise"
+    """The row writes its target and attends over its cached prefix pages."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+def _positive(value: object, what: str, *, zero: bool = False) -> None:
+    if type(value) is not int or value < (0 if zero else 1):
+        raise ValidationError(f"{what} must be an int >= {0 if zero else 1}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class DiffusionRequest:
+    """One request: ``cfg_rows`` sequences of ``prefix_len`` condition tokens (cached after the
+    first step) followed by ``target_len`` tokens denoised for ``steps`` steps.
+
+    ``full_attn_spans`` (absolute positions, the same for every CFG row) default to the target
+    as one bidirectional span, ``((prefix_len, prefix_len + target_len),)``; the rest is causal.
+    ``payload`` is the caller's (model inputs, say); the scheduler never reads it.
+    """
+
+    request_id: str
+    prefix_len: int
+    target_len: int
+    steps: int
+    cfg_rows: int = 1
+    full_attn_spans: tuple[Span, ...] | None = None
+    payload: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if type(self.request_id) is not str or not self.request_id:
+            raise ValidationError(f"request_id must be a non-empty string; got {self.request_id!r}")
+        _positive(self.prefix_len, f"request {self.request_id!r} prefix_len", zero=True)
+        _positive(self.target_len, f"request {self.request_id!r} target_len")
+        _positive(self.steps, f"request {self.request_id!r} steps")
+        _positive(self.cfg_rows, f"request {self.request_id!r} cfg_rows")
+        if self.full_attn_spans is None:
+            object.__setattr__(self, "full_attn_spans", ((self.prefix_len, self.seq_len),))
+        else:
+            try:
+                spans = tuple((a, b) for a, b in self.full_attn_spans)
+            except (TypeError, ValueError):
+                raise ValidationError(
+                    f"request {self.request_id!r} full_attn_spans must be (start, end) pairs; "
+                    f"got {self.full_attn_spans!r}"
+                ) from None
+            prev = 0
+            for a, b in spans:
+                if type(a) is not int or type(b) is not int or not prev <= a < b <= self.seq_len:
+                    raise ValidationError(
+                        f"request {self.request_id!r} full_attn_spans must be sorted, non-overlapping "
+                        f"integer spans inside [0, {self.seq_len}]; got {list(spans)}"
+                    )
+                prev = b
+            object.__setattr__(self, "full_attn_spans", spans)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + self.target_len
+
+    def kv_request(self) -> KVRequest:
+        return KVRequest(
+            self.request_id,
+            tuple(SequenceRequest(i, self.prefix_len, self.target_len) for i in range(self.cfg_rows)),
+        )
+
+    def phase(self, step: int) -> Phase:
+        """Prefill at the first step, and at every step of a request without prefix."""
+        return Phase.PREFILL if step == 0 or self.prefix_len == 0 else Phase.DENOISE
+
+    def rows(self, step: int) -> tuple[PagedRow, ...]:
+        """The request's paged rows at ``step`` (one per CFG row)."""
+        if self.phase(step) is Phase.PREFILL:
+            start, length = 0, self.seq_len
+        else:
+            start, length = self.prefix_len, self.target_len
+        return tuple(
+            PagedRow(self.request_id, length, self.seq_len, start, sequence_id=i)
+            for i in range(self.cfg_rows)
+        )
+
+    def step_tokens(self, step: int) -> int:
+        return self.cfg_rows * (self.seq_len if self.phase(step) is Phase.PREFILL else self.target_len)
+
+
+@dataclass
+class RequestRecord:
+    """A request's progress and outcome (``error`` is set for failed requests)."""
+
+    request: DiffusionRequest
+    status: RequestStatus = RequestStatus.WAITING
+    steps_done: int = 0
+    submitted_tick: int = 0
+    admitted_tick: int | None = None
+    finished_tick: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request's part of a step batch: its rows are consecutive, starting at ``row_offset``;
+    its packed tokens are ``[token_offset, token_offset + num_tokens)``, row after row."""
+
+    request: DiffusionRequest
+    step: int
+    phase: Phase
+    rows: tuple[PagedRow, ...]
+    row_offset: int
+    token_offset: int
+
+    @property
+    def query_len(self) -> int:
+        """Tokens per row (the whole sequence at prefill, the target at denoise)."""
+        return self.rows[0].query_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_len * len(self.rows)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What the model runs at one scheduler step."""
+
+    tick: int
+    entries: tuple[BatchEntry, ...]
+    rows: tuple[PagedRow, ...]
+    full_attn_spans: tuple[tuple[Span, ...], ...]
+    """Per row, for :class:`~diffusion_kv.core.layer_context.AttentionMetadata`."""
+    prepared: PreparedBatch
+    composition_steps: int
+    """Consecutive steps this exact composition has been active, this one included."""
+    stable_for: int
+    """Steps (this one included) the composition lasts at least, unless a request is admitted
+    or cancelled meanwhile."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    tick: int
+    admitted: tuple[str, ...]
+    finished: tuple[str, ...]
+    failed: tuple[str, ...]
+    cancelled: tuple[str, ...]
+    rows: int
+    tokens: int
+    prepared: bool
+    """The batch was prepared at this step (its composition changed)."""
+    blocks_in_use: int
+    blocks_total: int
+
+
+StepFn = Callable[[StepBatch], None]
+
+
+class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
+    """See the module docstring. ``max_batch_tokens`` caps the tokens of one step (default: the
+    worker's ``max_num_batched_tokens``); ``max_running`` caps the requests stepped together."""
+
+    def __init__(
+        self,
+        runner: RunnerBackend,
+        allocator: DiffusionKVAllocator,
+        *,
+        max_batch_tokens: int | None = None,
+        max_running: int | None = None,
+    ) -> None:
+        if runner.layout is None:
+            raise StateError("the scheduler needs an initialised runner (initialize_kv_cache first)")
+        block_sizes = {g.block_size for g in runner.layout.groups}
+        if block_sizes != {allocator.block_size}:
+            raise ValidationError(
+                f"allocator block size {allocator.block_size} does not match the worker's {sorted(block_sizes)}"
+            )
+        budget = runner.config.max_num_batched_tokens
+        if max_batch_tokens is not None:
+            _positive(max_batch_tokens, "max_batch_tokens")
+            budget = min(budget, max_batch_tokens)
+        if max_running is not None:
+            _positive(max_running, "max_running")
+        self.runner = runner
+        self.allocator = allocator
+        self.max_batch_tokens = budget
+        self.max_running = max_running
+        self._records: dict[str, RequestRecord] = {}
+        self._waiting: deque[str] = deque()
+        self._running: list[str] = []
+        self._cancel_pending: set[str] = set()
+        self._quarantined: dict[str, str] = {}
+        self._tick = 0
+        self._last_rows: tuple[PagedRow, ...] | None = None
+        self._same_steps = 0
+        self._in_step = False
+        self._closed = False
+        self.peak_blocks_in_use = 0
+        self.preparations = 0
+        self._stepper = runner.stepper()
+        self._runtime: PagedRuntime = self._stepper.__enter__()
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def tick(self) -> int:
+        return self._tick
+
+    @property
+    def records(self) -> Mapping[str, RequestRecord]:
+        return dict(self._records)
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        return tuple(self._running)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    @property
+    def blocks_in_use(self) -> int:
+        pool = self.allocator.pool
+        return pool.num_total - pool.num_free
+
+    @property
+    def quarantined(self) -> Mapping[str, str]:
+        """Requests whose rows the worker failed to remove: their blocks stay reserved (reusing
+        blocks the worker may still map would mix requests' K/V), with the error."""
+        return dict(self._quarantined)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def submit(self, request: DiffusionRequest) -> None:
+        """Queue ``request``; :class:`AdmissionError` when it can never run here."""
+        self._check_open()
+        if not isinstance(request, DiffusionRequest):
+            raise ValidationError(f"submit takes a DiffusionRequest; got {type(request).__name__}")
+        rid = request.request_id
+        known = self._records.get(rid)
+        if known is not None and not known.status.terminal:
+            raise ValidationError(f"request {rid!r} is already {known.status.value}")
+        if rid in self._quarantined:
+            raise ValidationError(f"request {rid!r} is quarantined ({self._quarantined[rid]})")
+        self.allocator.check(request.kv_request())
+        prefill_tokens = request.step_tokens(0)
+        if prefill_tokens > self.max_batch_tokens:
+            raise AdmissionError(
+                f"request {rid!r} needs {prefill_tokens} tokens in its first step; a step takes at most "
+                f"{self.max_batch_tokens}"
+            )
+        self._records[rid] = RequestRecord(request, submitted_tick=self._tick)
+        self._waiting.append(rid)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a waiting or running request (its blocks are freed; inside a step, once the
+        step ends). False when it is unknown or already over."""
+        rec = self._records.get(request_id)
+        if rec is None or rec.status.terminal:
+            return False
+        if rec.status is RequestStatus.WAITING:
+            self._waiting.remove(request_id)
+            self._end(rec, RequestStatus.CANCELLED)
+            return True
+        if self._in_step:
+            self._cancel_pending.add(request_id)
+        else:
+            self._retire([request_id], RequestStatus.CANCELLED)
+        return True
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self, fn: StepFn) -> StepReport | None:
+        """Admit, run one batch with every running request through ``fn``, retire; None when
+        there is nothing to run."""
+        self._check_open()
+        if self._in_step:
+            raise StateError("scheduler.step was called from inside a step")
+        tick = self._tick
+        admitted = self._admit()
+        if not self._running:
+            return None
+        entries = self._compose()
+        rows = tuple(r for e in entries for r in e.rows)
+        spans = tuple(e.request.full_attn_spans or () for e in entries for _ in e.rows)
+        before = self._runtime.preparations
+        failed: list[str] = []
+        finished: list[str] = []
+        try:
+            prepared = self._runtime.ensure_rows(rows)
+        except Exception as exc:
+            failed = [e.request.request_id for e in entries]
+            self._retire(
+                failed, RequestStatus.FAILED, f"preparing the batch failed: {type(exc).__name__}: {exc}"
+            )
+            self._tick += 1
+            return self._report(tick, admitted, (), failed, (), rows, False)
+        prepared_now = self._runtime.preparations != before
+        self.preparations += int(prepared_now)
+        self._same_steps = 1 if prepared_now or rows != self._last_rows else self._same_steps + 1
+        self._last_rows = rows
+        batch = StepBatch(
+            tick=tick,
+            entries=entries,
+            rows=rows,
+            full_attn_spans=spans,
+            prepared=prepared,
+            composition_steps=self._same_steps,
+            stable_for=min(self._lasts(e) for e in entries),
+        )
+        self._in_step = True
+        try:
+            fn(batch)
+        except Exception as exc:
+            self._in_step = False
+            failed = [e.request.request_id for e in entries]
+            self._retire(failed, RequestStatus.FAILED, f"{type(exc).__name__}: {exc}")
+        except BaseException:
+            self._in_step = False
+            self.close()
+            raise
+        else:
+            self._in_step = False
+            for e in entries:
+                rec = self._records[e.request.request_id]
+                rec.steps_done += 1
+                if rec.steps_done == rec.request.steps:
+                    finished.append(e.request.request_id)
+            self._retire(finished, RequestStatus.FINISHED)
+        cancelled = sorted(self._cancel_pending - set(failed) - set(finished))
+        self._cancel_pending.clear()
+        self._retire(cancelled, RequestStatus.CANCELLED)
+        self._tick += 1
+        ended = [*failed, *finished, *cancelled]  # by final status: a failed removal is a failure
+        by_status = {
+            status: tuple(rid for rid in ended if self._records[rid].status is status)
+            for status in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+        }
+        return self._report(
+            tick,
+            admitted,
+            by_status[RequestStatus.FINISHED],
+            by_status[RequestStatus.FAILED],
+            by_status[RequestStatus.CANCELLED],
+            rows,
+            prepared_now,
+        )
+
+    def run(
+        self, fn: StepFn, on_step: Callable[[StepReport], None] | None = None
+    ) -> dict[str, RequestRecord]:
+        """Step until nothing is waiting or running; returns every request's record."""
+        while not self.idle:
+            report = self.step(fn)
+            if report is None:
+                raise StateError(
+                    f"requests {list(self._waiting)} wait, but nothing runs and none can be admitted "
+                    "(the block pool or the worker rows are held outside this scheduler)"
+                )
+            if on_step is not None:
+                on_step(report)
+        return dict(self._records)
+
+    def close(self) -> None:
+        """Cancel every waiting and running request and release the runtime (idempotent)."""
+        if self._closed:
+            return
+        for rid in list(self._waiting):
+            self._end(self._records[rid], RequestStatus.CANCELLED)
+        self._waiting.clear()
+        try:
+            self._retire(list(self._running), RequestStatus.CANCELLED)
+        finally:
+            self._closed = True
+            self._stepper.__exit__(None, None, None)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the scheduler is closed")
+
+    def _lasts(self, entry: BatchEntry) -> int:
+        req = entry.request
+        if entry.phase is Phase.PREFILL and req.prefix_len > 0:
+            return 1  # its rows change to the denoise phase next step
+        return req.steps - entry.step
+
+    def _admit(self) -> tuple[str, ...]:
+        admitted: list[str] = []
+        tokens = sum(
+            self._records[rid].request.step_tokens(self._records[rid].steps_done) for rid in self._running
+        )
+        while self._waiting:
+            rid = self._waiting[0]
+            rec = self._records[rid]
+            if self.max_running is not None and len(self._running) >= self.max_running:
+                break
+            need = rec.request.step_tokens(0)
+            if tokens + need > self.max_batch_tokens:
+                break
+            snapshot = self.allocator.reserve(rec.request.kv_request())
+            if snapshot is None:
+                break  # back-pressure: the pool or the worker rows are full for now
+            self._waiting.popleft()
+            self._runtime.deactivate()  # installing changes the block tables
+            try:
+                self.runner.install(snapshot)
+            except Exception as exc:
+                self.allocator.free(rid)
+                self._end(rec, RequestStatus.FAILED, f"install failed: {type(exc).__name__}: {exc}")
+                continue
+            rec.status = RequestStatus.RUNNING
+            rec.admitted_tick = self._tick
+            self._running.append(rid)
+            admitted.append(rid)
+            tokens += need
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
+        return tuple(admitted)
+
+    def _compose(self) -> tuple[BatchEntry, ...]:
+        # Short queries first (denoise rows before prefill rows), stable in admission order:
+        # what backends that reorder batches require, and a deterministic composition.
+        order = sorted(
+            self._running,
+            key=lambda rid: self._records[rid].request.rows(self._records[rid].steps_done)[0].query_len,
+        )
+        entries: list[BatchEntry] = []
+        row_offset = token_offset = 0
+        for rid in order:
+            rec = self._records[rid]
+            step = rec.steps_done
+            rows = rec.request.rows(step)
+            entry = BatchEntry(rec.request, step, rec.request.phase(step), rows, row_offset, token_offset)
+            entries.append(entry)
+            row_offset += len(rows)
+            token_offset += entry.num_tokens
+        return tuple(entries)
+
+    def _retire(
+        self, ids: list[str] | tuple[str, ...], status: RequestStatus, error: str | None = None
+    ) -> None:
+        if not ids:
+            return
+        self._runtime.deactivate()  # removing rows changes the block tables
+        for rid in ids:
+            rec = self._records[rid]
+            if rid in self._running:
+                self._running.remove(rid)
+            try:
+                self.runner.remove(rid)
+            except Exception as exc:  # the worker may still map the blocks: never reuse them
+                self._quarantined[rid] = f"{type(exc).__name__}: {exc}"
+                self._end(rec, RequestStatus.FAILED, f"removing its rows failed: {self._quarantined[rid]}")
+                continue
+            self.allocator.free(rid)
+            self._end(rec, status, error)
+
+    def _end(self, rec: RequestRecord, status: RequestStatus, error: str | None = None) -> None:
+        rec.status = status
+        rec.finished_tick = self._tick
+        if error is not None:
+            rec.error = error
+
+    def _report(
+        self,
+        tick: int,
+        admitted: tuple[str, ...],
+        finished: list[str] | tuple[str, ...],
+        failed: list[str] | tuple[str, ...],
+        cancelled: list[str] | tuple[str, ...],
+        rows: tuple[PagedRow, ...],
+        prepared: bool,
+    ) -> StepReport:
+        return StepReport(
+            tick=tick,
+            admitted=tuple(admitted),
+            finished=tuple(finished),
+            failed=tuple(failed),
+            cancelled=tuple(cancelled),
+            rows=len(rows),
+            tokens=sum(r.query_len for r in rows),
+            prepared=prepared,
+            blocks_in_use=self.blocks_in_use,
+            blocks_total=self.allocator.pool.num_total,
+        )
+
+
+def iter_entries(batch: StepBatch) -> Iterator[tuple[BatchEntry, slice]]:
+    """Each entry with the slice of the packed token axis its rows occupy."""
+    for e in batch.entries:
+        yield e, slice(e.token_offset, e.token_offset + e.num_tokens)
+
+
+__all__ = [
+    "BatchEntry",
+    "DiffusionRequest",
+    "DiffusionScheduler",
+    "Phase",
+    "RequestRecord",
+    "RequestStatus",
+    "StepBatch",
+    "StepReport",
+    "iter_entries",
+]

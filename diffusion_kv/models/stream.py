@@ -1,0 +1,541 @@
+"""The stream mode of the main job: many tiny-DiT requests served together.
+
+``N`` requests of mixed shapes (prefix lengths including none, target lengths, step counts, one
+or two CFG rows) arrive a few scheduler steps apart and are stepped together by
+:class:`~diffusion_kv.core.scheduler.DiffusionScheduler`: one paged batch per step, each request
+at its own phase, rows packed along one token axis. Every request's result is checked against
+its own dense run, and the stream's throughput against the same requests served one after
+another through the same scheduler, runner and cache (``max_running=1``).
+
+CUDA graphs: a captured step bakes in its batch (shapes, metadata addresses), so it can only be
+replayed while the composition stays the same. With ``graphs`` on, a step is captured once its
+composition has been active for two steps and is known to last at least ``GRAPH_MIN_STABLE``
+steps (no request changes phase or finishes before); otherwise steps run eagerly. Under
+staggered arrivals the composition changes often, so most stream steps are eager; the
+sequential baseline, whose composition is steady, replays most of its steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool
+from diffusion_kv.core.graphs import CapturedStep
+from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.scheduler import (
+    DiffusionRequest,
+    DiffusionScheduler,
+    Phase,
+    RequestStatus,
+    StepBatch,
+    StepReport,
+)
+from diffusion_kv.models.demo import TOLERANCE, build_model, max_difference
+from diffusion_kv.models.demo import DemoConfig as _DemoConfig
+from diffusion_kv.models.tiny_dit import TinyDiT
+from diffusion_kv.platforms.interface import Platform
+
+GRAPH_MIN_STABLE = 3
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    requests: int = 6
+    prefix_len: int = 256
+    """The largest prefix; requests use it, half of it, or none."""
+    target_len: int = 64
+    """The largest target; requests use it or half of it."""
+    steps: int = 6
+    """Typical step count; requests use it, two more, or two fewer (at least 2)."""
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 4
+    layers: int = 2
+    block_size: int | None = None
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    guidance: float = 4.0
+    arrival_gap: int = 1
+    """Scheduler steps between two arrivals."""
+    max_running: int = 8
+    pool_fraction: float = 0.6
+    """Pool size as a fraction of the blocks all requests need at once (at least the largest
+    request's): below 1 some arrivals wait for blocks to free up."""
+    graphs: bool | None = None
+    """None: on CUDA when every backend supports capture; False: never; True: required."""
+    warmup: bool | None = None
+    """Run the workload untimed first, both ways: True: in full; None: in full on CUDA (kernels
+    compile on first use), elsewhere a short pass (two steps per request) that pays one-time
+    costs without doubling the run; False: not at all (the first timed run pays them)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "requests",
+            "prefix_len",
+            "target_len",
+            "steps",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "layers",
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
+            raise ValueError(
+                f"hidden={self.hidden} must divide by heads={self.heads} into an even head size, and heads by "
+                f"kv_heads={self.kv_heads}"
+            )
+        if type(self.arrival_gap) is not int or self.arrival_gap < 0:
+            raise ValueError(f"arrival_gap must be an integer >= 0; got {self.arrival_gap!r}")
+        if type(self.max_running) is not int or self.max_running <= 0:
+            raise ValueError(f"max_running must be a positive integer; got {self.max_running!r}")
+        if not 0 < self.pool_fraction <= 1:
+            raise ValueError(f"pool_fraction must be in (0, 1]; got {self.pool_fraction!r}")
+        if self.target_len < 2:
+            raise ValueError(
+                f"target_len must be at least 2 (requests use it or half of it); got {self.target_len}"
+            )
+
+
+@dataclass
+class RequestInputs:
+    prefixes: torch.Tensor
+    """``[cfg_rows, prefix_len, hidden]``."""
+    latent: torch.Tensor
+    """``[1, target_len, hidden]``."""
+
+
+def make_requests(cfg: StreamConfig) -> list[DiffusionRequest]:
+    """The workload: a deterministic mix of shapes (every kind appears from 6 requests on)."""
+    out = []
+    for i in range(cfg.requests):
+        prefix = (cfg.prefix_len, cfg.prefix_len // 2, 0)[i % 3]
+        target = (cfg.target_len, cfg.target_len // 2)[i % 2]
+        steps = max(2, cfg.steps + (0, 2, -2)[(i // 3) % 3])
+        cfg_rows = (2, 1)[(i // 2) % 2]
+        out.append(DiffusionRequest(f"req-{i}", prefix, target, steps, cfg_rows))
+    return out
+
+
+def make_inputs(
+    cfg: StreamConfig, request: DiffusionRequest, index: int, device: torch.device
+) -> RequestInputs:
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + index + 1)
+    prefixes = torch.randn(request.cfg_rows, request.prefix_len, cfg.hidden, generator=g)
+    latent = torch.randn(1, request.target_len, cfg.hidden, generator=g)
+    return RequestInputs(prefixes.to(device, cfg.dtype), latent.to(device, cfg.dtype))
+
+
+def _combine(guidance: float, velocity: torch.Tensor) -> torch.Tensor:
+    if velocity.shape[0] == 1:
+        return velocity
+    cond, uncond = velocity[0:1], velocity[1:2]
+    return uncond + guidance * (cond - uncond)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dense_run(
+    model: TinyDiT, request: DiffusionRequest, inputs: RequestInputs, guidance: float
+) -> torch.Tensor:
+    """The request alone, recomputed densely at every step: the per-request reference."""
+    latent = inputs.latent
+    dt = 1.0 / request.steps
+    with torch.no_grad():
+        for step in range(request.steps):
+            target = latent.expand(request.cfg_rows, -1, -1)
+            velocity = model.dense_step(inputs.prefixes, target, 1.0 - step * dt)
+            latent = latent - dt * _combine(guidance, velocity)
+    return latent
+
+
+class StreamModel:
+    """Runs the tiny DiT over a scheduler's step batches (rows packed along one token axis)."""
+
+    def __init__(
+        self,
+        model: TinyDiT,
+        runner: RunnerBackend,
+        inputs: dict[str, RequestInputs],
+        guidance: float,
+        graphs: bool,
+    ) -> None:
+        self.model = model
+        self.runner = runner
+        self.inputs = inputs
+        self.latents: dict[str, torch.Tensor] = {rid: i.latent for rid, i in inputs.items()}
+        self.guidance = guidance
+        self.graphs = graphs
+        self.device = runner.device
+        self._layout_key: tuple[Any, ...] | None = None
+        self._positions = torch.empty(0)
+        self._out_index = torch.empty(0)
+        self._captured: CapturedStep | None = None
+        self.graph_captures = 0
+        self.graph_replays = 0
+        self.eager_steps = 0
+
+    def _layout(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absolute positions of the packed tokens and where the target tokens sit (cached per
+        composition)."""
+        key = batch.rows
+        if key != self._layout_key:
+            positions: list[torch.Tensor] = []
+            out_index: list[torch.Tensor] = []
+            offset = 0
+            for e in batch.entries:
+                req = e.request
+                for row in e.rows:
+                    positions.append(torch.arange(row.kv_start_pos, row.seq_len))
+                    first_target = offset + (req.prefix_len - row.kv_start_pos)
+                    out_index.append(torch.arange(first_target, first_target + req.target_len))
+                    offset += row.query_len
+            self._positions = torch.cat(positions).to(self.device)
+            self._out_index = torch.cat(out_index).to(self.device)
+            self._layout_key = key
+        return self._positions, self._out_index
+
+    def _tokens(self, batch: StepBatch) -> torch.Tensor:
+        parts: list[torch.Tensor] = []
+        for e in batch.entries:
+            req = e.request
+            t = 1.0 - e.step / req.steps
+            target = self.latents[req.request_id][0] + self.model.timestep(t, self.device)
+            for r in range(len(e.rows)):
+                if e.phase is Phase.PREFILL:
+                    parts.append(self.inputs[req.request_id].prefixes[r])
+                parts.append(target)
+        return torch.cat(parts)[None]
+
+    def __call__(self, batch: StepBatch) -> None:
+        positions, out_index = self._layout(batch)
+        meta = AttentionMetadata(full_attn_spans=batch.full_attn_spans)
+        runner = self.runner
+
+        def attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return runner.forward(name, q[0], k[0], v[0], meta)[None]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return self.model.run_packed(x, positions, attention, out_index)
+
+        with torch.no_grad():
+            x = self._tokens(batch)
+            if self._captured is not None and self._captured.valid:
+                velocity = self._captured.replay(x)
+                self.graph_replays += 1
+            elif self.graphs and batch.composition_steps >= 2 and batch.stable_for >= GRAPH_MIN_STABLE:
+                self._captured = runner.capture(forward, x)
+                velocity = self._captured.warmup_output
+                self.graph_captures += 1
+            else:
+                velocity = forward(x)
+                self.eager_steps += 1
+            cursor = 0
+            for e in batch.entries:
+                req = e.request
+                n = req.cfg_rows * req.target_len
+                v = velocity[cursor : cursor + n].reshape(req.cfg_rows, req.target_len, -1)
+                cursor += n
+                dt = 1.0 / req.steps
+                self.latents[req.request_id] = self.latents[req.request_id] - dt * _combine(self.guidance, v)
+
+
+@dataclass
+class ServeRun:
+    wall_ms: float
+    ticks: int
+    preparations: int
+    peak_blocks: int
+    max_running: int
+    mean_block_utilisation: float
+    graph_captures: int
+    graph_replays: int
+    eager_steps: int
+    latents: dict[str, torch.Tensor] = field(repr=False)
+    records: dict[str, Any] = field(repr=False)
+
+
+Progress = Callable[[str, StepReport, int, int], None]
+
+
+def serve(
+    model: TinyDiT,
+    runner: RunnerBackend,
+    allocator: DiffusionKVAllocator,
+    requests: list[DiffusionRequest],
+    inputs: dict[str, RequestInputs],
+    cfg: StreamConfig,
+    *,
+    max_running: int,
+    arrival_gap: int,
+    graphs: bool,
+    label: str,
+    progress: Progress | None = None,
+) -> ServeRun:
+    """Serve ``requests`` (request ``i`` arrives at scheduler step ``i * arrival_gap``)."""
+    stream = StreamModel(model, runner, inputs, cfg.guidance, graphs)
+    block = allocator.block_size
+    pool = allocator.pool
+    arrivals = [r for _, r in sorted(((i * arrival_gap, i), r) for i, r in enumerate(requests))]
+    due = [i * arrival_gap for i in range(len(requests))]
+    utilisation: list[float] = []
+    most_running = 0
+    done = 0
+
+    def step(batch: StepBatch) -> None:
+        nonlocal most_running
+        in_use = pool.num_total - pool.num_free  # held by exactly this batch's requests
+        tokens = sum(e.request.cfg_rows * e.request.seq_len for e in batch.entries)
+        utilisation.append(tokens / (in_use * block))
+        most_running = max(most_running, len(batch.entries))
+        stream(batch)
+
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    with DiffusionScheduler(runner, allocator, max_running=max_running) as scheduler:
+        nxt = 0
+        while nxt < len(arrivals) or not scheduler.idle:
+            if scheduler.idle:  # nothing to run until the next arrival: it arrives now
+                scheduler.submit(arrivals[nxt])
+                nxt += 1
+            while nxt < len(arrivals) and due[nxt] <= scheduler.tick:
+                scheduler.submit(arrivals[nxt])
+                nxt += 1
+            report = scheduler.step(step)
+            if report is None:
+                continue
+            if report.failed:
+                errors = {rid: scheduler.records[rid].error for rid in report.failed}
+                raise RuntimeError(f"stream requests failed: {errors}")
+            done += len(report.finished)
+            if progress is not None:
+                progress(label, report, done, len(requests))
+        records = scheduler.records
+        preparations = scheduler.preparations
+        peak = scheduler.peak_blocks_in_use
+        ticks = scheduler.tick
+    _sync(runner.device)
+    wall = (time.perf_counter() - t0) * 1e3
+    bad = {rid: rec.status.value for rid, rec in records.items() if rec.status is not RequestStatus.FINISHED}
+    if bad:
+        raise RuntimeError(f"stream requests did not finish: {bad}")
+    return ServeRun(
+        wall_ms=wall,
+        ticks=ticks,
+        preparations=preparations,
+        peak_blocks=peak,
+        max_running=most_running,
+        mean_block_utilisation=statistics.mean(utilisation) if utilisation else float("nan"),
+        graph_captures=stream.graph_captures,
+        graph_replays=stream.graph_replays,
+        eager_steps=stream.eager_steps,
+        latents=dict(stream.latents),
+        records={rid: rec.status.value for rid, rec in records.items()},
+    )
+
+
+@dataclass
+class StreamResult:
+    platform: str
+    device: str
+    dtype: str
+    block_size: int
+    pool_blocks: int
+    requests: list[dict[str, Any]]
+    max_abs_diff: float
+    tolerance: float
+    agree: bool
+    stream: dict[str, Any]
+    sequential: dict[str, Any]
+    target_token_steps: int
+    """Sum over requests of CFG rows x target tokens x steps: the denoising work done."""
+
+    @property
+    def speedup(self) -> float:
+        return float(self.sequential["wall_ms"] / self.stream["wall_ms"])
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["speedup"] = self.speedup
+        return out
+
+
+def _run_record(run: ServeRun, n: int, work: int) -> dict[str, Any]:
+    seconds = run.wall_ms / 1e3
+    out = {k: v for k, v in asdict(run).items() if k not in ("latents", "records")}
+    out["requests_per_s"] = n / seconds
+    out["target_tokens_per_s"] = work / seconds
+    return out
+
+
+def run_stream(
+    platform: Platform,
+    cfg: StreamConfig,
+    progress: Progress | None = None,
+    device: torch.device | None = None,
+) -> StreamResult:
+    device = device or platform.device()
+    model = build_model(
+        _DemoConfig(
+            hidden=cfg.hidden,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            layers=cfg.layers,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=cfg.prefix_len + cfg.target_len,
+            prefix_len=cfg.prefix_len,
+            target_len=cfg.target_len,
+        ),
+        device,
+    )
+    requests = make_requests(cfg)
+    inputs = {r.request_id: make_inputs(cfg, r, i, device) for i, r in enumerate(requests)}
+    block = cfg.block_size or platform.default_block_size
+    max_len = max(r.seq_len for r in requests)
+    per_request = [r.cfg_rows * cdiv(r.seq_len, block) for r in requests]
+    pool_blocks = max(max(per_request), math.ceil(cfg.pool_fraction * sum(per_request)))
+    concurrency = min(cfg.max_running, len(requests))
+    runner = RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=max_len,
+            max_rows_per_request=max(r.cfg_rows for r in requests),
+            max_num_seqs=concurrency,
+            max_num_batched_tokens=sum(
+                sorted((r.step_tokens(0) for r in requests), reverse=True)[:concurrency]
+            ),
+            device=device,
+        ),
+    )
+    mc = model.cfg
+    runner.register_kv_cache_layers(
+        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
+    )
+    runner.initialize_kv_cache(num_blocks=pool_blocks, block_size=block)
+    assert runner.layout is not None
+    allocator = DiffusionKVAllocator(
+        block_size=block,
+        max_model_len=max_len,
+        max_rows_per_request=max(r.cfg_rows for r in requests),
+        worker_rows=runner.layout.max_num_reqs,
+        pool=FreeListPool(pool_blocks),
+    )
+    graphs = runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
+    full_warmup = cfg.warmup is True or (cfg.warmup is None and device.type == "cuda")
+
+    def go(
+        max_running: int, gap: int, label: str, show: Progress | None, reqs: list[DiffusionRequest] = requests
+    ) -> ServeRun:
+        return serve(
+            model,
+            runner,
+            allocator,
+            reqs,
+            inputs,
+            cfg,
+            max_running=max_running,
+            arrival_gap=gap,
+            graphs=graphs,
+            label=label,
+            progress=show,
+        )
+
+    if cfg.warmup is not False:
+        warm = requests if full_warmup else [dataclasses.replace(r, steps=2) for r in requests]
+        go(concurrency, cfg.arrival_gap, "warmup", None, warm)
+        go(1, 0, "warmup", None, warm)
+    sequential = go(1, 0, "one by one", progress)
+    stream = go(concurrency, cfg.arrival_gap, "stream", progress)
+    diffs = []
+    rows = []
+    for r in requests:
+        ref = dense_run(model, r, inputs[r.request_id], cfg.guidance)
+        d_stream = float(max_difference(ref, stream.latents[r.request_id]).item())
+        d_seq = float(max_difference(ref, sequential.latents[r.request_id]).item())
+        diffs.extend([d_stream, d_seq])
+        rows.append(
+            dict(
+                request_id=r.request_id,
+                prefix_len=r.prefix_len,
+                target_len=r.target_len,
+                steps=r.steps,
+                cfg_rows=r.cfg_rows,
+                max_abs_diff_stream=d_stream,
+                max_abs_diff_sequential=d_seq,
+            )
+        )
+    tol = TOLERANCE.get(cfg.dtype, 1e-1)
+    worst = max(diffs)
+    work = sum(r.cfg_rows * r.target_len * r.steps for r in requests)
+    return StreamResult(
+        platform=platform.name,
+        device=str(device),
+        dtype=str(cfg.dtype).removeprefix("torch."),
+        block_size=block,
+        pool_blocks=pool_blocks,
+        requests=rows,
+        max_abs_diff=worst,
+        tolerance=tol,
+        agree=worst <= tol,
+        stream=_run_record(stream, len(requests), work),
+        sequential=_run_record(sequential, len(requests), work),
+        target_token_steps=work,
+    )
+
+
+def text_progress(stream: Any = sys.stderr) -> Progress:
+    def show(label: str, report: StepReport, done: int, total: int) -> None:
+        stream.write(
+            f"\r{label:>10}: step {report.tick + 1:>4}, {report.rows:>3} rows / {report.tokens:>6} tokens, "
+            f"blocks {report.blocks_in_use}/{report.blocks_total}, done {done}/{total}   "
+        )
+        if done == total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def format_stream(r: StreamResult) -> str:
+    s, q = r.stream, r.sequential
+    shapes = ", ".join(
+        f"{x['request_id']}: {x['prefix_len']}+{x['target_len']} x{x['cfg_rows']} {x['steps']} steps"
+        for x in r.requests
+    )
+    lines = [
+        f"platform: {r.platform} (device {r.device}, {r.dtype}), block size {r.block_size}, pool {r.pool_blocks} blocks",
+        f"requests ({len(r.requests)}, prefix+target x CFG rows): {shapes}",
+        f"max |dense - paged| over every request: {r.max_abs_diff:.3g} (tolerance {r.tolerance:g}) -> "
+        + ("AGREE" if r.agree else "DISAGREE"),
+        f"stream: {s['wall_ms']:.0f} ms, {s['requests_per_s']:.2f} requests/s, {s['target_tokens_per_s']:.0f} "
+        f"target tokens/s; {s['ticks']} steps, up to {s['max_running']} requests at once, {s['preparations']} "
+        "preparations",
+        f"one after another: {q['wall_ms']:.0f} ms, {q['requests_per_s']:.2f} requests/s, "
+        f"{q['target_tokens_per_s']:.0f} target tokens/s; {q['ticks']} steps",
+        f"throughput: {r.speedup:.2f}x the one-after-another run",
+        f"blocks: peak {s['peak_blocks']}/{r.pool_blocks} in use, mean utilisation {s['mean_block_utilisation']:.1%}",
+    ]
+    if s["graph_captures"] or q["graph_captures"]:
+        lines.append(
+            f"CUDA graphs: stream {s['graph_captures']} captures / {s['graph_replays']} replays / "
+            f"{s['eager_steps']} eager steps; one after another {q['graph_captures']} / {q['graph_replays']} / "
+            f"{q['eager_steps']}"
+        )
+    return "\n".join(lines)
