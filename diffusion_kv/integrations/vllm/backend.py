@@ -91,6 +91,19 @@ def _cpu_attn_reason() -> str | None:
     return None
 
 
+def view_layout(cache: torch.Tensor) -> str:
+    """Which vLLM layout a per-layer ``[blocks, heads, block, content]`` view is in: ``LBHNC``
+    when each block's ``[heads, block, content]`` is contiguous, ``LBNHC`` when each block is
+    token-major (``[block, heads, content]``), else ``other``."""
+    _, heads, block, content = cache.shape
+    strides = cache.stride()
+    if strides[1:] == (block * content, content, 1):
+        return "LBHNC"
+    if strides[1:] == (content, heads * content, 1):
+        return "LBNHC"
+    return "other"
+
+
 def refresh() -> None:
     """Forget the cached environment checks (after installing or removing vLLM in-process)."""
     for check in (_seam_reason, _flash_attn_reason, _cpu_attn_reason):
@@ -104,6 +117,9 @@ class VllmPagedBackend(PagedBackend):
     """vLLM's attention backend name (``FLASH_ATTN``); None lets vLLM choose for its platform."""
     vllm_config: ClassVar[Any | None] = None
     """The embedding host's ``VllmConfig``; None synthesises a minimal one per group."""
+    vllm_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = None
+    """The vLLM ``KVCacheLayout`` names the kernel reads (None: any). A host choosing the layout
+    (vLLM-Omni's platform hook) takes the first; caches bound from the host are checked."""
 
     @classmethod
     def _environment_reason(cls) -> str | None:
@@ -162,6 +178,32 @@ class VllmPagedBackend(PagedBackend):
 
     def allocate_kv_cache(self, layer: LayerGeometry) -> KVCache:
         return self.session.allocate_kv_cache(layer.layer_name, self.group.num_blocks)
+
+    def bind_kv_cache(self, layer: LayerGeometry, cache: KVCache) -> KVCache:
+        """Adopt the host's view of one layer's cache (vLLM's ``[kernel blocks, kv_heads,
+        kernel block, 2 * head_size]``, as ``init_kv_cache`` hands it to vLLM's own layers) after
+        checking its shape, dtype, device and, when the kernel reads only some layouts, that
+        its strides are one of them; the cache stays the host's tensor (zero-copy)."""
+        g = self.group
+        expected = (g.num_kernel_blocks, layer.num_kv_heads, g.kernel_block_size, 2 * layer.head_size)
+        problems = []
+        if not isinstance(cache, torch.Tensor) or tuple(cache.shape) != expected:
+            got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            problems.append(f"shape {got} (expected {expected})")
+        elif cache.dtype != layer.dtype or cache.device != g.device:
+            problems.append(f"dtype/device {cache.dtype}/{cache.device} (expected {layer.dtype}/{g.device})")
+        elif self.vllm_kv_cache_layouts is not None and view_layout(cache) not in self.vllm_kv_cache_layouts:
+            problems.append(
+                f"layout {view_layout(cache)} (the kernel reads {list(self.vllm_kv_cache_layouts)}; set the "
+                "host's KV-cache layout to one of them)"
+            )
+        if problems:
+            raise ValueError(
+                f"backend {self.name!r} cannot use the given cache of layer {layer.layer_name!r}: "
+                + "; ".join(problems)
+            )
+        self.session.adapters[layer.layer_name].kv_cache = cache
+        return cache
 
     def write_kv(
         self,
@@ -238,6 +280,7 @@ class VllmCpuAttnBackend(VllmPagedBackend):
         supports_gqa=True,
     )
     vllm_backend: ClassVar[str | None] = None
+    vllm_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = ("LBHNC",)
 
     @classmethod
     def _environment_reason(cls) -> str | None:

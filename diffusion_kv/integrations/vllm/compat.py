@@ -2,9 +2,10 @@
 
 A :class:`VllmCompat` pairs an :class:`~.versions.ApiShape` (how the internals look in the
 installed release) with a *resolver* that turns a symbol key into the vLLM object. The default
-resolver imports lazily from ``vllm``; tests pass a resolver returning stand-ins with the
-recorded signatures of each release, so the seam is exercised for every supported shape
-without vLLM installed.
+resolver imports lazily from ``vllm``; tests pass a resolver returning stand-ins built from the
+signatures recorded from every supported release's wheel (``tests/vllm/recorded.py``), so the
+seam is exercised per release without vLLM installed. vLLM functions are called with keywords
+only, so a renamed or reordered parameter fails loudly instead of binding the wrong argument.
 
 Covered drift (0.26 through 0.33):
 
@@ -12,11 +13,16 @@ Covered drift (0.26 through 0.33):
   not from 0.32 (:meth:`VllmCompat.block_tables_kwargs`, :meth:`VllmCompat.block_tables_cls`);
 * ``get_block_table_width`` is missing in 0.26 and changes signature in 0.32
   (:meth:`VllmCompat.block_table_width`);
-* ``init_kv_cache`` has four argument shapes (:meth:`VllmCompat.init_kv_cache`);
-* ``init_attn_backend`` returns ``(groups, cudagraph support, kernel block sizes)``
-  (:meth:`VllmCompat.init_attn_backend`);
-* ``build_attn_metadata`` is called with keywords common to every shape
-  (:meth:`VllmCompat.build_attn_metadata`);
+* ``init_kv_cache`` has four argument shapes, each returning ``{layer: cache}``
+  (:meth:`VllmCompat.init_kv_cache_kwargs`, :meth:`VllmCompat.init_kv_cache`);
+* ``init_attn_backend`` returns ``(groups, cudagraph support, kernel block sizes)`` and takes
+  ``draft_layer_names`` from 0.30 (:meth:`VllmCompat.init_attn_backend`);
+* ``build_attn_metadata`` takes ``dcp_local_seq_lens_cpu_upper_bound``, ``ubatch_idx``,
+  ``fast_prefill`` and ``req_idx`` from 0.30; the seam passes what the release accepts
+  (:meth:`VllmCompat.build_attn_metadata_kwargs`, :meth:`VllmCompat.call_build_attn_metadata`);
+* ``KVCacheTensor`` is one record per layer (``shared_by``) up to 0.28 and one record over
+  several layers (``layers``, ``layer_stride``, ``block_stride``) from 0.29
+  (:meth:`VllmCompat.kv_cache_tensors`);
 * ``get_attn_backend`` is steered to a portable backend request under the config it reads
   (:meth:`VllmCompat.get_attn_backend`);
 * the per-layer cache tensor: backend-declared shape and stride order up to 0.28, the logical
@@ -29,10 +35,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
@@ -44,6 +48,7 @@ from diffusion_kv.integrations.vllm.versions import (
     ApiShape,
     BlockTableWidthForm,
     InitKVCacheForm,
+    KVCacheTensorForm,
     UnsupportedVllmVersionError,
     installed_vllm_version,
     shape_for_version,
@@ -124,7 +129,7 @@ class VllmCompat:
     @contextmanager
     def current_config(self, vllm_config: Any) -> Iterator[None]:
         """``set_current_vllm_config(vllm_config)``: selectors and impls read it."""
-        with self.symbol("set_current_vllm_config")(vllm_config):
+        with self.symbol("set_current_vllm_config")(vllm_config=vllm_config):
             yield
 
     # -- BlockTables ---------------------------------------------------------------------------
@@ -228,15 +233,35 @@ class VllmCompat:
         """
         if self.shape.block_table_width is BlockTableWidthForm.SHIM:
             return torch_block_table_width(max_num_blocks, block_size)
-        return int(self.symbol("get_block_table_width")(max_num_blocks, block_size))
+        return int(self.symbol("get_block_table_width")(max_num_blocks=max_num_blocks, block_size=block_size))
 
     # -- backend and cache initialisation ------------------------------------------------------
 
     def init_attn_backend(
-        self, kv_cache_config: Any, vllm_config: Any, device: torch.device
+        self,
+        kv_cache_config: Any,
+        vllm_config: Any,
+        device: torch.device,
+        *,
+        active_layer_names: set[str] | None = None,
+        draft_layer_names: set[str] | None = None,
     ) -> tuple[list[list[Any]], list[int]]:
-        """``(attention groups per KV-cache group, kernel block size per group)``."""
-        result = self.symbol("init_attn_backend")(kv_cache_config, vllm_config, device)
+        """``(attention groups per KV-cache group, kernel block size per group)``.
+
+        ``active_layer_names`` / ``draft_layer_names`` are passed only when given;
+        ``draft_layer_names`` exists from 0.30 (earlier: ``TypeError`` naming the release).
+        """
+        kwargs: dict[str, Any] = dict(kv_cache_config=kv_cache_config, vllm_config=vllm_config, device=device)
+        for name, value in (
+            ("active_layer_names", active_layer_names),
+            ("draft_layer_names", draft_layer_names),
+        ):
+            if value is None:
+                continue
+            if name not in self.shape.init_attn_backend_keywords:
+                raise TypeError(f"vLLM {self.version} init_attn_backend does not accept {name!r}")
+            kwargs[name] = value
+        result = self.symbol("init_attn_backend")(**kwargs)
         if not isinstance(result, tuple) or len(result) != 3:
             raise TypeError(
                 f"vLLM {self.version} init_attn_backend returned {type(result).__name__}; expected "
@@ -244,6 +269,42 @@ class VllmCompat:
             )
         attn_groups, _, kernel_block_sizes = result
         return list(attn_groups), list(kernel_block_sizes)
+
+    def init_kv_cache_kwargs(
+        self,
+        *,
+        forward_context: dict[str, Any],
+        kv_cache_config: Any,
+        attn_groups: Sequence[Sequence[Any]],
+        device: torch.device,
+        kernel_block_sizes: Sequence[int],
+        vllm_config: Any,
+        block_tables: Any | None = None,
+    ) -> dict[str, Any]:
+        """Keyword arguments for this release's ``init_kv_cache`` (see :class:`InitKVCacheForm`).
+
+        Up to 0.29 a fresh runner list is passed (vLLM appends the caches to it); 0.26-0.28 also
+        take the per-group attention groups and the cache dtype; 0.30-0.31 take the block
+        tables; 0.32-0.33 also the flattened attention groups.
+        """
+        form = self.shape.init_kv_cache
+        kwargs: dict[str, Any] = dict(
+            forward_context=forward_context,
+            kv_cache_config=kv_cache_config,
+            device=device,
+            kernel_block_sizes=list(kernel_block_sizes),
+            vllm_config=vllm_config,
+        )
+        if form in (InitKVCacheForm.RUNNER_LIST_WITH_GROUPS, InitKVCacheForm.RUNNER_LIST):
+            kwargs["runner_kv_caches"] = []
+        if form is InitKVCacheForm.RUNNER_LIST_WITH_GROUPS:
+            kwargs["attn_groups"] = [list(groups) for groups in attn_groups]
+            kwargs["cache_dtype"] = vllm_config.cache_config.cache_dtype
+        if form in (InitKVCacheForm.FORWARD_CONTEXT, InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS):
+            kwargs["block_tables"] = block_tables
+        if form is InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS:
+            kwargs["attn_groups"] = [group for groups in attn_groups for group in groups]
+        return kwargs
 
     def init_kv_cache(
         self,
@@ -256,42 +317,22 @@ class VllmCompat:
         vllm_config: Any,
         block_tables: Any | None = None,
     ) -> dict[str, Any]:
-        """Allocate and bind every layer's cache; returns ``{layer_name: cache view}``."""
-        fn = self.symbol("init_kv_cache")
-        form = self.shape.init_kv_cache
-        kernel = list(kernel_block_sizes)
-        if form is InitKVCacheForm.RUNNER_LIST_WITH_GROUPS:
-            runner: list[Any] = []
-            cache_dtype = vllm_config.cache_config.cache_dtype
-            fn(
-                runner,
-                forward_context,
-                kv_cache_config,
-                list(attn_groups),
-                device,
-                cache_dtype,
-                kernel,
-                vllm_config,
-            )
-            result = None
-        elif form is InitKVCacheForm.RUNNER_LIST:
-            fn([], forward_context, kv_cache_config, device, kernel, vllm_config)
-            result = None
-        elif form is InitKVCacheForm.FORWARD_CONTEXT:
-            result = fn(
-                forward_context, kv_cache_config, device, kernel, vllm_config, block_tables=block_tables
-            )
-        else:
-            flat = [group for groups in attn_groups for group in groups]
-            result = fn(
-                forward_context,
-                kv_cache_config,
-                device,
-                kernel,
-                vllm_config,
+        """Allocate and bind every layer's cache; returns ``{layer_name: cache view}``.
+
+        The view bound to the layer (``layer.kv_cache``) wins over the returned dict: from 0.32
+        the dict holds the manager-block caches and the layer the kernel-block view.
+        """
+        result = self.symbol("init_kv_cache")(
+            **self.init_kv_cache_kwargs(
+                forward_context=forward_context,
+                kv_cache_config=kv_cache_config,
+                attn_groups=attn_groups,
+                device=device,
+                kernel_block_sizes=kernel_block_sizes,
+                vllm_config=vllm_config,
                 block_tables=block_tables,
-                attn_groups=flat,
             )
+        )
         names = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
         bound: dict[str, Any] = {}
         for name in names:
@@ -306,11 +347,17 @@ class VllmCompat:
 
     # -- metadata ------------------------------------------------------------------------------
 
-    def build_attn_metadata(
+    def build_attn_metadata_kwargs(
         self, *, attn_groups: Sequence[Sequence[Any]], batch: PagedBatch, kv_cache_config: Any
     ) -> dict[str, Any]:
-        """Native metadata per layer for one KV-cache group's batch (``build_attn_metadata``)."""
-        return self.call_build_attn_metadata(
+        """``build_attn_metadata`` keywords for one KV-cache group's batch.
+
+        vLLM copies them into its ``CommonAttentionMetadata``. The batch's host copy of the
+        decode-context-parallel lengths goes in as ``dcp_local_seq_lens_cpu_upper_bound`` where the
+        release takes it (0.30+); before 0.30 ``build_attn_metadata`` has no such parameter and
+        leaves the metadata's ``dcp_local_seq_lens_cpu`` unset.
+        """
+        kwargs: dict[str, Any] = dict(
             attn_groups=list(attn_groups),
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
@@ -327,27 +374,35 @@ class VllmCompat:
             positions=batch.positions,
             causal=batch.causal,
         )
+        if "dcp_local_seq_lens_cpu_upper_bound" in self.shape.build_attn_metadata_keywords:
+            kwargs["dcp_local_seq_lens_cpu_upper_bound"] = batch.dcp_local_seq_lens_cpu
+        return kwargs
+
+    def build_attn_metadata(
+        self, *, attn_groups: Sequence[Sequence[Any]], batch: PagedBatch, kv_cache_config: Any
+    ) -> dict[str, Any]:
+        """Native metadata per layer for one KV-cache group's batch (``build_attn_metadata``)."""
+        return self.call_build_attn_metadata(
+            **self.build_attn_metadata_kwargs(
+                attn_groups=attn_groups, batch=batch, kv_cache_config=kv_cache_config
+            )
+        )
 
     def call_build_attn_metadata(self, **kwargs: Any) -> dict[str, Any]:
-        """Call ``build_attn_metadata`` with keywords every supported shape accepts.
+        """Call ``build_attn_metadata`` with keywords this release accepts.
 
-        ``seq_lens_cpu`` (a vLLM-Omni convenience) is dropped; an unknown keyword is a
-        ``TypeError`` naming the release, not a silent drop.
+        ``seq_lens_cpu`` (a vLLM-Omni convenience) is dropped; a keyword the release does not
+        take (``ApiShape.build_attn_metadata_keywords``) is a ``TypeError`` naming the release,
+        not a silent drop.
         """
         kwargs.pop("seq_lens_cpu", None)
-        fn = self.symbol("build_attn_metadata")
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
-            params = None
-        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            unknown = sorted(set(kwargs) - set(params))
-            if unknown:
-                raise TypeError(
-                    f"vLLM {self.version} build_attn_metadata does not accept {unknown}; "
-                    f"accepted: {sorted(params)}"
-                )
-        return dict(fn(**kwargs))
+        accepted = self.shape.build_attn_metadata_keywords
+        unknown = sorted(set(kwargs) - accepted)
+        if unknown:
+            raise TypeError(
+                f"vLLM {self.version} build_attn_metadata does not accept {unknown}; accepted: {sorted(accepted)}"
+            )
+        return dict(self.symbol("build_attn_metadata")(**kwargs))
 
     # -- backend selection ---------------------------------------------------------------------
 
@@ -398,9 +453,15 @@ class VllmCompat:
     # -- KV cache tensors ----------------------------------------------------------------------
 
     def kv_cache_layout(self, backend: type[Any]) -> str:
-        """The physical layout used for one layer's cache with ``backend`` (0.29+ names)."""
+        """The physical layout used for one layer's cache with ``backend`` (0.29+ names).
+
+        The backend's first supported layout the seam can build; ``LBNHC`` (blocks, tokens,
+        heads) when the backend states no preference: ``supported_kv_cache_layouts`` absent, or
+        returning None as the base class does (FlashAttention in 0.29-0.33).
+        """
         layouts = getattr(backend, "supported_kv_cache_layouts", None)
-        declared = tuple(str(getattr(x, "name", x)) for x in layouts()) if callable(layouts) else ()
+        listed = layouts() if callable(layouts) else None
+        declared = tuple(str(getattr(x, "name", x)) for x in listed) if listed is not None else ()
         for name in declared:
             if name in LAYOUT_PERMUTATIONS:
                 return name
@@ -450,13 +511,12 @@ class VllmCompat:
         """``KVCacheTensor`` records giving each of ``layer_names`` its own ``num_blocks`` pages.
 
         Up to 0.28 the record is ``(size, shared_by)`` and every layer gets its own record; the
-        layout-aware releases place several layers in one record with ``layers``,
-        ``layer_stride`` and ``block_stride``. The form is picked by the fields present.
+        layout-aware releases (0.29+) place several layers in one record with ``layers``,
+        ``layer_stride`` and ``block_stride`` (:class:`KVCacheTensorForm`).
         """
         cls = self.symbol("KVCacheTensor")
-        names = {f.name for f in fields(cls)} if is_dataclass(cls) else set()
         per_layer = num_blocks * page_bytes
-        if "shared_by" in names:
+        if self.shape.kv_cache_tensor is KVCacheTensorForm.SHARED_BY:
             return [cls(size=per_layer, shared_by=[name]) for name in layer_names]
         return [
             cls(

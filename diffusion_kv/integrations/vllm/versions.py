@@ -2,7 +2,9 @@
 
 vLLM's model-runner-V2 internals changed shape several times between 0.26 and 0.33. Rather
 than sprinkling ``if version >= ...`` over the tiers, every difference the tiers depend on is
-recorded here once, as data (:class:`ApiShape`), and :mod:`.compat` dispatches on it.
+recorded here once, as data (:class:`ApiShape`), and :mod:`.compat` dispatches on it. The data
+is checked against the signatures read from the released wheels
+(``tests/vllm/recorded_signatures.json``, written by ``ci/record_vllm_signatures.py``).
 
 Nothing here imports vLLM: the installed version is read from package metadata.
 """
@@ -30,17 +32,21 @@ class UnsupportedVllmVersionError(ImportError):
 
 
 class InitKVCacheForm(enum.Enum):
-    """Argument shape of ``vllm.v1.worker.gpu.attn_utils.init_kv_cache``."""
+    """Argument shape of ``vllm.v1.worker.gpu.attn_utils.init_kv_cache``.
+
+    Every form returns the ``{layer_name: cache}`` dict it allocated and binds each layer's
+    ``kv_cache``; the forms differ in their parameters only.
+    """
 
     RUNNER_LIST_WITH_GROUPS = "runner_list_with_groups"
-    """0.24-0.28: ``(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device,
-    cache_dtype, kernel_block_sizes, vllm_config)``; fills the list, returns None."""
+    """0.26-0.28: ``(runner_kv_caches, forward_context, kv_cache_config, attn_groups, device,
+    cache_dtype, kernel_block_sizes, vllm_config)``; also appends the caches to the list."""
     RUNNER_LIST = "runner_list"
     """0.29: ``(runner_kv_caches, forward_context, kv_cache_config, device, kernel_block_sizes,
     vllm_config, kv_cache_allocation_context=None)``."""
     FORWARD_CONTEXT = "forward_context"
     """0.30-0.31: ``(forward_context, kv_cache_config, device, kernel_block_sizes, vllm_config,
-    kv_cache_allocation_context=None, *, block_tables=None)``; returns ``{layer: view}``."""
+    kv_cache_allocation_context=None, *, block_tables=None)``."""
     FORWARD_CONTEXT_WITH_GROUPS = "forward_context_with_groups"
     """0.32-0.33: the 0.30 form plus keyword ``attn_groups`` (the flattened groups), used to map
     manager blocks onto smaller kernel blocks."""
@@ -57,9 +63,59 @@ class BlockTableWidthForm(enum.Enum):
     """0.32-0.33: ``(max_num_blocks, block_size, *, token_alignment=128)``."""
 
 
+class KVCacheTensorForm(enum.Enum):
+    """Fields of ``vllm.v1.kv_cache_interface.KVCacheTensor`` (the record of one allocation)."""
+
+    SHARED_BY = "shared_by"
+    """0.26-0.28: ``(size, shared_by, offset=0, block_stride=0)``: one record per layer."""
+    LAYERS = "layers"
+    """0.29-0.33: ``(size, layers, layer_stride, block_stride, offset=0, ...)``: one record
+    places several layers ``layer_stride`` bytes apart."""
+
+
+BUILD_ATTN_METADATA_REQUIRED: frozenset[str] = frozenset(
+    {
+        "attn_groups",
+        "num_reqs",
+        "num_tokens",
+        "query_start_loc_gpu",
+        "query_start_loc_cpu",
+        "max_query_len",
+        "seq_lens",
+        "max_seq_len",
+        "block_tables",
+        "slot_mappings",
+        "kv_cache_config",
+    }
+)
+"""``build_attn_metadata`` parameters without a default (the same in every supported release)."""
+
+_BUILD_ATTN_METADATA_026: frozenset[str] = BUILD_ATTN_METADATA_REQUIRED | {
+    "seq_lens_cpu_upper_bound",
+    "dcp_local_seq_lens",
+    "positions",
+    "is_prefilling",
+    "mm_req_doc_ranges",
+    "model_specific_attn_metadata",
+    "for_cudagraph_capture",
+    "causal",
+    "rswa_prefix_lens",
+}
+_BUILD_ATTN_METADATA_030: frozenset[str] = _BUILD_ATTN_METADATA_026 | {
+    "dcp_local_seq_lens_cpu_upper_bound",
+    "ubatch_idx",
+    "fast_prefill",
+    "req_idx",
+}
+
+
 @dataclass(frozen=True)
 class ApiShape:
-    """The vLLM internals the tiers use, as they look in one range of minor releases."""
+    """The vLLM internals the tiers use, as they look in one range of minor releases.
+
+    Every field is checked against the signatures recorded from the released wheels
+    (``ci/record_vllm_signatures.py`` -> ``tests/vllm/recorded_signatures.json``).
+    """
 
     name: str
     first_minor: int
@@ -76,6 +132,14 @@ class ApiShape:
     with the physical order given by a resolved ``KVCacheLayout``."""
     resolves_kv_cache_layout: bool
     """``cache_config.kv_cache_layout`` must be resolved before allocating (0.29+)."""
+    kv_cache_tensor: KVCacheTensorForm
+    build_attn_metadata_keywords: frozenset[str]
+    """Every keyword ``build_attn_metadata`` accepts: 0.30 adds
+    ``dcp_local_seq_lens_cpu_upper_bound``, ``ubatch_idx``, ``fast_prefill`` and ``req_idx``."""
+    init_attn_backend_keywords: frozenset[str]
+    """Optional keywords of ``init_attn_backend(kv_cache_config, vllm_config, device, ...)``
+    (it returns ``(attn_groups, cudagraph support, kernel block sizes)`` in every release):
+    ``active_layer_names``, and ``draft_layer_names`` from 0.30."""
 
     def covers(self, minor: int) -> bool:
         return self.first_minor <= minor <= self.last_minor
@@ -91,6 +155,9 @@ SHAPES: tuple[ApiShape, ...] = (
         block_table_width=BlockTableWidthForm.SHIM,
         backend_kv_cache_shape=True,
         resolves_kv_cache_layout=False,
+        kv_cache_tensor=KVCacheTensorForm.SHARED_BY,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_026,
+        init_attn_backend_keywords=frozenset({"active_layer_names"}),
     ),
     ApiShape(
         name="0.27-0.28",
@@ -101,6 +168,9 @@ SHAPES: tuple[ApiShape, ...] = (
         block_table_width=BlockTableWidthForm.WITH_KERNEL_BLOCK,
         backend_kv_cache_shape=True,
         resolves_kv_cache_layout=False,
+        kv_cache_tensor=KVCacheTensorForm.SHARED_BY,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_026,
+        init_attn_backend_keywords=frozenset({"active_layer_names"}),
     ),
     ApiShape(
         name="0.29",
@@ -111,6 +181,9 @@ SHAPES: tuple[ApiShape, ...] = (
         block_table_width=BlockTableWidthForm.WITH_KERNEL_BLOCK,
         backend_kv_cache_shape=False,
         resolves_kv_cache_layout=True,
+        kv_cache_tensor=KVCacheTensorForm.LAYERS,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_026,
+        init_attn_backend_keywords=frozenset({"active_layer_names"}),
     ),
     ApiShape(
         name="0.30-0.31",
@@ -121,6 +194,9 @@ SHAPES: tuple[ApiShape, ...] = (
         block_table_width=BlockTableWidthForm.WITH_KERNEL_BLOCK,
         backend_kv_cache_shape=False,
         resolves_kv_cache_layout=True,
+        kv_cache_tensor=KVCacheTensorForm.LAYERS,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_030,
+        init_attn_backend_keywords=frozenset({"active_layer_names", "draft_layer_names"}),
     ),
     ApiShape(
         name="0.32-0.33",
@@ -131,6 +207,9 @@ SHAPES: tuple[ApiShape, ...] = (
         block_table_width=BlockTableWidthForm.PLAIN,
         backend_kv_cache_shape=False,
         resolves_kv_cache_layout=True,
+        kv_cache_tensor=KVCacheTensorForm.LAYERS,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_030,
+        init_attn_backend_keywords=frozenset({"active_layer_names", "draft_layer_names"}),
     ),
 )
 

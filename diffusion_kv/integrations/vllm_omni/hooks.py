@@ -1,0 +1,400 @@
+"""The diffusion-KV platform hooks of vLLM-Omni, answered by a diffusion-kv platform.
+
+vLLM-Omni asks its ``OmniPlatform`` for four plugin parts and three configuration steps:
+``get_diffusion_kv_block_tables_cls``, ``build_diffusion_kv_attn_metadata``,
+``get_diffusion_paged_kv_attn_backend(attn_backend, ulysses_degree=)``,
+``requires_diffusion_paged_kv_prewrite``, and ``configure_diffusion_vllm_config``,
+``init_diffusion_worker_vllm_config``, ``init_diffusion_model_runner_runtime``.
+:class:`DiffusionKVPlatformHooks` holds the platform-neutral answers; the ``OmniPlatform`` of
+:mod:`.platform` serves them to vLLM-Omni, and the module replacement (:mod:`.runner`) uses the
+same selection.
+
+**The decision.** Which paged backend serves vLLM-Omni is decided once per ``VllmConfig``, when
+vLLM-Omni configures it for paged KV (``configure_diffusion_vllm_config``): the platform's
+priority list is asked with what the config says (dtype, strict-Ulysses degree, DCP size) and
+``DIFFUSION_KV_BACKEND`` can force one. The choice is recorded in the config
+(``additional_config["diffusion_kv_backend"] = "<platform>:<backend>"``), so every later hook
+(each runs under ``set_current_vllm_config``) answers for the same backend; the head geometry
+is checked again when the KV cache is built. Two kinds of backend:
+
+* **vLLM-native** (``cpu:vllm-cpu-attn``, ``cuda:vllm-flash-attn``, ``npu:vllm-ascend``): the
+  kernels are vLLM's own attention backend, so vLLM-Omni keeps using it through vLLM's builder;
+  the hooks only supply what a device platform of vLLM-Omni would (BlockTables, layout, block
+  size, the CPU kernel's ISA) where there is none.
+* **diffusion-kv backends** (``cpu:reference``, the cuda/npu kernels, a vendor's): vLLM-Omni gets
+  a vLLM-shaped attention backend wrapping the diffusion-kv backend (:mod:`.native`), built from
+  the platform's own BlockTables, metadata builder, KV write and forward.
+
+**Geometry and layout.** The block size becomes one the backend's kernel takes (the smallest
+multiple of the configured size it accepts), and the KV-cache layout the one it reads: the
+vLLM backend's declared layout (``LBHNC`` for ``CPU_ATTN``), ``LBHNC`` for head-first pages,
+``LBNHC`` (vLLM-Omni's default) for token-major pages. A layout already on the config is kept.
+
+Nothing here imports vLLM or vLLM-Omni at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from diffusion_kv.core.backend import KVPageLayout, PagedBackend
+from diffusion_kv.core.batch import PagedBatch
+from diffusion_kv.core.block_tables import block_table_width
+from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
+from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.platforms.interface import Platform
+
+CONFIG_KEY = "diffusion_kv_backend"
+"""Key of ``VllmConfig.additional_config`` holding the chosen ``"<platform>:<backend>"``."""
+
+TOKEN_ALIGNMENT = 128
+"""vLLM's block-table token alignment (``AttentionSpec.block_table_token_alignment``)."""
+
+PAGE_LAYOUT_KV_CACHE_LAYOUT: dict[KVPageLayout, str] = {
+    KVPageLayout.HEAD_FIRST: "LBHNC",
+    KVPageLayout.COMBINED: "LBNHC",
+    KVPageLayout.SEPARATE: "LBNHC",
+}
+"""The vLLM ``KVCacheLayout`` whose per-layer view is a zero-copy view of each page layout."""
+
+
+def current_vllm_config() -> Any | None:
+    """vLLM's current ``VllmConfig`` (None outside ``set_current_vllm_config`` or without vLLM)."""
+    try:
+        config = importlib.import_module("vllm.config")
+    except ImportError:
+        return None
+    getter = getattr(config, "get_current_vllm_config_or_none", None)
+    if callable(getter):
+        return getter()
+    try:
+        return config.get_current_vllm_config()
+    except Exception:
+        return None
+
+
+def is_vllm_native(backend: type[PagedBackend]) -> bool:
+    """Whether ``backend`` runs vLLM's (or vllm-ascend's) own attention backend."""
+    from diffusion_kv.integrations.vllm.backend import VllmPagedBackend  # imports no vLLM
+
+    return issubclass(backend, VllmPagedBackend) or bool(getattr(backend, "needs_vllm_runtime", False))
+
+
+def kv_cache_layout_for(backend: type[PagedBackend]) -> str | None:
+    """The vLLM KV-cache layout ``backend`` reads (None: any; vLLM-Omni's default then)."""
+    if is_vllm_native(backend):
+        layouts: Sequence[str] | None = getattr(backend, "vllm_kv_cache_layouts", None)
+        return layouts[0] if layouts else None
+    return PAGE_LAYOUT_KV_CACHE_LAYOUT[backend.page_layout]
+
+
+def block_size_for(backend: type[PagedBackend], configured: int) -> int:
+    """``configured`` when ``backend``'s kernel takes it, else the smallest multiple of
+    ``configured`` it takes (e.g. 16 -> 32 for kernels taking multiples of 32)."""
+    caps = backend.capabilities
+    if caps.kernel_block_size_for(configured) is not None:
+        return configured
+    options = [
+        configured * base // math.gcd(configured, base)
+        for base in (r.base if isinstance(r, MultipleOf) else r for r in caps.kernel_block_sizes)
+    ]
+    served = [o for o in options if caps.kernel_block_size_for(o) is not None]
+    if not served:
+        raise ValidationError(
+            f"backend {backend.platform}:{backend.name} declares no kernel block size serving "
+            f"block size {configured} ({[str(r) for r in caps.kernel_block_sizes]})"
+        )
+    return min(served)
+
+
+# --------------------------------------------------------------------------------------------
+# BlockTables with upstream's expectations
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def omni_block_tables_cls(base: type) -> type[Any]:
+    """``base`` (a diffusion-kv BlockTables class) as vLLM-Omni's runner uses one.
+
+    Built with upstream's keywords (no ``slot_mapping_dtype``: the backend's default is used),
+    table widths rounded like vLLM's ``get_block_table_width`` (to 128 tokens; idempotent, so
+    widths upstream already rounded stay), and ``num_blocks.np``, the NumPy view of the host
+    counts that upstream's row-capacity check and rollback read and write (it shares memory
+    with ``num_blocks.cpu``). The latest instance is kept (weakly) for the backends of
+    :mod:`.native`, which need the worker's BlockTables.
+    """
+
+    class OmniBlockTables(base):  # type: ignore[misc]
+        default_slot_mapping_dtype: ClassVar[torch.dtype] = torch.int64
+        latest: ClassVar[weakref.ref[Any] | None] = None
+
+        def __init__(
+            self,
+            *,
+            block_sizes: Sequence[int],
+            max_num_blocks_per_group: Sequence[int],
+            slot_mapping_dtype: torch.dtype | None = None,
+            **kwargs: Any,
+        ) -> None:
+            widths = [
+                block_table_width(cap, bs, TOKEN_ALIGNMENT) if type(cap) is int and cap > 0 else cap
+                for cap, bs in zip(max_num_blocks_per_group, block_sizes, strict=False)
+            ]
+            super().__init__(
+                block_sizes=block_sizes,
+                max_num_blocks_per_group=widths,
+                slot_mapping_dtype=slot_mapping_dtype or self.default_slot_mapping_dtype,
+                **kwargs,
+            )
+            counts = self.num_blocks
+            if not hasattr(counts, "np"):
+                counts.np = counts.cpu.numpy()
+            type(self).latest = weakref.ref(self)
+
+    OmniBlockTables.__name__ = OmniBlockTables.__qualname__ = f"Omni{base.__name__}"
+    return OmniBlockTables
+
+
+def latest_block_tables(cls: type) -> Any:
+    """The newest live instance of an :func:`omni_block_tables_cls` class."""
+    ref = getattr(cls, "latest", None)
+    instance = ref() if ref is not None else None
+    if instance is None:
+        raise StateError(f"no {cls.__name__} has been built yet (vLLM-Omni builds it in initialize_kv_cache)")
+    return instance
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream metadata keywords -> PagedBatch
+# --------------------------------------------------------------------------------------------
+
+
+def group_causal(causal: bool | Mapping[int, bool], group: int, mode: AttentionMode) -> AttentionMode:
+    """The mode of group ``group`` for one build: a causal group may be built full (a piecewise
+    full segment), a full group stays full."""
+    wanted = causal.get(group, True) if isinstance(causal, Mapping) else causal
+    return AttentionMode.CAUSAL if mode is AttentionMode.CAUSAL and bool(wanted) else AttentionMode.FULL
+
+
+def paged_batch(
+    group: int,
+    mode: AttentionMode,
+    *,
+    num_reqs: int,
+    num_tokens: int,
+    query_start_loc_gpu: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor,
+    max_query_len: int,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    block_tables: Sequence[torch.Tensor],
+    slot_mappings: torch.Tensor,
+    positions: torch.Tensor | None,
+    seq_lens_cpu: torch.Tensor | None = None,
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None,
+    dcp_local_seq_lens: torch.Tensor | None = None,
+    causal: bool | Mapping[int, bool] = True,
+) -> PagedBatch:
+    """One KV-cache group's :class:`PagedBatch` from upstream's metadata keywords."""
+    host_seq = seq_lens_cpu if seq_lens_cpu is not None else seq_lens_cpu_upper_bound
+    if host_seq is None:
+        raise ValidationError("build_diffusion_kv_attn_metadata needs seq_lens_cpu (host copy of seq_lens)")
+    if positions is None:
+        raise ValidationError("build_diffusion_kv_attn_metadata needs positions")
+    return PagedBatch(
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        query_start_loc=query_start_loc_gpu,
+        query_start_loc_cpu=query_start_loc_cpu,
+        max_query_len=max_query_len,
+        seq_lens=seq_lens,
+        seq_lens_cpu=host_seq,
+        max_seq_len=max_seq_len,
+        positions=positions,
+        block_table=block_tables[group],
+        slot_mapping=slot_mappings[group],
+        mode=group_causal(causal, group, mode),
+        dcp_local_seq_lens=dcp_local_seq_lens,
+        dcp_local_seq_lens_cpu=dcp_local_seq_lens.cpu() if dcp_local_seq_lens is not None else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The paged backend serving vLLM-Omni for one ``VllmConfig``."""
+
+    platform: Platform
+    backend: type[PagedBackend]
+    requirements: Requirements
+
+    @property
+    def key(self) -> str:
+        return f"{self.platform.name}:{self.backend.name}"
+
+    @property
+    def vllm_native(self) -> bool:
+        return is_vllm_native(self.backend)
+
+
+def _od_parallel(od_config: Any) -> tuple[int, int]:
+    parallel = getattr(od_config, "parallel_config", None)
+    return int(getattr(parallel, "ulysses_degree", 1) or 1), int(getattr(parallel, "ring_degree", 1) or 1)
+
+
+class DiffusionKVPlatformHooks:
+    """Platform-neutral answers to vLLM-Omni's diffusion-KV hooks (see the module docstring).
+
+    ``platform`` defaults to :func:`diffusion_kv.platforms.get_platform` (``DIFFUSION_KV_PLATFORM``
+    or detection), resolved on first use.
+    """
+
+    def __init__(self, platform: Platform | None = None) -> None:
+        self._platform = platform
+        self._last: Decision | None = None
+
+    @property
+    def platform(self) -> Platform:
+        if self._platform is None:
+            from diffusion_kv.platforms.selection import get_platform
+
+            self._platform = get_platform()
+        return self._platform
+
+    # -- deciding ------------------------------------------------------------------------------
+
+    def requirements(
+        self, vllm_config: Any, od_config: Any = None, ulysses_degree: int | None = None
+    ) -> Requirements:
+        """What a vLLM-Omni config asks of a backend (the head geometry is known only later)."""
+        model = getattr(vllm_config, "model_config", None)
+        dtype = getattr(od_config, "dtype", None) if od_config is not None else None
+        if not isinstance(dtype, torch.dtype):
+            dtype = getattr(model, "dtype", None)
+        if ulysses_degree is None:
+            ulysses_degree = _od_parallel(od_config)[0] if od_config is not None else 1
+        parallel = getattr(vllm_config, "parallel_config", None)
+        return Requirements(
+            dtype=dtype if isinstance(dtype, torch.dtype) else None,
+            ulysses_degree=ulysses_degree,
+            dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        )
+
+    def decide(self, requirements: Requirements) -> Decision:
+        decision = Decision(self.platform, self.platform.select_backend(requirements), requirements)
+        self._last = decision
+        return decision
+
+    def backend_by_key(self, key: str) -> type[PagedBackend]:
+        platform_name, _, name = key.partition(":")
+        if platform_name != self.platform.name:
+            raise ValidationError(
+                f"this VllmConfig was configured for diffusion-kv backend {key!r}, but the platform here is "
+                f"{self.platform.name!r}"
+            )
+        for backend in self.platform.candidate_backends():
+            if backend.name == name:
+                return backend
+        raise ValidationError(f"diffusion-kv backend {key!r} recorded in the VllmConfig is not installed")
+
+    def configure(self, vllm_config: Any, od_config: Any) -> Decision:
+        """Choose the backend for a paged ``vllm_config`` and apply its cache geometry and layout
+        (``configure_diffusion_vllm_config``)."""
+        decision = self.decide(self.requirements(vllm_config, od_config))
+        cache = vllm_config.cache_config
+        block = block_size_for(decision.backend, int(cache.block_size))
+        cache.block_size = block
+        decision = self.decide(
+            Requirements(
+                dtype=decision.requirements.dtype,
+                block_size=block,
+                ulysses_degree=decision.requirements.ulysses_degree,
+                dcp_size=decision.requirements.dcp_size,
+            )
+        )
+        layout = kv_cache_layout_for(decision.backend)
+        if layout is not None and getattr(cache, "kv_cache_layout", "absent") is None:
+            cache.kv_cache_layout = layout
+        extra = getattr(vllm_config, "additional_config", None)
+        if isinstance(extra, dict):
+            extra[CONFIG_KEY] = decision.key
+        return decision
+
+    def decision_for(self, vllm_config: Any | None, ulysses_degree: int | None = None) -> Decision:
+        """The decision recorded in ``vllm_config``; else the last one made here; else a fresh
+        one for what ``vllm_config`` says."""
+        extra = getattr(vllm_config, "additional_config", None)
+        key = extra.get(CONFIG_KEY) if isinstance(extra, Mapping) else None
+        if isinstance(key, str):
+            if self._last is not None and self._last.key == key:
+                return self._last
+            backend = self.backend_by_key(key)
+            requirements = self.requirements(vllm_config)
+            decision = Decision(self.platform, backend, requirements)
+            self._last = decision
+            return decision
+        if self._last is not None:
+            return self._last
+        cache = getattr(vllm_config, "cache_config", None)
+        requirements = self.requirements(vllm_config, ulysses_degree=ulysses_degree)
+        block = getattr(cache, "block_size", None)
+        if type(block) is int and block > 0:
+            requirements = Requirements(
+                dtype=requirements.dtype,
+                block_size=block,
+                ulysses_degree=requirements.ulysses_degree,
+                dcp_size=requirements.dcp_size,
+            )
+        return self.decide(requirements)
+
+    def ulysses_reasons(self, backend: type[PagedBackend], ulysses_degree: int) -> list[str]:
+        """Why ``backend`` cannot page under strict Ulysses of ``ulysses_degree`` (empty: it can)."""
+        if type(ulysses_degree) is not int or ulysses_degree <= 0:
+            raise ValidationError(f"ulysses_degree must be a positive integer; got {ulysses_degree!r}")
+        if ulysses_degree == 1:
+            return []
+        return self.platform.backend_reasons(backend, Requirements(ulysses_degree=ulysses_degree))
+
+    # -- the parts -----------------------------------------------------------------------------
+
+    def block_tables_cls(self, backend: type[PagedBackend]) -> type[Any]:
+        """``backend``'s BlockTables class as vLLM-Omni's runner builds and uses it."""
+        cls = omni_block_tables_cls(backend.block_tables_cls())
+        slots = backend.capabilities.slot_mapping_dtypes
+        cls.default_slot_mapping_dtype = torch.int64 if torch.int64 in slots else torch.int32
+        return cls
+
+    @staticmethod
+    def requires_prewrite() -> bool:
+        """The core (and the wrapped backends) write each layer's K/V once, then attention reads
+        pages only."""
+        return True
+
+
+__all__ = [
+    "CONFIG_KEY",
+    "PAGE_LAYOUT_KV_CACHE_LAYOUT",
+    "TOKEN_ALIGNMENT",
+    "Decision",
+    "DiffusionKVPlatformHooks",
+    "block_size_for",
+    "current_vllm_config",
+    "group_causal",
+    "is_vllm_native",
+    "kv_cache_layout_for",
+    "latest_block_tables",
+    "omni_block_tables_cls",
+    "paged_batch",
+]
