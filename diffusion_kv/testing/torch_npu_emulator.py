@@ -1,21 +1,36 @@
 """A pure-PyTorch stand-in for the few ``torch_npu`` operators diffusion-kv uses.
 
 The real ``torch_npu`` cannot be imported without the CANN toolkit, so the npu plugin is tested
-on CPU against this emulator. It is faithful in two ways:
+on CPU against this emulator. It is held to the released wheels (torch-npu 2.10.0.post4, the
+targeted build, and 2.14.0, whose texts for these operators are identical):
 
-* **math**: every operator computes what the Ascend documentation specifies (float32
-  accumulation, output in the query dtype), on CPU tensors;
-* **contract**: it rejects what the real operator rejects - a wrong ``input_layout``, dtype,
-  mask or ``cache_mode``, non-contiguous inputs, an int64 block table, a non-monotone
-  cumulative length list, limits on heads and head size - raising :class:`EmulatedNpuError`
-  (a ``RuntimeError``, like torch_npu's operator errors). Features the emulator does not model
-  (quantisation, rope, shared prefixes, non-TND layouts...) raise ``NotImplementedError``.
+* **schemas**: every operator carries the schema string of the wheel's own registration
+  (``torch_npu/lib/libtorch_npu.so``; the ATB operators: ``libop_plugin_atb.so``). In the CI lane
+  ``ci/npu_contract_lane.sh`` the operators are *bound* to the downloaded wheels
+  (:mod:`diffusion_kv.testing.npu_contract`): they become ``torch.library`` operators with the
+  wheel's schema, this emulator as their CPU kernel and the wheel's own meta function as their
+  Meta kernel, so argument names, defaults and output shapes are the wheel's;
+* **math**: every operator computes what the documentation specifies (float32 accumulation,
+  output in the query dtype), on CPU tensors;
+* **contract**: it refuses what the documentation (``torch_npu/_op_plugin_docs.py``) refuses,
+  raising :class:`EmulatedNpuError` (a ``RuntimeError``, like torch_npu's operator errors):
+  a wrong ``input_layout``, dtype, mask or ``cache_mode``, non-contiguous inputs, slots outside
+  ``[0, blocks * block_size - 1]``, and the TND layout's limits (bfloat16, head sizes 128/192,
+  ``T`` and row counts, sparse modes 0/3/4, query length < KV length for ``sparse_mode=3``);
+* **honesty about gaps**: valid inputs it does not model (quantisation, rope, shared prefixes,
+  other layouts, 5-D NZ caches, int8 queries, undocumented behaviour) raise
+  ``NotImplementedError`` saying "not emulated", never an error that claims the op refuses.
+
+Two behaviours are modelled although the documentation leaves them open (docs/ascend.md,
+"first checks for a hardware run"): ``sparse_mode=3`` with a query as long as its keys is
+accepted (``EmulatorProfile.literal_sparse3`` refuses it, as the text reads literally), and
+rows with no visible key produce zeros. Combinations outside the TND documentation (float16,
+other head sizes) are refused unless ``EmulatorProfile.unverified_tnd`` is set, which tests use
+to exercise them on purpose, never as evidence that they work on hardware.
 
 Every completed call is recorded in :attr:`TorchNpuEmulator.calls` so tests can count writes
-and attention calls.
-
-Use it through :func:`emulated_torch_npu`, which installs the emulator's module as
-``sys.modules["torch_npu"]`` for the duration of a ``with`` block. The module carries
+and attention calls. Use it through :func:`emulated_torch_npu`, which installs the emulator's
+module as ``sys.modules["torch_npu"]`` for the duration of a ``with`` block. The module carries
 ``__diffusion_kv_emulator__ = True``; the npu plugin reads that marker to report itself
 available ("torch_npu emulator (CPU)") and to place its tensors on the CPU.
 """
@@ -23,72 +38,104 @@ available ("torch_npu emulator (CPU)") and to place its tensors on the CPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from diffusion_kv.platforms.npu.kernels import EMULATOR_ATTRIBUTE
+from diffusion_kv.platforms.npu.kernels import EMULATOR_ATB_ATTRIBUTE, EMULATOR_ATTRIBUTE
 
 __all__ = [
+    "EMULATED_OPS",
     "EmulatedCall",
     "EmulatedNpuError",
     "EmulatedOp",
     "EmulatorProfile",
+    "OpSpec",
     "TorchNpuEmulator",
     "emulated_torch_npu",
 ]
 
 MASK_SIZE = 2048
 INT32_MAX = 2147483647
-KNOWN_LAYOUTS = {
+
+LAYOUTS = {
     "BSH": 3,
     "BSND": 4,
     "BNSD": 4,
     "TND": 3,
     "NTD": 3,
     "BNSD_BSND": 4,
+    "BSH_BNSD": 3,
+    "BSND_BNSD": 4,
+    "NTD_TND": 3,
     "BSH_NBSD": 3,
     "BSND_NBSD": 4,
     "BNSD_NBSD": 4,
     "TND_NTD": 3,
-    "NTD_TND": 3,
+    "NSD": 3,
 }
-"""Every ``input_layout`` FIA accepts, with the query rank it implies."""
+"""Every ``input_layout`` the wheels' meta registration of FIA accepts, with the query rank it
+implies (``get_query_and_attention_out_layout`` in ``op_plugin/meta/_meta_registrations.py``).
+Only ``TND`` is emulated; the others are valid but "not emulated"."""
 
 FIA_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
-SCATTER_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
+TND_DTYPES = (torch.bfloat16,)
+"""The TND constraints of both FIA entry points: bfloat16 only."""
+TND_HEAD_SIZES = ((128, 128), (192, 128), (192, 192))
+"""``(query/key head size, value head size)`` pairs the TND constraints list (v2 page; the v1
+page lists the 192 rows only)."""
+TND_MAX_TOKENS = {"v1": 65536, "v2": 1 << 20}
+"""``T`` of a TND call: "T<=65536" (v1 page), "T<=1M" (v2 page)."""
+MAX_BATCHES = {"v1": 65536, "v2": 4096}
+"""Batch entries: B <= 65536 (v1, multi-token queries); TND length lists <= 4096 (v2 page)."""
+TND_SPARSE_MODES = (0, 3, 4)
+"""TND: sparse_mode 0 without a mask, 3 with the compressed mask, or 4 with it."""
+UNIMPLEMENTED_SPARSE_MODES = (5, 6, 7, 8)
+"""Prefix, global, dilated, block_local: documented as not implemented."""
+
+SCATTER_DTYPES = tuple(
+    d
+    for d in (
+        torch.float16,
+        torch.float32,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        getattr(torch, "uint16", None),
+        torch.int32,
+        getattr(torch, "uint32", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fn", None),
+    )
+    if d is not None
 )
+"""The scatter writer's documented dtypes that torch has (hifloat8 is a torch_npu dtype)."""
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 SCATTER_SCHEMA = (
-    "npu::npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
     "Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> ()"
 )
 SCATTER_SCHEMA_NO_CACHE_MODE = (
-    "npu::npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
     "Tensor? seq_lens=None) -> ()"
 )
 RESHAPE_AND_CACHE_SCHEMA = (
-    "atb::_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_indices) -> ()"
 )
-FIA_SCHEMA = (
-    "npu::npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+_FIA_ARGUMENTS = (
+    "Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
     "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
     "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
     "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
@@ -100,13 +147,85 @@ FIA_SCHEMA = (
     "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout='BSH', "
     "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
     "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
-    "bool softmax_lse_flag=False) -> (Tensor, Tensor)"
+    "bool softmax_lse_flag=False"
+)
+FIA_SCHEMA = f"npu_fused_infer_attention_score({_FIA_ARGUMENTS}) -> (Tensor, Tensor)"
+FIA_OUT_SCHEMA = (
+    f"npu_fused_infer_attention_score.out({_FIA_ARGUMENTS}, Tensor? workspace=None, Tensor[] out) "
+    "-> (Tensor, Tensor)"
+)
+FIA_WORKSPACE_SCHEMA = f"_npu_fused_infer_attention_score_get_max_workspace({_FIA_ARGUMENTS}) -> Tensor"
+FIA_V2_SCHEMA = (
+    "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
+    "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+    "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
+    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
+    "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, "
+    "int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
+    "int next_tokens=2147483647, str input_layout='BSH', int sparse_mode=0, int block_size=0, "
+    "int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, int inner_precise=0, "
+    "bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, int? value_dtype=None, "
+    "int? query_rope_dtype=None, int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+    "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+    "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+    "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> (Tensor, Tensor)"
+)
+_PAGED_ATTENTION_ARGUMENTS = (
+    "Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, int num_heads, float scale_value, "
+    "Tensor block_table, Tensor context_lens, Tensor(a!) out"
 )
 PAGED_ATTENTION_SCHEMA = (
-    "atb::_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
-    "int num_heads, float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out, *, "
-    "Tensor? workspace=None) -> ()"
+    f"_npu_paged_attention({_PAGED_ATTENTION_ARGUMENTS}, *, Tensor? workspace=None) -> ()"
 )
+PAGED_ATTENTION_WORKSPACE_SCHEMA = (
+    f"_npu_paged_attention_get_workspace({_PAGED_ATTENTION_ARGUMENTS}) -> Tensor"
+)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One emulated operator: its name on ``torch_npu``, its registration and its schema."""
+
+    name: str
+    """The attribute on ``torch_npu`` (for an overload, the packet's name)."""
+    namespace: str
+    """``npu`` (aclnn operators in ``libtorch_npu.so``) or ``atb`` (``libop_plugin_atb.so``)."""
+    schema: str
+    """The schema the wheel registers, without the namespace (torch-npu 2.10.0.post4's text)."""
+    method: str
+    """The :class:`TorchNpuEmulator` method that implements it."""
+    overload: str = ""
+
+    @property
+    def qualified(self) -> str:
+        """``namespace::name`` or ``namespace::name.overload``."""
+        return f"{self.namespace}::{self.name}" + (f".{self.overload}" if self.overload else "")
+
+
+EMULATED_OPS: tuple[OpSpec, ...] = (
+    OpSpec("npu_scatter_pa_kv_cache", "npu", SCATTER_SCHEMA, "npu_scatter_pa_kv_cache"),
+    OpSpec("npu_fused_infer_attention_score", "npu", FIA_SCHEMA, "npu_fused_infer_attention_score"),
+    OpSpec(
+        "npu_fused_infer_attention_score", "npu", FIA_OUT_SCHEMA, "npu_fused_infer_attention_score_out", "out"
+    ),
+    OpSpec(
+        "_npu_fused_infer_attention_score_get_max_workspace",
+        "npu",
+        FIA_WORKSPACE_SCHEMA,
+        "_npu_fused_infer_attention_score_get_max_workspace",
+    ),
+    OpSpec("npu_fused_infer_attention_score_v2", "npu", FIA_V2_SCHEMA, "npu_fused_infer_attention_score_v2"),
+    OpSpec("_npu_reshape_and_cache", "atb", RESHAPE_AND_CACHE_SCHEMA, "_npu_reshape_and_cache"),
+    OpSpec("_npu_paged_attention", "atb", PAGED_ATTENTION_SCHEMA, "_npu_paged_attention"),
+    OpSpec(
+        "_npu_paged_attention_get_workspace",
+        "atb",
+        PAGED_ATTENTION_WORKSPACE_SCHEMA,
+        "_npu_paged_attention_get_workspace",
+    ),
+)
+"""Every operator the emulator offers, with the schema the released wheel registers for it."""
 
 _FIA_UNMODELLED = (
     "pse_shift",
@@ -133,7 +252,7 @@ _FIA_UNMODELLED = (
 
 
 class EmulatedNpuError(RuntimeError):
-    """An argument the real operator would reject (the message starts with the op name)."""
+    """An argument the real operator refuses (the message starts with the op name)."""
 
 
 @dataclass(frozen=True)
@@ -155,15 +274,24 @@ class EmulatorProfile:
     """Offer ``npu_scatter_pa_kv_cache``."""
     scatter_cache_mode: bool = True
     """Its schema has ``cache_mode`` (False: the older builds whose schema lacks it)."""
-    reshape_and_cache: bool = True
-    """Offer the ATB ``_npu_reshape_and_cache`` (needs NNAL on hardware)."""
+    nnal_installed: bool = True
+    """The ATB operators' library loads (it needs NNAL's ``libatb.so``). ``_npu_reshape_and_cache``
+    and ``_npu_paged_attention`` exist either way, as in a real torch_npu (lazy wrappers); without
+    NNAL their first call raises ``OSError``."""
     fused_infer_attention: bool = True
     strict_unique_slots: bool = True
-    """Reject duplicate non-negative slots (the real op leaves the result undefined)."""
+    """Refuse duplicate slots (the scatter writer leaves the result undefined)."""
     strict_mask_content: bool = True
     """Check that a compressed mask really is ``triu(ones(2048, 2048), 1)``."""
     strict_block_size: bool = True
     """With multi-token queries, require block_size a multiple of 128 in [128, 512]."""
+    unverified_tnd: bool = False
+    """UNVERIFIED combinations: also accept TND calls the wheels' TND text does not list
+    (float16; any head size <= 512 that is a multiple of 16). For tests that exercise such
+    combinations on purpose; it is not evidence that hardware accepts them."""
+    literal_sparse3: bool = False
+    """Read the TND text's "query length < KV length per batch" for ``sparse_mode=3`` literally
+    and refuse equal lengths too (off: equal lengths are accepted, an open point)."""
 
 
 class EmulatedOp:
@@ -189,8 +317,87 @@ class EmulatedOp:
         return f"<emulated torch_npu op {self.__name__}>"
 
 
+class ContractBinding(Protocol):
+    """What the emulator needs of a binding to the released wheels (see :mod:`.npu_contract`)."""
+
+    def overload(self, qualified: str) -> Any | None:
+        """The ``torch.ops`` overload bound for ``namespace::name[.overload]``, or None."""
+
+
+_BINDING: list[ContractBinding] = []
+_CURRENT: contextvars.ContextVar[TorchNpuEmulator | None] = contextvars.ContextVar(
+    "diffusion_kv_npu_emulator", default=None
+)
+
+
+def set_contract_binding(binding: ContractBinding | None) -> None:
+    """Make emulators built from now on expose ``binding``'s operators (None: their own)."""
+    _BINDING[:] = [binding] if binding is not None else []
+
+
+def contract_binding() -> ContractBinding | None:
+    return _BINDING[0] if _BINDING else None
+
+
+def current_emulator() -> TorchNpuEmulator:
+    """The emulator whose bound operator is being called (the bound CPU kernels read it)."""
+    emulator = _CURRENT.get()
+    if emulator is None:
+        raise RuntimeError("a bound torch_npu operator was called outside an emulator (use emulator.module)")
+    return emulator
+
+
+class BoundOp:
+    """An emulator operator that goes through a ``torch.library`` registration with the wheel's
+    schema (CPU kernel: this emulator; Meta kernel: the wheel's own)."""
+
+    def __init__(self, emulator: TorchNpuEmulator, name: str, overload: Any, out: Any | None = None) -> None:
+        self.__name__ = name
+        self._emulator = emulator
+        self._overload = overload
+        if out is not None:
+            self.out = BoundOp(emulator, f"{name}.out", out)
+
+    @property
+    def default(self) -> Any:
+        """The bound ``torch.ops`` overload (``._schema`` is the wheel's schema)."""
+        return self._overload
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        token = _CURRENT.set(self._emulator)
+        try:
+            return self._overload(*args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+
+    def __repr__(self) -> str:
+        return f"<torch_npu op {self.__name__} bound to {self._overload._schema.name}>"
+
+
+class _NnalMissing:
+    """An ATB operator whose library did not load: torch_npu's lazy wrapper raises on call."""
+
+    def __init__(self, name: str, inner: Any) -> None:
+        self.__name__ = name
+        self._inner = inner
+
+    @property
+    def default(self) -> Any:
+        return self._inner.default
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(
+            f"{self.__name__}: libatb.so: cannot open shared object file: No such file or directory "
+            "(emulated: NNAL is not installed)"
+        )
+
+
 def _fail(op: str, message: str) -> EmulatedNpuError:
     return EmulatedNpuError(f"{op}: {message}")
+
+
+def _not_emulated(op: str, message: str) -> NotImplementedError:
+    return NotImplementedError(f"{op}: {message} (valid, but not emulated)")
 
 
 def _require_contiguous(op: str, **tensors: torch.Tensor | None) -> None:
@@ -287,6 +494,8 @@ class TorchNpuEmulator:
         self.profile = profile or EmulatorProfile()
         self.calls: list[EmulatedCall] = []
         self._checked_masks: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
+        self.binding = contract_binding()
+        """The binding to a released wheel in force when this emulator was built (or None)."""
         self.module = self._build_module()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -306,43 +515,50 @@ class TorchNpuEmulator:
         shapes, dtypes = _describe(tensors)
         self.calls.append(EmulatedCall(op, shapes, dtypes, dict(args)))
 
+    def _op(self, spec: OpSpec, out: OpSpec | None = None) -> Any:
+        """``spec`` as ``torch_npu`` offers it: bound to the wheel when a binding is in force."""
+        binding = self.binding
+        bound = binding.overload(spec.qualified) if binding is not None else None
+        if bound is not None:
+            bound_out = binding.overload(out.qualified) if binding is not None and out is not None else None
+            return BoundOp(self, spec.name, bound, bound_out)
+        return EmulatedOp(
+            spec.name,
+            spec.schema,
+            getattr(self, spec.method),
+            out=getattr(self, out.method) if out is not None else None,
+        )
+
     def _build_module(self) -> types.ModuleType:
         module = types.ModuleType("torch_npu", "diffusion-kv's pure-torch emulator of torch_npu (CPU)")
         module.__spec__ = ModuleSpec("torch_npu", loader=None, origin=__name__)
         module.__version__ = self.profile.version  # type: ignore[attr-defined]
         setattr(module, EMULATOR_ATTRIBUTE, True)
+        setattr(module, EMULATOR_ATB_ATTRIBUTE, self.profile.nnal_installed)
         module.emulator = self  # type: ignore[attr-defined]
         p = self.profile
+        specs = {s.qualified: s for s in EMULATED_OPS}
         if p.scatter_pa_kv_cache:
             if p.scatter_cache_mode:
-                module.npu_scatter_pa_kv_cache = EmulatedOp(  # type: ignore[attr-defined]
-                    "npu_scatter_pa_kv_cache", SCATTER_SCHEMA, self.npu_scatter_pa_kv_cache
-                )
+                module.npu_scatter_pa_kv_cache = self._op(specs["npu::npu_scatter_pa_kv_cache"])  # type: ignore[attr-defined]
             else:
                 module.npu_scatter_pa_kv_cache = EmulatedOp(  # type: ignore[attr-defined]
                     "npu_scatter_pa_kv_cache", SCATTER_SCHEMA_NO_CACHE_MODE, self._scatter_without_cache_mode
                 )
-        if p.reshape_and_cache:
-            module._npu_reshape_and_cache = EmulatedOp(  # type: ignore[attr-defined]
-                "_npu_reshape_and_cache", RESHAPE_AND_CACHE_SCHEMA, self._npu_reshape_and_cache
-            )
         if p.fused_infer_attention:
-            module.npu_fused_infer_attention_score = EmulatedOp(  # type: ignore[attr-defined]
-                "npu_fused_infer_attention_score",
-                FIA_SCHEMA,
-                self.npu_fused_infer_attention_score,
-                out=self.npu_fused_infer_attention_score_out,
+            module.npu_fused_infer_attention_score = self._op(  # type: ignore[attr-defined]
+                specs["npu::npu_fused_infer_attention_score"],
+                specs["npu::npu_fused_infer_attention_score.out"],
             )
-            module._npu_fused_infer_attention_score_get_max_workspace = (  # type: ignore[attr-defined]
-                self._npu_fused_infer_attention_score_get_max_workspace
+            module._npu_fused_infer_attention_score_get_max_workspace = self._op(  # type: ignore[attr-defined]
+                specs["npu::_npu_fused_infer_attention_score_get_max_workspace"]
             )
-            module.npu_fused_infer_attention_score_v2 = (  # type: ignore[attr-defined]
-                self.npu_fused_infer_attention_score_v2
+            module.npu_fused_infer_attention_score_v2 = self._op(  # type: ignore[attr-defined]
+                specs["npu::npu_fused_infer_attention_score_v2"]
             )
-        module._npu_paged_attention = EmulatedOp(  # type: ignore[attr-defined]
-            "_npu_paged_attention", PAGED_ATTENTION_SCHEMA, self._npu_paged_attention
-        )
-        module._npu_paged_attention_get_workspace = self._npu_paged_attention_get_workspace  # type: ignore[attr-defined]
+        for name in ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_paged_attention_get_workspace"):
+            op = self._op(specs[f"atb::{name}"])
+            setattr(module, name, op if p.nnal_installed else _NnalMissing(name, op))
         utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": "")
         module.npu = types.SimpleNamespace(utils=utils, is_available=lambda: False)  # type: ignore[attr-defined]
         return module
@@ -366,11 +582,11 @@ class TorchNpuEmulator:
 
         ``cache_mode`` ``None`` or ``"Norm"``: ND caches ``[NB, BS, KVH, D]``. ``"PA_NZ"`` (the
         default): NZ caches ``[NB, KVH*D/L, BS, L]`` with ``L = 32 bytes / element size``.
-        Negative slots are skipped.
+        Every slot must lie in ``[0, NB*BS - 1]`` (the documented range: no padding value).
         """
         op = "npu_scatter_pa_kv_cache"
         if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
-            raise NotImplementedError(f"{op}: the KV-compression scenario (4-D key/value) is not emulated")
+            raise _not_emulated(op, "the KV-compression scenario (4-D key/value) is")
         if cache_mode not in (None, "Norm", "PA_NZ"):
             raise _fail(op, f"cache_mode must be 'Norm' or 'PA_NZ'; got {cache_mode!r}")
         nz = cache_mode == "PA_NZ"
@@ -403,13 +619,13 @@ class TorchNpuEmulator:
                         op,
                         f"cache_mode={cache_mode!r} expects {name} of shape {want}; got {tuple(cache.shape)}",
                     )
-        keep, slots = self._check_slots(op, slot_mapping, nb * bs)
+        slots = self._check_slots(op, slot_mapping, nb * bs)
         if nz:
-            self._write_nz(key[keep], key_cache, slots, bs)
-            self._write_nz(value[keep], value_cache, slots, bs)
+            self._write_nz(key, key_cache, slots, bs)
+            self._write_nz(value, value_cache, slots, bs)
         else:
-            key_cache.view(nb * bs, kv_heads, dk).index_copy_(0, slots, key[keep])
-            value_cache.view(nb * bs, kv_heads, dv).index_copy_(0, slots, value[keep])
+            key_cache.view(nb * bs, kv_heads, dk).index_copy_(0, slots, key)
+            value_cache.view(nb * bs, kv_heads, dv).index_copy_(0, slots, value)
         self._record(
             op,
             {
@@ -447,7 +663,11 @@ class TorchNpuEmulator:
         value_cache: torch.Tensor,
         slot_indices: torch.Tensor,
     ) -> None:
-        """The ATB writer, ND layout: caches ``[NB, BS, KVH, D]``, int32 ``slot_indices``."""
+        """The ATB writer, ND layout: caches ``[NB, BS, KVH, D]``, int32 ``slot_indices``.
+
+        The released wheels carry no documentation of this operator; what a negative slot does
+        is therefore "not emulated".
+        """
         op = "_npu_reshape_and_cache"
         self._check_writer_inputs(op, key, value, key_cache, value_cache, slot_indices, (torch.int32,))
         _tokens, kv_heads, dk = key.shape
@@ -456,9 +676,11 @@ class TorchNpuEmulator:
         for name, cache, d in (("key_cache", key_cache, dk), ("value_cache", value_cache, dv)):
             if tuple(cache.shape) != (nb, bs, kv_heads, d):
                 raise _fail(op, f"{name} must be [{nb}, {bs}, {kv_heads}, {d}]; got {tuple(cache.shape)}")
-        keep, slots = self._check_slots(op, slot_indices, nb * bs)
-        key_cache.view(nb * bs, kv_heads, dk).index_copy_(0, slots, key[keep])
-        value_cache.view(nb * bs, kv_heads, dv).index_copy_(0, slots, value[keep])
+        if slot_indices.numel() and int(slot_indices.min()) < 0:
+            raise _not_emulated(op, "negative slot_indices (no released documentation says what they do) are")
+        slots = self._check_slots(op, slot_indices, nb * bs)
+        key_cache.view(nb * bs, kv_heads, dk).index_copy_(0, slots, key)
+        value_cache.view(nb * bs, kv_heads, dv).index_copy_(0, slots, value)
         self._record(
             op,
             {
@@ -508,15 +730,20 @@ class TorchNpuEmulator:
                 op, f"slots must be 1-D with one entry per token ({key.shape[0]}); got {tuple(slots.shape)}"
             )
 
-    def _check_slots(self, op: str, slots: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_slots(self, op: str, slots: torch.Tensor, capacity: int) -> torch.Tensor:
         values = slots.to(torch.long)
-        keep = values >= 0
-        chosen = values[keep]
-        if chosen.numel() and int(chosen.max()) >= capacity:
-            raise _fail(op, f"slot {int(chosen.max())} is outside the cache ({capacity} slots)")
-        if self.profile.strict_unique_slots and chosen.numel() != torch.unique(chosen).numel():
+        if values.numel():
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= capacity:
+                bad = low if low < 0 else high
+                raise _fail(
+                    op,
+                    f"slot {bad} is outside [0, {capacity - 1}] (the documented range; "
+                    "there is no padding value: drop padding tokens before the call)",
+                )
+        if self.profile.strict_unique_slots and values.numel() != torch.unique(values).numel():
             raise _fail(op, "duplicate slots (the result would be undefined on hardware)")
-        return keep, chosen
+        return values
 
     @staticmethod
     def _write_nz(src: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
@@ -573,14 +800,16 @@ class TorchNpuEmulator:
         """FIA for TND queries, over paged caches (``block_table``) or dense TND K/V.
 
         Returns ``(attention_out [T, N, Dv] in the query dtype, softmax_lse)``; ``softmax_lse``
-        is float32 ``[T, N, 1]`` with ``softmax_lse_flag``, else a one-element zero tensor.
+        is float32 ``[T, N, 1]`` with ``softmax_lse_flag``, else an empty ``[0]`` tensor (what
+        the wheel's meta registration returns; its docstring says ``[1]``).
         """
-        unmodelled = locals()
-        given = [name for name in _FIA_UNMODELLED if unmodelled[name] is not None]
+        arguments = locals()
+        given = [name for name in _FIA_UNMODELLED if arguments[name] is not None]
         if given:
-            raise NotImplementedError(f"npu_fused_infer_attention_score: {given} are not emulated")
+            raise _not_emulated("npu_fused_infer_attention_score", f"{given} are")
         return self._fia(
             "npu_fused_infer_attention_score",
+            "v1",
             query,
             key,
             value,
@@ -625,7 +854,10 @@ class TorchNpuEmulator:
             out[1].copy_(lse)
         return out[0], out[1]
 
-    def _npu_fused_infer_attention_score_get_max_workspace(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _npu_fused_infer_attention_score_get_max_workspace(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """A workspace for graph capture: the emulator needs none (an empty byte tensor)."""
         return torch.empty(0, dtype=torch.uint8)
 
     def npu_fused_infer_attention_score_v2(
@@ -653,13 +885,20 @@ class TorchNpuEmulator:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The renamed-argument v2 entry point, plus the optional per-head ``learnable_sink``."""
         op = "npu_fused_infer_attention_score_v2"
-        given = sorted(k for k, v in unmodelled.items() if v is not None)
+        defaults = {"query_quant_mode": 0, "key_quant_mode": 0, "value_quant_mode": 0}
+        given = sorted(k for k, v in unmodelled.items() if v is not None and v != defaults.get(k))
         if given:
-            raise NotImplementedError(f"{op}: {given} are not emulated")
-        if learnable_sink is not None and tuple(learnable_sink.shape) != (num_query_heads,):
-            raise _fail(op, f"learnable_sink must be [{num_query_heads}]; got {tuple(learnable_sink.shape)}")
+            raise _not_emulated(op, f"{given} are")
+        if learnable_sink is not None:
+            if tuple(learnable_sink.shape) != (num_query_heads,):
+                raise _fail(
+                    op, f"learnable_sink must be [{num_query_heads}]; got {tuple(learnable_sink.shape)}"
+                )
+            if learnable_sink.dtype != torch.bfloat16:
+                raise _fail(op, f"learnable_sink must be bfloat16; got {learnable_sink.dtype}")
         return self._fia(
             op,
+            "v2",
             query,
             key,
             value,
@@ -683,6 +922,7 @@ class TorchNpuEmulator:
     def _fia(
         self,
         op: str,
+        entry: str,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -705,6 +945,7 @@ class TorchNpuEmulator:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._fia_validate(
             op,
+            entry,
             query,
             key,
             value,
@@ -718,6 +959,8 @@ class TorchNpuEmulator:
             sparse_mode,
             inner_precise,
             block_size,
+            pre_tokens,
+            next_tokens,
         )
         tokens = query.shape[0]
         out = torch.zeros((tokens, plan.num_heads, plan.head_size_v), dtype=torch.float32)
@@ -726,7 +969,7 @@ class TorchNpuEmulator:
         for b, (q0, q1, kv_len) in enumerate(plan.batches):
             if q1 == q0:
                 continue
-            if kv_len == 0:  # no keys: zero output, lse = -inf
+            if kv_len == 0:  # no keys (an open point on hardware): zero output, lse = -inf
                 lse[q0:q1] = float("-inf")
                 continue
             if plan.paged:
@@ -757,7 +1000,7 @@ class TorchNpuEmulator:
             actual_seq_lengths=list(actual_seq_lengths or ()),
             actual_seq_lengths_kv=list(actual_seq_lengths_kv or ()),
         )
-        lse_out = lse[..., None] if softmax_lse_flag else torch.zeros(1, dtype=torch.float32)
+        lse_out = lse[..., None] if softmax_lse_flag else torch.empty(0, dtype=torch.float32)
         return out.to(query.dtype), lse_out
 
     def _gather_pages(
@@ -784,6 +1027,7 @@ class TorchNpuEmulator:
     def _fia_validate(
         self,
         op: str,
+        entry: str,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -797,27 +1041,43 @@ class TorchNpuEmulator:
         sparse_mode: int,
         inner_precise: int,
         block_size: int,
+        pre_tokens: int,
+        next_tokens: int,
     ) -> _FiaPlan:
-        if input_layout not in KNOWN_LAYOUTS:
-            raise _fail(op, f"input_layout {input_layout!r} is not one of {sorted(KNOWN_LAYOUTS)}")
-        if query.dim() != KNOWN_LAYOUTS[input_layout]:
+        if input_layout not in LAYOUTS:
+            raise _fail(op, f"input_layout {input_layout!r} is not one of {sorted(LAYOUTS)}")
+        if query.dim() != LAYOUTS[input_layout]:
             raise _fail(
                 op,
-                f"input_layout {input_layout} needs a {KNOWN_LAYOUTS[input_layout]}-D query; got {query.dim()}-D",
+                f"input_layout {input_layout} needs a {LAYOUTS[input_layout]}-D query; got {query.dim()}-D",
             )
         if input_layout != "TND":
-            raise NotImplementedError(f"{op}: only input_layout='TND' is emulated; got {input_layout!r}")
+            raise _not_emulated(op, f"input_layout={input_layout!r} is (only 'TND' is modelled)")
         _require_contiguous(op, query=query, key=key, value=value)
+        if query.dtype == torch.int8:
+            raise _not_emulated(op, "an int8 (quantised) query is")
         if query.dtype not in FIA_FLOAT_DTYPES:
-            raise _fail(op, f"query dtype must be float16 or bfloat16; got {query.dtype}")
+            raise _fail(op, f"query dtype must be float16, bfloat16 or int8; got {query.dtype}")
+        if key.dtype in (torch.int8, torch.int32) or value.dtype in (torch.int8, torch.int32):
+            raise _not_emulated(
+                op, f"int8/int4 (pseudo-quantised) key/value ({key.dtype}, {value.dtype}) are"
+            )
         if key.dtype != query.dtype or value.dtype != query.dtype:
             raise _fail(
                 op, f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
             )
+        if query.dtype not in TND_DTYPES and not self.profile.unverified_tnd:
+            raise _fail(
+                op,
+                f"the TND layout takes bfloat16 only; got {query.dtype} "
+                "(unverified combinations: EmulatorProfile(unverified_tnd=True))",
+            )
         if inner_precise not in (0, 1, 2, 3):
             raise _fail(op, f"inner_precise must be 0..3; got {inner_precise}")
         tokens, n, d = query.shape
-        if num_heads != n:
+        if tokens > TND_MAX_TOKENS[entry]:
+            raise _fail(op, f"the TND layout takes T <= {TND_MAX_TOKENS[entry]} query tokens; got {tokens}")
+        if num_heads <= 0 or num_heads != n:
             raise _fail(op, f"num_heads={num_heads} does not match the query's {n} heads")
         kvh = num_key_value_heads or num_heads
         if num_heads > 256 or kvh > 256:
@@ -826,16 +1086,18 @@ class TorchNpuEmulator:
             raise _fail(op, f"num_heads={num_heads} must be a multiple of num_key_value_heads={kvh}")
         if num_heads // kvh > 64:
             raise _fail(op, f"num_heads / num_key_value_heads = {num_heads // kvh} exceeds 64")
-        if d > 512 or d % 8:
-            raise _fail(op, f"head size {d} must be <= 512 and a multiple of 8 for float16/bfloat16")
-        if sparse_mode not in (0, 1, 2, 3, 4):
-            raise _fail(op, f"sparse_mode {sparse_mode} is not supported (0-4)")
+        if d > 512 or d % 16:
+            raise _fail(op, f"head size {d} must be <= 512 and a multiple of 16 for float16/bfloat16")
+        if sparse_mode in UNIMPLEMENTED_SPARSE_MODES:
+            raise _fail(op, f"sparse_mode {sparse_mode} is documented as not implemented")
+        if sparse_mode not in TND_SPARSE_MODES:
+            raise _fail(op, f"sparse_mode {sparse_mode} is not supported with the TND layout (0, 3 or 4)")
         if actual_seq_lengths is None:
             raise _fail(op, "input_layout TND needs actual_seq_lengths (cumulative query ends)")
         cumulative = [int(x) for x in actual_seq_lengths]
         batches = len(cumulative)
-        if batches == 0 or batches > 4096:
-            raise _fail(op, f"actual_seq_lengths must hold 1..4096 entries; got {batches}")
+        if batches == 0 or batches > MAX_BATCHES[entry]:
+            raise _fail(op, f"actual_seq_lengths must hold 1..{MAX_BATCHES[entry]} entries; got {batches}")
         prev = 0
         for x in cumulative:
             if x < prev:
@@ -854,13 +1116,7 @@ class TorchNpuEmulator:
         query_lens = [e - s for s, e in zip(starts, cumulative, strict=True)]
         self._check_mask(op, sparse_mode, atten_mask)
         paged = block_table is not None
-        plan = _FiaPlan(
-            batches=[],
-            num_heads=num_heads,
-            kv_heads=kvh,
-            head_size_v=0,
-            paged=paged,
-        )
+        plan = _FiaPlan(batches=[], num_heads=num_heads, kv_heads=kvh, head_size_v=0, paged=paged)
         if paged:
             assert block_table is not None
             kv_lens = kv
@@ -887,19 +1143,55 @@ class TorchNpuEmulator:
             kv_lens = [e - s for s, e in zip(kv_starts, kv, strict=True)]
             plan.kv_starts = kv_starts
             plan.head_size_v = value.shape[2]
+        if (d, plan.head_size_v) not in TND_HEAD_SIZES and not self.profile.unverified_tnd:
+            raise _fail(
+                op,
+                f"the TND layout takes (query/key, value) head sizes {list(TND_HEAD_SIZES)}; got "
+                f"({d}, {plan.head_size_v}) (unverified combinations: EmulatorProfile(unverified_tnd=True))",
+            )
+        self._check_lengths(op, sparse_mode, query_lens, kv_lens, pre_tokens, next_tokens)
         plan.batches = [(s, e, kl) for s, e, kl in zip(starts, cumulative, kv_lens, strict=True)]
         return plan
+
+    def _check_lengths(
+        self,
+        op: str,
+        sparse_mode: int,
+        query_lens: list[int],
+        kv_lens: list[int],
+        pre_tokens: int,
+        next_tokens: int,
+    ) -> None:
+        if sparse_mode == 3:
+            for b, (ql, kl) in enumerate(zip(query_lens, kv_lens, strict=True)):
+                if ql > kl or (self.profile.literal_sparse3 and ql == kl):
+                    raise _fail(
+                        op,
+                        f"batch {b}: sparse_mode=3 with the TND layout needs the query length below the KV "
+                        f"length; got {ql} query and {kl} KV tokens",
+                    )
+        if sparse_mode == 4:
+            if pre_tokens + next_tokens < 0:
+                raise _fail(
+                    op, f"sparse_mode=4 needs pre_tokens + next_tokens >= 0; got {pre_tokens}, {next_tokens}"
+                )
+            for b, (ql, kl) in enumerate(zip(query_lens, kv_lens, strict=True)):
+                if pre_tokens < -ql or next_tokens < -kl:
+                    raise _fail(
+                        op,
+                        f"batch {b}: sparse_mode=4 needs pre_tokens >= -{ql} and next_tokens >= -{kl}; "
+                        f"got {pre_tokens}, {next_tokens}",
+                    )
 
     def _check_mask(self, op: str, sparse_mode: int, mask: torch.Tensor | None) -> None:
         if sparse_mode == 0:
             if mask is not None:
-                raise NotImplementedError(
-                    f"{op}: sparse_mode=0 with an explicit mask is not emulated for TND "
-                    "(the mask would be applied literally; pass no mask for full attention)"
+                raise _fail(
+                    op,
+                    "the TND layout takes sparse_mode=0 without a mask only "
+                    "(pass no mask for full attention; a mask would be applied literally)",
                 )
             return
-        if sparse_mode == 1:
-            raise NotImplementedError(f"{op}: sparse_mode=1 (allMask) is not emulated for TND")
         if mask is None:
             raise _fail(op, f"sparse_mode={sparse_mode} requires the compressed atten_mask")
         if tuple(mask.shape) not in (
@@ -944,20 +1236,23 @@ class TorchNpuEmulator:
         if block_size <= 0:
             raise _fail(op, "block_size must be > 0 with a block_table")
         multi_token = any(ql > 1 for ql in query_lens)
-        if (
-            self.profile.strict_block_size
-            and multi_token
-            and (block_size % 128 or not 128 <= block_size <= 512)
-        ):
+        if multi_token:
+            if self.profile.strict_block_size and (block_size % 128 or not 128 <= block_size <= 512):
+                raise _fail(
+                    op,
+                    f"block_size {block_size} must be a multiple of 128 in [128, 512] for multi-token queries",
+                )
+        elif block_size > 512 or block_size % 16:
             raise _fail(
-                op,
-                f"block_size {block_size} must be a multiple of 128 in [128, 512] for multi-token queries",
+                op, f"block_size {block_size} must be <= 512 and a multiple of 16 for float16/bfloat16 caches"
             )
         batches = len(kv_lens)
         if block_table.shape[0] != batches:
             raise _fail(op, f"block_table has {block_table.shape[0]} rows; the batch has {batches}")
+        if key.dim() == 5 and value.dim() == 5:
+            raise _not_emulated(op, "5-D (NZ) paged caches are")
         if key.dim() != value.dim() or key.dim() not in (3, 4):
-            raise _fail(op, f"paged key/value must both be 3-D or 4-D; got {key.dim()}-D/{value.dim()}-D")
+            raise _fail(op, f"paged key/value must be 3-, 4- or 5-D; got {key.dim()}-D/{value.dim()}-D")
         num_blocks = key.shape[0]
         if key.dim() == 3:
             if key.shape[1] != block_size or value.shape[1] != block_size or value.shape[0] != num_blocks:
@@ -1049,7 +1344,19 @@ class TorchNpuEmulator:
             context_lens=lens,
         )
 
-    def _npu_paged_attention_get_workspace(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _npu_paged_attention_get_workspace(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_kv_heads: int,
+        num_heads: int,
+        scale_value: float,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """A workspace for graph capture: the emulator needs none (an empty byte tensor)."""
         return torch.empty(0, dtype=torch.uint8)
 
 

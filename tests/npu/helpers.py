@@ -21,6 +21,12 @@ def _torch_npu_installed() -> bool:
         return True
 
 
+BF16 = torch.bfloat16
+"""The one dtype the wheels' TND documentation lists (what the plugin declares)."""
+HEAD = 128
+"""A documented TND head size (128 or 192)."""
+
+
 without_torch_npu = pytest.mark.skipif(
     _torch_npu_installed(), reason="asserts what happens on a machine without torch_npu"
 )

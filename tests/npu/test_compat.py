@@ -11,6 +11,8 @@ from diffusion_kv.platforms.npu.compat import (
     SUPPORTED_VLLM_ASCEND_STACKS,
     AscendStack,
     UnsupportedStackError,
+    cann_matches,
+    cann_release,
     check_supported_stack,
     installed_stack,
     normalize_version,
@@ -51,6 +53,44 @@ def test_local_labels_and_prefixes_still_match() -> None:
     assert stack_mismatches(installed, SUPPORTED) == []
     assert stack_problem(installed) is None
     check_supported_stack(installed)  # no error
+
+
+@pytest.mark.parametrize(
+    ("raw", "release"),
+    [
+        ("9.1.0", (9, 1, 0)),
+        ("9.1.0.alpha003", (9, 1, 0)),
+        ("8.3.RC1", (8, 3)),
+        ("25.0.RC1", (25, 0)),
+        ("CANN 9.1.0", (9, 1, 0)),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_cann_release_numbers(raw: str | None, release: tuple[int, ...] | None) -> None:
+    assert cann_release(raw) == release
+
+
+@pytest.mark.parametrize(
+    ("installed", "matches"),
+    [
+        ("9.1.0", True),
+        ("9.1.0.alpha003", True),
+        ("9.1.0.1", True),
+        (" 9.1.0\n", True),
+        ("9.1.RC1", False),
+        ("9.1", False),
+        ("9.10.0", False),
+        ("8.5.0", False),
+        (None, False),
+    ],
+)
+def test_cann_is_matched_on_its_release_numbers(installed: str | None, matches: bool) -> None:
+    """torch.version.cann comes from the CANN runtime's install information; its exact format
+    is not documented in the wheel, so only the release numbers are compared."""
+    assert cann_matches(installed, "9.1.0") is matches
+    stack = AscendStack(installed, "2.10.0", "2.10.0.post4", "0.26.0", "0.26.0rc1")
+    assert (stack_mismatches(stack, SUPPORTED) == []) is matches
 
 
 def test_mismatch_message_is_actionable() -> None:

@@ -1,4 +1,5 @@
-"""The kernel seam: writer selection by what torch_npu offers, exact FIA arguments, lazy imports."""
+"""The kernel seam: writer selection by what torch_npu offers (the ATB writer only when its
+library loaded), exact FIA arguments, lazy imports."""
 
 from __future__ import annotations
 
@@ -6,26 +7,33 @@ import ast
 import importlib.abc
 import pathlib
 import sys
+import types
 from importlib.machinery import ModuleSpec
 
 import pytest
 import torch
 
+from diffusion_kv.core.errors import PlatformUnavailableError
 from diffusion_kv.integrations import vllm_ascend
 from diffusion_kv.platforms.interface import Availability
 from diffusion_kv.platforms.npu import NpuPlatform, kernels
 from diffusion_kv.platforms.npu.kernels import (
     AscendKernels,
     accepts_keyword,
+    atb_writer_problem,
     compressed_causal_mask,
     loaded_emulator,
     torch_npu_availability,
 )
 from diffusion_kv.testing import EmulatorProfile, TorchNpuEmulator, emulated_torch_npu
 
-from .helpers import without_torch_npu
+from .helpers import BF16, HEAD, without_torch_npu
 
 F16 = torch.float16
+LAZY_WRAPPER = (
+    "_npu_reshape_and_cache is only torch_npu's lazy wrapper: its ATB library (libop_plugin_atb.so, "
+    "which needs NNAL's libatb.so) did not load"
+)
 PLUGIN_DIR = pathlib.Path(kernels.__file__).parent
 VLLM_ASCEND_DIR = pathlib.Path(vllm_ascend.__file__).parent
 
@@ -54,13 +62,66 @@ def test_writer_is_chosen_by_what_torch_npu_offers(profile: EmulatorProfile, wri
 
 
 def test_no_usable_writer_is_reported_with_the_fix() -> None:
-    emu = TorchNpuEmulator(EmulatorProfile(scatter_cache_mode=False, reshape_and_cache=False))
+    """Without cache_mode and without NNAL: the ATB name exists (a lazy wrapper), so what
+    decides is whether its library loaded."""
+    emu = TorchNpuEmulator(EmulatorProfile(scatter_cache_mode=False, nnal_installed=False))
+    assert hasattr(emu.module, "_npu_reshape_and_cache")
     with pytest.raises(NotImplementedError) as info:
         AscendKernels(emu.module)
-    message = str(info.value)
-    assert "torch_npu 2.10.0.post4 offers no usable paged K/V writer" in message
-    assert "npu_scatter_pa_kv_cache is without a cache_mode argument" in message
-    assert "_npu_reshape_and_cache is missing" in message
+    assert str(info.value) == (
+        "torch_npu 2.10.0.post4 offers no usable paged K/V writer: npu_scatter_pa_kv_cache is without a "
+        f"cache_mode argument and {LAZY_WRAPPER}. Install torch_npu 2.10.0.post4 or newer (its "
+        "npu_scatter_pa_kv_cache takes cache_mode='Norm'), or install NNAL for the ATB _npu_reshape_and_cache "
+        "(source /usr/local/Ascend/nnal/atb/set_env.sh before starting Python)."
+    )
+    scatter_only = TorchNpuEmulator(EmulatorProfile(nnal_installed=False))
+    assert AscendKernels(scatter_only.module).writer == "npu_scatter_pa_kv_cache"
+
+
+def test_atb_writer_problem_on_a_real_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real torch_npu (no emulator marker): the dispatcher registration of atb::... decides,
+    and the load error torch_npu kept (NNAL_EX) is quoted."""
+    nnal = OSError(2, "Please check that the nnal package is installed.")
+    atb_ops = types.SimpleNamespace(NNAL_EX=nnal)
+    real = types.SimpleNamespace(
+        _npu_reshape_and_cache=lambda **kw: None,
+        op_plugin=types.SimpleNamespace(atb=types.SimpleNamespace(_atb_ops=atb_ops)),
+    )
+    monkeypatch.setattr(kernels, "_registered", lambda namespace, name: False)
+    assert atb_writer_problem(real) == (
+        f"{LAZY_WRAPPER} (FileNotFoundError: [Errno 2] Please check that the nnal package is installed.)"
+    )
+    atb_ops.NNAL_EX = None
+    assert atb_writer_problem(real) == LAZY_WRAPPER
+    monkeypatch.setattr(
+        kernels, "_registered", lambda namespace, name: (namespace, name) == ("atb", "_npu_reshape_and_cache")
+    )
+    assert atb_writer_problem(real) is None
+    assert atb_writer_problem(types.SimpleNamespace()) == "_npu_reshape_and_cache is missing"
+
+
+def test_an_oserror_from_the_atb_writer_names_nnal() -> None:
+    emu = TorchNpuEmulator(EmulatorProfile(scatter_cache_mode=False))
+    seam = AscendKernels(emu.module)
+    assert seam.writer == "_npu_reshape_and_cache"
+
+    def no_library(**kwargs: object) -> None:
+        raise OSError(2, "libatb.so: cannot open shared object file")
+
+    setattr(emu.module, "_npu_reshape_and_cache", no_library)  # noqa: B010 - the module's attribute
+    kc = torch.zeros(1, 128, 1, 8, dtype=F16)
+    with pytest.raises(PlatformUnavailableError) as info:
+        seam.write_kv(
+            torch.ones(1, 1, 8, dtype=F16),
+            torch.ones(1, 1, 8, dtype=F16),
+            kc,
+            kc,
+            torch.tensor([0], dtype=torch.int32),
+        )
+    assert str(info.value) == (
+        "npu: the ATB writer _npu_reshape_and_cache could not load its library (FileNotFoundError: [Errno 2] libatb.so: "
+        "cannot open shared object file); source /usr/local/Ascend/nnal/atb/set_env.sh before starting Python"
+    )
 
 
 def test_missing_fia_is_reported() -> None:
@@ -86,11 +147,11 @@ def test_writer_inputs_are_made_contiguous() -> None:
 def test_attention_arguments(causal: bool) -> None:
     emu = TorchNpuEmulator()
     seam = AscendKernels(emu.module)
-    kc = torch.zeros(3, 128, 2, 64, dtype=F16)
-    vc = torch.zeros(3, 128, 2, 64, dtype=F16)
+    kc = torch.zeros(3, 128, 2, HEAD, dtype=BF16)
+    vc = torch.zeros(3, 128, 2, HEAD, dtype=BF16)
     mask = compressed_causal_mask(torch.device("cpu"))
     out = seam.paged_attention(
-        torch.zeros(5, 4, 64, dtype=F16),
+        torch.zeros(5, 4, HEAD, dtype=BF16),
         kc,
         vc,
         block_table=torch.tensor([[2], [0]], dtype=torch.int32),
@@ -102,7 +163,7 @@ def test_attention_arguments(causal: bool) -> None:
         causal=causal,
         causal_mask=mask,
     )
-    assert out.shape == (5, 4, 64) and out.dtype == F16
+    assert out.shape == (5, 4, HEAD) and out.dtype == BF16
     (call,) = emu.calls
     assert call.op == "npu_fused_infer_attention_score"
     assert call.args == {
@@ -115,7 +176,7 @@ def test_attention_arguments(causal: bool) -> None:
         "actual_seq_lengths": [2, 5],
         "actual_seq_lengths_kv": [7, 3],
     }
-    assert call.shapes["key"] == (3, 128, 128)  # (blocks, block_size, kv_heads * head_size)
+    assert call.shapes["key"] == (3, 128, 2 * HEAD)  # (blocks, block_size, kv_heads * head_size)
     assert call.dtypes["block_table"] == torch.int32
     if causal:
         assert call.shapes["atten_mask"] == (2048, 2048) and call.dtypes["atten_mask"] == torch.int8
@@ -226,6 +287,7 @@ def test_plugin_never_imports_vendor_modules_at_module_level() -> None:
         "direct.py",
         "kernels.py",
         "runtime.py",
+        "slots.py",
     ]
     assert [p.name for p in sorted(VLLM_ASCEND_DIR.glob("*.py"))] == ["__init__.py", "backend.py"]
     assert offenders == []

@@ -12,6 +12,7 @@ about vllm-ascend's numerics, which only the hardware lane can check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import sys
 import types
@@ -25,30 +26,41 @@ import pytest
 import torch
 
 from diffusion_kv.core.batch import LayerGeometry
-from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import (
+    StateError,
+    UnsupportedFeatureError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.integrations.vllm_ascend import backend as vllm_ascend_backend
 from diffusion_kv.integrations.vllm_ascend.backend import (
+    BUILD_KEYWORDS,
     EMULATED_REASON,
+    LAYER_ATTRIBUTES,
+    POOLING_REASON,
+    VENDOR_USES,
     AscendBlockTablesAdapter,
+    AscendLayerAdapter,
     VllmAscendBackend,
     layer_index_problem,
 )
 from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, KVPageLayout, Requirements
 from diffusion_kv.platforms.npu import NO_RUNTIME_REASON, NpuDirectBackend, NpuPlatform
 from diffusion_kv.platforms.npu.compat import SUPPORTED_VLLM_ASCEND_STACKS, AscendStack, UnsupportedStackError
+from diffusion_kv.platforms.npu.constraints import UNVERIFIED_SUMMARY
 from diffusion_kv.platforms.npu.runtime import VllmRuntime, bound_vllm_runtime
 from diffusion_kv.testing import TorchNpuEmulator
 
-from .helpers import common_batch, group_context, without_torch_npu
+from .helpers import BF16, common_batch, group_context, without_torch_npu
 
-F16 = torch.float16
 LAYER_NAME = "transformer.blocks.3.attn"
-LAYER = LayerGeometry(LAYER_NAME, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=F16)
+LAYER = LayerGeometry(LAYER_NAME, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=BF16)
 KV_CONFIG = types.SimpleNamespace(num_blocks=4, kv_cache_groups=["GROUP-0"])
 RUNTIME = VllmRuntime(vllm_config="VLLM-CONFIG", attn_groups=[["ATTN-GROUP-0"]], kv_cache_config=KV_CONFIG)
 DIRECT_LINE = f"  [100] direct — {NpuDirectBackend.description}"
 VLLM_ASCEND_LINE = f"  [200] vllm-ascend — {VllmAscendBackend.description}"
+POOLING_HOST = types.SimpleNamespace(model_config=types.SimpleNamespace(runner_type="pooling"))
 
 
 @dataclass
@@ -146,6 +158,10 @@ def vendor(monkeypatch: pytest.MonkeyPatch) -> Vendor:
         def get_impl_cls() -> str:
             return "context-parallel dispatch"
 
+        @staticmethod
+        def get_builder_cls() -> str:
+            return "context-parallel dispatch"
+
     class AscendAttentionBackendImpl:
         def __init__(self, **kwargs: Any) -> None:
             self.kwargs = kwargs
@@ -176,6 +192,13 @@ def vendor(monkeypatch: pytest.MonkeyPatch) -> Vendor:
     class AscendAttentionMetadataBuilder:
         pass
 
+    @dataclass
+    class AscendMetadata:
+        actual_seq_lengths_q: list[int] = field(default_factory=list)
+        seq_lens_list: list[int] = field(default_factory=list)
+        block_tables: Any = None
+        model_runner_type: str = ""
+
     @contextlib.contextmanager
     def set_current_vllm_config(config: Any) -> Iterator[None]:
         rec.current_config.append(config)
@@ -196,6 +219,7 @@ def vendor(monkeypatch: pytest.MonkeyPatch) -> Vendor:
         AscendAttentionBackendImpl=AscendAttentionBackendImpl,
         AscendAttentionMetadataBuilder=AscendAttentionMetadataBuilder,
         AscendAttentionState=AscendAttentionState,
+        AscendMetadata=AscendMetadata,
     )
     module("vllm_ascend.utils", adapt_patch=lambda: rec.log.append("adapt_patch"))
     module(
@@ -243,15 +267,16 @@ def test_selected_only_with_a_bound_runtime(vendor: Vendor, monkeypatch: pytest.
     platform.bind_vllm_runtime("VLLM-CONFIG", [["ATTN-GROUP-0"]], KV_CONFIG)
     assert bound_vllm_runtime() == RUNTIME
     assert platform.backend_reasons(VllmAscendBackend, Requirements()) == []
-    assert platform.select_backend(Requirements(dtype=F16, head_size=128)) is VllmAscendBackend
+    assert platform.select_backend(Requirements(dtype=BF16, head_size=128)) is VllmAscendBackend
     assert platform.explain() == [
         "npu: selects backend 'vllm-ascend' for (none)",
         f"{VLLM_ASCEND_LINE}: selected",
         f"{DIRECT_LINE}: unavailable: torch_npu is not installed",
+        f"  {UNVERIFIED_SUMMARY}",
     ]
     # the capability limits still apply to it
     assert platform.backend_reasons(VllmAscendBackend, Requirements(head_size=80, num_heads=300)) == [
-        "head_size=80 (supported: [64, 128, 192])",
+        "head_size=80 (supported: [128, 192])",
         "num_heads=300 exceeds 256",
     ]
     monkeypatch.setenv(ENV_BACKEND, "npu:direct")
@@ -286,7 +311,7 @@ def test_a_worker_on_the_vllm_ascend_backend(
             device=torch.device("cpu"),
         ),
     )
-    runner.register_kv_cache_layers({LAYER_NAME: PagedLayerSpec(8, 2, 128, F16, scale=0.5)})
+    runner.register_kv_cache_layers({LAYER_NAME: PagedLayerSpec(8, 2, 128, BF16, scale=0.5)})
     runner.initialize_kv_cache(num_blocks=6, block_size=256)
     assert type(runner.block_tables) is AscendBlockTablesAdapter
     ((_, kwargs),) = [e for e in vendor.log if e[0] == "AscendBlockTables"]
@@ -492,20 +517,20 @@ def test_build_checks_what_came_back(vendor: Vendor, supported_stack: None) -> N
 
 def test_strict_ulysses_backend_subclass(vendor: Vendor) -> None:
     attention = vendor.modules["vllm_ascend.attention.attention_v1"]
-    backend = attention.AscendAttentionBackend
+    backend: Any = attention.AscendAttentionBackend
     assert VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=1) is backend
-    strict = VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=4)
+    strict: Any = VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=4)
     assert issubclass(strict, backend) and strict is not backend
     assert strict.get_impl_cls() is attention.AscendAttentionBackendImpl
     assert strict.get_builder_cls() is attention.AscendAttentionMetadataBuilder
-    assert backend.get_impl_cls() == "context-parallel dispatch"  # the original is untouched
+    assert attention.AscendAttentionBackend.get_impl_cls() == "context-parallel dispatch"  # untouched
     assert VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=2) is strict  # cached
     assert VllmAscendBackend.paged_backend_cls(int, ulysses_degree=2) is int  # not an Ascend backend
 
 
 def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_stack: None) -> None:
     bind()
-    other = LayerGeometry("transformer.blocks.4.attn", 8, 2, 128, 0.5, F16)
+    other = LayerGeometry("transformer.blocks.4.attn", 8, 2, 128, 0.5, BF16)
     backend = make_backend(LAYER, other)
     assert backend.page_layout is KVPageLayout.SEPARATE
     first, second = vendor.impls
@@ -524,13 +549,13 @@ def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_sta
     assert first.config_at_init == second.config_at_init == "VLLM-CONFIG"
     adapter = backend.adapters[LAYER_NAME]
     assert (adapter.layer_name, adapter._k_scale_float, adapter._v_scale_float) == (LAYER_NAME, 1.0, 1.0)
-    packed = torch.zeros(5, 3, 128, dtype=F16)
+    packed = torch.zeros(5, 3, 128, dtype=BF16)
     cache = (torch.zeros(1), torch.zeros(1))
     backend.write_kv(LAYER, packed[:, :2], packed[:, :2], cache, torch.arange(6, dtype=torch.int32))
     metadata = {LAYER_NAME: "MD-3", "transformer.blocks.4.attn": "MD-4"}
-    out = backend.forward(LAYER, torch.zeros(5, 8, 128, dtype=F16), cache, metadata)
-    given = torch.zeros(5, 8, 128, dtype=F16)
-    assert backend.forward(other, torch.zeros(5, 8, 128, dtype=F16), cache, metadata, given) is given
+    out = backend.forward(LAYER, torch.zeros(5, 8, 128, dtype=BF16), cache, metadata)
+    given = torch.zeros(5, 8, 128, dtype=BF16)
+    assert backend.forward(other, torch.zeros(5, 8, 128, dtype=BF16), cache, metadata, given) is given
     assert vendor.log == [
         ("do_kv_cache_update", LAYER_NAME, (5, 2, 128), True, torch.int32),
         ("forward", LAYER_NAME, (5, 8, 128), True, True, "MD-3"),
@@ -546,7 +571,7 @@ def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_sta
 def test_layer_names_need_one_integer_component(vendor: Vendor, supported_stack: None, name: str) -> None:
     bind()
     with pytest.raises(ValidationError, match="must contain exactly one integer component"):
-        make_backend(LayerGeometry(name, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=F16))
+        make_backend(LayerGeometry(name, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=BF16))
     assert vendor.impls == []
     assert layer_index_problem(LAYER_NAME) is None
 
@@ -565,3 +590,93 @@ def test_backend_without_a_runtime_explains_the_binding(vendor: Vendor, supporte
     with pytest.raises(StateError, match="standalone use sets DIFFUSION_KV_BACKEND=npu:direct"):
         make_backend()
     assert vendor.impls == []
+
+
+# --- padding, pooling hosts, and the vendor checklist ------------------------------------------------
+
+
+def test_padding_slots_never_reach_do_kv_cache_update(vendor: Vendor, supported_stack: None) -> None:
+    """vllm-ascend 0.26.0rc1 writes with npu_scatter_pa_kv_cache, documented for slots >= 0 only."""
+    bind()
+    backend = make_backend()
+    packed = torch.zeros(4, 2, 128, dtype=BF16)
+    cache = (torch.zeros(1), torch.zeros(1))
+    backend.write_kv(LAYER, packed, packed, cache, torch.tensor([5, -1, 9, -1], dtype=torch.int32))
+    backend.write_kv(LAYER, packed, packed, cache, torch.full((4,), -1, dtype=torch.int32))
+    assert vendor.log == [("do_kv_cache_update", LAYER_NAME, (2, 2, 128), True, torch.int32)]
+
+
+def test_a_pooling_host_is_refused(vendor: Vendor, supported_stack: None) -> None:
+    """Pooling runners send non-causal attention to _forward_encoder_attention, which needs K/V
+    tensors; this backend passes none."""
+    platform = NpuPlatform()
+    platform.bind_vllm_runtime(POOLING_HOST, [["ATTN-GROUP-0"]], KV_CONFIG)
+    assert POOLING_REASON == (
+        "the bound vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
+        "non-causal attention of pooling runners to _forward_encoder_attention, which needs the call's K/V "
+        "tensors, and this backend reads K/V from the pages (it passes none)"
+    )
+    reasons = platform.backend_reasons(VllmAscendBackend, Requirements())
+    assert reasons[-1] == POOLING_REASON
+    with pytest.raises(UnsupportedFeatureError, match="runs a pooling model"):
+        make_backend()
+    with pytest.raises(UnsupportedFeatureError, match="runs a pooling model"):
+        VllmAscendBackend.init_worker()
+    assert vendor.impls == [] and vendor.log == []
+    generate = types.SimpleNamespace(model_config=types.SimpleNamespace(runner_type="generate"))
+    assert VllmAscendBackend.runtime_reasons(VllmRuntime(generate, [], KV_CONFIG)) == []
+
+
+def test_a_missing_do_kv_cache_update_names_the_versions_that_have_it(
+    vendor: Vendor, supported_stack: None
+) -> None:
+    bind()
+    attention = vendor.modules["vllm_ascend.attention.attention_v1"]
+
+    class OldImpl:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+    setattr(attention, "AscendAttentionBackendImpl", OldImpl)  # noqa: B010 - a module attribute
+    with pytest.raises(StateError) as info:
+        make_backend()
+    assert str(info.value) == (
+        "vllm-ascend's AscendAttentionBackendImpl has no do_kv_cache_update; the npu plugin's write-once "
+        "contract needs it (vllm-ascend 0.23.0.post1, 0.25.1rc1, 0.26.0rc1 and 0.30.0rc2 all have it; this "
+        "backend targets 0.26.0rc1)"
+    )
+
+
+def test_the_vendor_checklist_names_what_the_stand_ins_offer(vendor: Vendor) -> None:
+    """VENDOR_USES is what ci/npu_contract_lane.sh checks against the vllm-ascend wheel; the
+    stand-ins here must offer the same names (so the glue tests and the wheel check agree)."""
+    for use in VENDOR_USES:
+        owner_name, _, member = use.name.partition(".")
+        owner = getattr(vendor.modules[use.module], owner_name, None)
+        if owner is None:
+            owner = sys.modules[use.module].__dict__.get(owner_name)
+        assert owner is not None, f"{use.module}:{owner_name} is missing from the stand-ins"
+        if member and use.kind in ("method", "staticmethod", "enum_member"):
+            assert hasattr(owner, member), f"{use.module}:{use.name} is missing from the stand-ins"
+        if member and use.kind == "field":
+            assert member in {f.name for f in dataclasses.fields(owner)}, (
+                f"{use.name} is not a stand-in field"
+            )
+    assert [u.name for u in VENDOR_USES if u.optional_keywords] == ["build_attn_metadata"]
+    adapter = AscendLayerAdapter(LAYER_NAME, torch.device("cpu"))
+    assert all(hasattr(adapter, name) for name in LAYER_ATTRIBUTES)
+
+
+def test_build_passes_exactly_the_checklisted_keywords(vendor: Vendor, supported_stack: None) -> None:
+    bind()
+    seen: list[set[str]] = []
+
+    def build_attn_metadata(**kwargs: Any) -> dict[str, Any]:
+        seen.append(set(kwargs))
+        return {
+            LAYER_NAME: types.SimpleNamespace(actual_seq_lengths_q=[1], seq_lens_list=[1], block_tables=None)
+        }
+
+    setattr(vendor.modules["vllm_ascend.worker.v2.attn_utils"], "build_attn_metadata", build_attn_metadata)  # noqa: B010
+    make_backend().build(common_batch(1))
+    assert seen == [set(BUILD_KEYWORDS)]

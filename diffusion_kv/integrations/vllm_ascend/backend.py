@@ -17,9 +17,16 @@ One instance serves one KV-cache group ``g``: it builds with the host's attentio
 ``g`` and a view of the host's ``KVCacheConfig`` holding only group ``g``, so the host's groups
 must be the layout's groups, in order (what ``CacheLayout.from_kv_cache_config`` gives).
 
-Status: **untested against real vllm-ascend.** vllm-ascend cannot be installed without CANN,
-so this module is written against vllm-ascend's documented v0.26 interfaces and exercised only
+Status: **never run against real vllm-ascend.** vllm-ascend cannot be imported without CANN.
+Every vllm-ascend (and vLLM) name, field and signature this module uses is listed in
+:data:`VENDOR_USES`; ``ci/npu_contract_lane.sh`` checks that list against the vllm-ascend
+0.26.0rc1 wheel's source (vLLM's names against vLLM 0.26.0's), and the tests drive the glue
 with stand-in modules (``tests/npu/test_vllm_ascend_backend.py``). Every vendor import is lazy.
+
+Hosts it refuses: a pooling host (``model_config.runner_type == "pooling"``). vllm-ascend's
+``forward`` sends non-causal attention of pooling runners to ``_forward_encoder_attention``,
+which attends over the call's own K/V tensors; this backend's ``forward`` passes none (it reads
+the pages), so full and piecewise-full calls would fail there.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -42,10 +50,11 @@ from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.capabilities import Availability, Capabilities, Requirements
 from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
 from diffusion_kv.platforms.npu.compat import check_supported_stack, installed_stack
-from diffusion_kv.platforms.npu.constraints import CAPABILITIES, head_count_reasons
+from diffusion_kv.platforms.npu.constraints import CAPABILITIES, head_count_reasons, unverified_notes
 from diffusion_kv.platforms.npu.direct import require_layers
 from diffusion_kv.platforms.npu.kernels import loaded_emulator
 from diffusion_kv.platforms.npu.runtime import VllmRuntime, bound_vllm_runtime
+from diffusion_kv.platforms.npu.slots import PaddingFilter
 
 BLOCK_TABLE_MODULE = "vllm_ascend.worker.v2.block_table"
 ATTN_UTILS_MODULE = "vllm_ascend.worker.v2.attn_utils"
@@ -53,8 +62,126 @@ ATTENTION_MODULE = "vllm_ascend.attention.attention_v1"
 UTILS_MODULE = "vllm_ascend.utils"
 ASCEND_CONFIG_MODULE = "vllm_ascend.ascend_config"
 
+VLLM_CONFIG_MODULE = "vllm.config"
+VLLM_ATTENTION_TYPE_MODULES = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract")
+
 EMULATED_REASON = "the torch_npu emulator (CPU) is installed; vllm-ascend needs CANN"
 NOT_IMPORTABLE_REASON = "vllm_ascend is not importable"
+POOLING_REASON = (
+    "the bound vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
+    "non-causal attention of pooling runners to _forward_encoder_attention, which needs the call's K/V "
+    "tensors, and this backend reads K/V from the pages (it passes none)"
+)
+
+
+@dataclass(frozen=True)
+class VendorUse:
+    """One vllm-ascend (or vLLM) name this backend uses, and how it calls it.
+
+    ``ci/npu_contract_lane.sh`` checks each against the targeted wheels' source: the name
+    exists with this ``kind``, takes the ``keywords`` it is given by keyword and
+    ``positional`` arguments by position, and (``optional_keywords``) which keywords a
+    version would not take (the backend drops those).
+    """
+
+    module: str
+    name: str
+    """``Name``, ``Class.member`` or ``Enum.Member``."""
+    kind: str
+    """``class``, ``function``, ``method``, ``staticmethod``, ``enum_member``, ``field`` or ``attribute``."""
+    keywords: tuple[str, ...] = ()
+    positional: int = 0
+    optional_keywords: bool = False
+    """True: the backend filters these keywords by the installed signature (they may drift)."""
+
+
+BUILD_KEYWORDS = (
+    "attn_groups",
+    "num_reqs",
+    "num_tokens",
+    "query_start_loc_gpu",
+    "query_start_loc_cpu",
+    "max_query_len",
+    "seq_lens",
+    "max_seq_len",
+    "block_tables",
+    "slot_mappings",
+    "kv_cache_config",
+    "seq_lens_np",
+    "seq_lens_cpu_upper_bound",
+    "dcp_local_seq_lens",
+    "positions",
+    "causal",
+    "attn_state",
+)
+"""What :func:`build_attn_metadata` passes to vllm-ascend's ``build_attn_metadata``."""
+
+BLOCK_TABLE_KEYWORDS = (
+    "block_sizes",
+    "max_num_reqs",
+    "max_num_batched_tokens",
+    "max_num_blocks_per_group",
+    "device",
+    "kernel_block_sizes",
+    "cp_size",
+    "cp_rank",
+    "cp_interleave",
+)
+
+IMPL_KEYWORDS = (
+    "num_heads",
+    "head_size",
+    "scale",
+    "num_kv_heads",
+    "alibi_slopes",
+    "sliding_window",
+    "kv_cache_dtype",
+    "logits_soft_cap",
+    "attn_type",
+    "kv_sharing_target_layer_name",
+)
+
+VENDOR_USES: tuple[VendorUse, ...] = (
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables", "class", keywords=BLOCK_TABLE_KEYWORDS),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.append_block_ids", "method", positional=3),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.apply_staged_writes", "method"),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.gather_block_tables", "method", positional=2),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.compute_slot_mappings", "method", positional=4),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.init_block_table_layout_tensors", "method"),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.num_blocks", "attribute"),
+    VendorUse(BLOCK_TABLE_MODULE, "AscendBlockTables.block_tables", "attribute"),
+    VendorUse(
+        ATTN_UTILS_MODULE, "build_attn_metadata", "function", keywords=BUILD_KEYWORDS, optional_keywords=True
+    ),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionState.ChunkedPrefill", "enum_member"),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackend.get_supported_kernel_block_sizes", "staticmethod"),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackend.get_impl_cls", "staticmethod"),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackend.get_builder_cls", "staticmethod"),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionMetadataBuilder", "class"),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackendImpl", "class", keywords=IMPL_KEYWORDS),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackendImpl.do_kv_cache_update", "method", positional=5),
+    VendorUse(ATTENTION_MODULE, "AscendAttentionBackendImpl.forward", "method", positional=7),
+    VendorUse(ATTENTION_MODULE, "AscendMetadata.actual_seq_lengths_q", "field"),
+    VendorUse(ATTENTION_MODULE, "AscendMetadata.seq_lens_list", "field"),
+    VendorUse(ATTENTION_MODULE, "AscendMetadata.block_tables", "field"),
+    VendorUse(ATTENTION_MODULE, "AscendMetadata.model_runner_type", "field"),
+    VendorUse(UTILS_MODULE, "adapt_patch", "function"),
+    VendorUse(ASCEND_CONFIG_MODULE, "init_ascend_config", "function", positional=1),
+    VendorUse(VLLM_CONFIG_MODULE, "set_current_vllm_config", "function", positional=1),
+    VendorUse(VLLM_ATTENTION_TYPE_MODULES[0], "AttentionType.DECODER", "enum_member"),
+)
+"""Every vendor name the backend uses (the lane's checklist; keep it in step with the code)."""
+
+LAYER_ATTRIBUTES = (
+    "layer_name",
+    "_k_scale_float",
+    "_v_scale_float",
+    "_q_scale_float",
+    "_q_scale",
+    "_k_scale",
+    "_v_scale",
+)
+"""What :class:`AscendLayerAdapter` offers the impl's ``layer`` argument."""
 
 
 def _import(name: str) -> Any:
@@ -82,6 +209,12 @@ def check_stack() -> None:
     check_supported_stack(installed_stack(sys.modules.get("torch_npu")))
 
 
+def refuse_runtime(runtime: VllmRuntime) -> None:
+    problems = runtime_problems(runtime)
+    if problems:
+        raise UnsupportedFeatureError("npu (vllm-ascend backend): " + "; ".join(problems))
+
+
 def require_runtime() -> VllmRuntime:
     runtime = bound_vllm_runtime()
     if runtime is None:
@@ -96,7 +229,7 @@ def require_runtime() -> VllmRuntime:
 @contextlib.contextmanager
 def vllm_config_context(runtime: VllmRuntime) -> Iterator[None]:
     """vllm-ascend reads the current VllmConfig while building metadata and impls."""
-    with _import("vllm.config").set_current_vllm_config(runtime.vllm_config):
+    with _import(VLLM_CONFIG_MODULE).set_current_vllm_config(runtime.vllm_config):
         yield
 
 
@@ -156,8 +289,16 @@ def build_attn_metadata(runtime: VllmRuntime, **kwargs: Any) -> dict[str, Any]:
     return out
 
 
+def runtime_problems(runtime: VllmRuntime) -> list[str]:
+    """Why this backend cannot serve the bound host (empty: it can)."""
+    model_config = getattr(runtime.vllm_config, "model_config", None)
+    if getattr(model_config, "runner_type", None) == "pooling":
+        return [POOLING_REASON]
+    return []
+
+
 def _decoder_attention_type() -> Any:
-    for module in ("vllm.v1.attention.backend", "vllm.attention.backends.abstract"):
+    for module in VLLM_ATTENTION_TYPE_MODULES:
         try:
             return _import(module).AttentionType.DECODER
         except (ImportError, AttributeError):
@@ -316,7 +457,13 @@ class VllmAscendBackend(PagedBackend):
 
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
-        return super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+        reasons = super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+        return reasons + unverified_notes(requirements) if reasons else reasons
+
+    @classmethod
+    def runtime_reasons(cls, runtime: VllmRuntime) -> list[str]:
+        """Why the bound host's runtime rules this backend out (the platform adds these)."""
+        return runtime_problems(runtime)
 
     @classmethod
     def block_tables_cls(cls) -> type[BlockTables]:
@@ -329,6 +476,7 @@ class VllmAscendBackend(PagedBackend):
         """Version check, then vllm-ascend's worker patches and its config singleton (called by
         ``NpuPlatform.init_worker`` when this backend is the one selected)."""
         runtime = require_runtime()
+        refuse_runtime(runtime)
         check_stack()
         _import(UTILS_MODULE).adapt_patch()
         _import(ASCEND_CONFIG_MODULE).init_ascend_config(runtime.vllm_config)
@@ -381,6 +529,7 @@ class VllmAscendBackend(PagedBackend):
             )
         check_stack()
         runtime = self.runtime = require_runtime()
+        refuse_runtime(runtime)
         require_layers(type(self), group.layers)
         problems = [p for p in map(layer_index_problem, group.layer_names) if p is not None]
         if problems:
@@ -413,13 +562,16 @@ class VllmAscendBackend(PagedBackend):
                 if not hasattr(impl, "do_kv_cache_update"):
                     raise StateError(
                         "vllm-ascend's AscendAttentionBackendImpl has no do_kv_cache_update; the npu "
-                        "plugin's write-once contract needs it (vllm-ascend >= 0.26)"
+                        "plugin's write-once contract needs it (vllm-ascend 0.23.0.post1, 0.25.1rc1, "
+                        "0.26.0rc1 and 0.30.0rc2 all have it; this backend targets 0.26.0rc1)"
                     )
                 self.impls[layer.layer_name] = impl
                 self.adapters[layer.layer_name] = AscendLayerAdapter(layer.layer_name, group.device)
+        self.padding = PaddingFilter()
 
     def build(self, batch: PagedBatch) -> dict[str, Any]:
         """vllm-ascend's metadata for every layer of the group (one dict, shared)."""
+        self.padding.reset()  # AscendBlockTables rewrites one persistent slot buffer per batch
         out = build_attn_metadata(
             self.runtime,
             attn_groups=self.attn_groups,
@@ -458,12 +610,16 @@ class VllmAscendBackend(PagedBackend):
         if slot_mapping.dtype != torch.int32:
             raise ValidationError(f"npu: slot mappings must be int32; got {slot_mapping.dtype}")
         tokens = key.shape[0]
+        # vllm-ascend's writer is npu_scatter_pa_kv_cache, documented for slots >= 0 only
+        kept = self.padding.keep(key, value, slot_mapping[:tokens])
+        if kept.empty:
+            return
         self.impls[layer.layer_name].do_kv_cache_update(
             self.adapters[layer.layer_name],
-            key.contiguous(),
-            value.contiguous(),
+            kept.key.contiguous(),
+            kept.value.contiguous(),
             kv_cache,
-            slot_mapping[:tokens].contiguous(),
+            kept.slots.contiguous(),
         )
 
     def forward(

@@ -14,7 +14,8 @@ Paged backends, highest priority first (all declare :data:`.constraints.CAPABILI
 
 ``DIFFUSION_KV_BACKEND=npu:direct`` (or ``npu:vllm-ascend``) forces one; its reasons are then an
 error, never a silent fallback. ``explain()`` lists both backends with why each is or is not
-chosen.
+chosen, and names what is unverified (float16, head size 64: outside the wheels' documentation,
+so not declared; see :mod:`.constraints`).
 
 Emulation: when :mod:`diffusion_kv.testing` has installed its pure-torch emulator as
 ``torch_npu`` (the module marks itself with :data:`.kernels.EMULATOR_ATTRIBUTE`), the plugin
@@ -31,7 +32,7 @@ import torch
 
 from diffusion_kv.core.errors import PlatformUnavailableError
 from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform, Requirements
-from diffusion_kv.platforms.npu.constraints import KERNEL_BLOCK_SIZE
+from diffusion_kv.platforms.npu.constraints import KERNEL_BLOCK_SIZE, UNVERIFIED_SUMMARY
 from diffusion_kv.platforms.npu.direct import NpuDirectBackend
 from diffusion_kv.platforms.npu.kernels import EMULATOR_REASON, loaded_emulator, torch_npu_availability
 from diffusion_kv.platforms.npu.runtime import VllmRuntime, bind_vllm_runtime, bound_vllm_runtime
@@ -101,11 +102,22 @@ class NpuPlatform(Platform):
 
     def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
         """The backend's own reasons, plus the platform's: a backend that drives vllm-ascend
-        (``needs_vllm_runtime``) needs a runtime bound by an embedding vLLM host."""
+        (``needs_vllm_runtime``) needs a runtime bound by an embedding vLLM host, and one it
+        can serve (its ``runtime_reasons``, e.g. not a pooling host)."""
         reasons = super().backend_reasons(backend, requirements)
-        if getattr(backend, "needs_vllm_runtime", False) is True and bound_vllm_runtime() is None:
-            reasons.append(NO_RUNTIME_REASON)
+        if getattr(backend, "needs_vllm_runtime", False) is True:
+            runtime = bound_vllm_runtime()
+            if runtime is None:
+                reasons.append(NO_RUNTIME_REASON)
+            else:
+                check = getattr(backend, "runtime_reasons", None)
+                if callable(check):
+                    reasons.extend(check(runtime))
         return reasons
+
+    def explain(self, requirements: Requirements | None = None) -> list[str]:
+        """The platform's backend list (see :meth:`Platform.explain`), then what is unverified."""
+        return [*super().explain(requirements), f"  {UNVERIFIED_SUMMARY}"]
 
     def bind_vllm_runtime(self, vllm_config: Any, attn_groups: Any, kv_cache_config: Any) -> None:
         """Hand over the embedding vLLM host's objects the vllm-ascend backend needs

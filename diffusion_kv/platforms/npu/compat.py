@@ -7,15 +7,18 @@ it does not know, with a message that says what to install instead. The ``direct
 backend needs no vLLM; it checks operator availability in
 :mod:`diffusion_kv.platforms.npu.kernels` instead of versions.
 
-Status (see docs/ascend.md): these sets are *targeted*, taken from vllm-ascend's published
-compatibility matrix; no Ascend hardware was available, so they were exercised only against
-the CPU emulator and stand-in modules.
+Status (see docs/ascend.md): these sets are *targeted*. The vllm-ascend set is what the
+vllm-ascend 0.26.0rc1 wheel states (``Requires-Dist: torch==2.10.0``, ``torch-npu==2.10.0.post4``;
+its description: CANN 9.1.0 and the vLLM of the same version). No Ascend hardware was
+available: the CI lane ``ci/npu_contract_lane.sh`` checks the names and signatures the backend
+uses against that wheel, and everything else ran against the CPU emulator and stand-in modules.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -79,6 +82,32 @@ def normalize_version(version: str | None) -> str | None:
     return text.split("+", 1)[0] or None
 
 
+def cann_release(version: str | None) -> tuple[int, ...] | None:
+    """The leading numeric components of a CANN version string (``"9.1.0"`` -> ``(9, 1, 0)``;
+    ``"9.1.0.alpha003"`` -> ``(9, 1, 0)``; ``"8.3.RC1"`` -> ``(8, 3)``), or None without digits.
+
+    torch_npu reports the CANN version (``torch.version.cann``,
+    ``torch_npu.npu.utils.get_cann_version``) as the CANN runtime gives it, read from the
+    toolkit's install information; its exact format is not documented in the wheel (strings of
+    the forms above appear in torch_npu's own version checks), so it is matched on the release
+    numbers only.
+    """
+    if version is None:
+        return None
+    found = re.search(r"\d+(?:\.\d+)*", version)
+    if found is None:
+        return None
+    return tuple(int(part) for part in found.group(0).split("."))
+
+
+def cann_matches(installed: str | None, expected: str) -> bool:
+    """Whether ``installed`` is the CANN release ``expected``: its release numbers start with
+    all of the expected ones (a build or pre-release suffix is tolerated; ``9.1.RC1`` is not
+    ``9.1.0``)."""
+    have, want = cann_release(installed), cann_release(expected)
+    return have is not None and want is not None and have[: len(want)] == want
+
+
 def _dist_version(*names: str) -> str | None:
     for name in names:
         try:
@@ -120,9 +149,12 @@ def stack_mismatches(installed: AscendStack, supported: AscendStack) -> list[str
     out = []
     for f in fields(AscendStack):
         want = normalize_version(getattr(supported, f.name))
-        have = normalize_version(getattr(installed, f.name))
-        if want is not None and have != want:
-            out.append(f"{_LABELS[f.name]} {getattr(installed, f.name) or 'missing'} (expected {want})")
+        if want is None:
+            continue
+        raw = getattr(installed, f.name)
+        same = cann_matches(raw, want) if f.name == "cann" else normalize_version(raw) == want
+        if not same:
+            out.append(f"{_LABELS[f.name]} {raw or 'missing'} (expected {want})")
     return out
 
 

@@ -5,7 +5,7 @@ group's :class:`~diffusion_kv.core.batch.PagedBatch` into the fused-infer-attent
 arguments (:class:`NpuAttentionMetadata`), shared by every layer of the group. Per layer:
 
 1. ``write_kv``: one ``npu_scatter_pa_kv_cache`` (or ``_npu_reshape_and_cache``) of the whole
-   span's K/V at int32 slots;
+   span's K/V at int32 slots, ``-1`` (padding) slots dropped first (:mod:`.slots`);
 2. ``forward`` once per attention call (once, or once per piecewise segment): one
    ``npu_fused_infer_attention_score`` that reads the pages only, with that call's metadata.
 
@@ -36,8 +36,14 @@ from diffusion_kv.platforms.interface import (
     Requirements,
     capability_reasons,
 )
-from diffusion_kv.platforms.npu.constraints import CAPABILITIES, head_count_reasons
+from diffusion_kv.platforms.npu.constraints import (
+    CAPABILITIES,
+    MAX_TOKENS_PER_CALL,
+    head_count_reasons,
+    unverified_notes,
+)
 from diffusion_kv.platforms.npu.kernels import AscendKernels, compressed_causal_mask, torch_npu_availability
+from diffusion_kv.platforms.npu.slots import PaddingFilter
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,30 @@ def layer_requirements(layer: LayerGeometry) -> Requirements:
     )
 
 
+def batch_reasons(capabilities: Capabilities, batch: PagedBatch) -> list[str]:
+    """Why FIA cannot take ``batch`` in one call (rows, tokens, causal row lengths); empty: it can."""
+    reasons = capability_reasons(capabilities, Requirements(num_rows=batch.num_reqs))
+    if batch.num_tokens > MAX_TOKENS_PER_CALL:
+        reasons.append(
+            f"num_tokens={batch.num_tokens} exceeds {MAX_TOKENS_PER_CALL} query tokens per call "
+            "(the TND limit of npu_fused_infer_attention_score)"
+        )
+    if batch.causal:
+        cumulative = [int(x) for x in batch.query_start_loc_cpu.tolist()]
+        kv_lens = [int(x) for x in batch.seq_lens_cpu.tolist()]
+        short = [
+            (r, end - start, kv)
+            for r, (start, end, kv) in enumerate(zip(cumulative[:-1], cumulative[1:], kv_lens, strict=True))
+            if kv < end - start
+        ]
+        if short:
+            reasons.append(
+                "causal FIA (sparse_mode=3) needs kv_len >= query_len for every row; "
+                f"(row, query_len, kv_len) = {short}"
+            )
+    return reasons
+
+
 def require_layers(backend: type[PagedBackend], layers: tuple[LayerGeometry, ...]) -> None:
     """Reject a layer the Ascend operators cannot serve, with every reason, before any call."""
     for layer in layers:
@@ -122,7 +152,8 @@ class NpuDirectBackend(PagedBackend):
 
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
-        return super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+        reasons = super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+        return reasons + unverified_notes(requirements) if reasons else reasons
 
     @classmethod
     def init_worker(cls) -> None:
@@ -152,6 +183,7 @@ class NpuDirectBackend(PagedBackend):
             )
         require_layers(type(self), group.layers)
         self.kernels = AscendKernels.load()
+        self.padding = PaddingFilter()
         self._mask: torch.Tensor | None = None
 
     def _causal_mask(self) -> torch.Tensor:
@@ -160,23 +192,12 @@ class NpuDirectBackend(PagedBackend):
         return self._mask
 
     def build(self, batch: PagedBatch) -> NpuAttentionMetadata:
-        reasons = capability_reasons(self.capabilities, Requirements(num_rows=batch.num_reqs))
+        reasons = batch_reasons(self.capabilities, batch)
         if reasons:
             raise ValidationError("npu: batch rejected before any call: " + "; ".join(reasons))
+        self.padding.reset()
         cumulative = tuple(int(x) for x in batch.query_start_loc_cpu[1:].tolist())
         kv_lens = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
-        if batch.causal:
-            starts = (0, *cumulative[:-1])
-            short = [
-                (r, end - start, kv)
-                for r, (start, end, kv) in enumerate(zip(starts, cumulative, kv_lens, strict=True))
-                if kv < end - start
-            ]
-            if short:
-                raise ValidationError(
-                    "npu: causal FIA (sparse_mode=3) needs kv_len >= query_len for every row; "
-                    f"(row, query_len, kv_len) = {short}"
-                )
         if batch.block_table.dtype != torch.int32:
             raise ValidationError(
                 f"npu: FIA takes an int32 block table; group {self.group.index} has {batch.block_table.dtype}"
@@ -212,7 +233,9 @@ class NpuDirectBackend(PagedBackend):
             raise ValidationError(
                 f"npu: {tokens} K/V tokens but only {slot_mapping.shape[0]} slots (layer {layer.layer_name!r})"
             )
-        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping[:tokens])
+        kept = self.padding.keep(key, value, slot_mapping[:tokens])
+        if not kept.empty:
+            self.kernels.write_kv(kept.key, kept.value, key_cache, value_cache, kept.slots)
 
     def forward(
         self,

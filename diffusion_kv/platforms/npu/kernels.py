@@ -8,6 +8,13 @@ offers the plugin exactly two operations:
   ``npu_scatter_pa_kv_cache(..., cache_mode="Norm")`` when the installed torch_npu's schema has
   ``cache_mode``; otherwise the older ATB ``_npu_reshape_and_cache(..., slot_indices=...)``.
   The scatter op's default ``cache_mode`` is ``"PA_NZ"``, so the argument is always passed.
+  Callers drop ``-1`` slots first (:mod:`.slots`): neither writer promises to skip them.
+
+In a real torch_npu ``torch_npu._npu_reshape_and_cache`` always exists: it is a lazy wrapper
+(``torch_npu/op_plugin/atb/_atb_ops.py``) whose library, ``libop_plugin_atb.so``, needs NNAL's
+``libatb.so``; when that failed to load, the first call raises ``OSError``. So the ATB writer
+counts as usable only when its operator is registered (``torch.ops.atb``), and an ``OSError``
+from it is turned into an error that names NNAL.
 * :meth:`AscendKernels.paged_attention` - one ``npu_fused_infer_attention_score`` call with a
   TND query, the K/V caches viewed as ``(blocks, block_size, kv_heads * head_size)``, an int32
   block table, cumulative query ends and per-row KV lengths. Causal calls use
@@ -30,10 +37,15 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.capabilities import Availability
+from diffusion_kv.core.errors import PlatformUnavailableError
 from diffusion_kv.platforms.npu.constraints import MASK_SIZE
 
 EMULATOR_ATTRIBUTE = "__diffusion_kv_emulator__"
 """A module installed as ``torch_npu`` that sets this attribute to True is the CPU emulator."""
+
+EMULATOR_ATB_ATTRIBUTE = "__diffusion_kv_atb_loaded__"
+"""On the emulator only: whether its ATB operator library counts as loaded (it stands in for
+the ``torch.ops.atb`` registration a real torch_npu makes when NNAL is installed)."""
 
 EMULATOR_REASON = "torch_npu emulator (CPU)"
 """The availability reason of the npu platform and its direct backend under the emulator."""
@@ -41,6 +53,8 @@ EMULATOR_REASON = "torch_npu emulator (CPU)"
 SCATTER_OP = "npu_scatter_pa_kv_cache"
 RESHAPE_AND_CACHE_OP = "_npu_reshape_and_cache"
 FIA_OP = "npu_fused_infer_attention_score"
+
+NNAL_FIX = "source /usr/local/Ascend/nnal/atb/set_env.sh before starting Python"
 
 SPARSE_MODE_FULL = 0
 """FIA ``defaultMask`` without a mask: every key below the row's KV length is visible."""
@@ -109,6 +123,42 @@ def accepts_keyword(op: Any, name: str) -> bool:
         return False
 
 
+def _registered(namespace: str, name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _nnal_error(module: Any) -> str | None:
+    """The load error torch_npu kept for its ATB library (``NNAL_EX``), when it has one."""
+    atb_ops = getattr(getattr(getattr(module, "op_plugin", None), "atb", None), "_atb_ops", None)
+    error = getattr(atb_ops, "NNAL_EX", None)
+    return f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else None
+
+
+def atb_writer_problem(module: Any) -> str | None:
+    """None when ``module``'s ATB ``_npu_reshape_and_cache`` can run; else why not.
+
+    The attribute itself proves nothing (torch_npu always defines the lazy wrapper); what
+    counts is whether the ATB library registered the operator.
+    """
+    if getattr(module, RESHAPE_AND_CACHE_OP, None) is None:
+        return f"{RESHAPE_AND_CACHE_OP} is missing"
+    if getattr(module, EMULATOR_ATTRIBUTE, False) is True:
+        loaded = getattr(module, EMULATOR_ATB_ATTRIBUTE, False) is True
+    else:
+        loaded = _registered("atb", RESHAPE_AND_CACHE_OP)
+    if loaded:
+        return None
+    cause = _nnal_error(module)
+    return (
+        f"{RESHAPE_AND_CACHE_OP} is only torch_npu's lazy wrapper: its ATB library (libop_plugin_atb.so, "
+        f"which needs NNAL's libatb.so) did not load{f' ({cause})' if cause else ''}"
+    )
+
+
 class AscendKernels:
     """The torch_npu operators the plugin uses, resolved once per module."""
 
@@ -117,21 +167,21 @@ class AscendKernels:
         self.emulated = getattr(module, EMULATOR_ATTRIBUTE, False) is True
         version = getattr(module, "__version__", "unknown")
         scatter = getattr(module, SCATTER_OP, None)
-        reshape = getattr(module, RESHAPE_AND_CACHE_OP, None)
         self._write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
         if scatter is not None and accepts_keyword(scatter, "cache_mode"):
             self.writer = SCATTER_OP
             self._write = self._scatter
-        elif reshape is not None:
+        else:
+            problem = atb_writer_problem(module)
+            if problem is not None:
+                found = "without a cache_mode argument" if scatter is not None else "missing"
+                raise NotImplementedError(
+                    f"torch_npu {version} offers no usable paged K/V writer: {SCATTER_OP} is {found} and "
+                    f"{problem}. Install torch_npu 2.10.0.post4 or newer (its {SCATTER_OP} takes "
+                    f"cache_mode='Norm'), or install NNAL for the ATB {RESHAPE_AND_CACHE_OP} ({NNAL_FIX})."
+                )
             self.writer = RESHAPE_AND_CACHE_OP
             self._write = self._reshape_and_cache
-        else:
-            found = "without a cache_mode argument" if scatter is not None else "missing"
-            raise NotImplementedError(
-                f"torch_npu {version} offers no usable paged K/V writer: {SCATTER_OP} is {found} and "
-                f"{RESHAPE_AND_CACHE_OP} is missing. Install torch_npu 2.10.0.post4 or newer (its "
-                f"{SCATTER_OP} takes cache_mode='Norm'), or a build with the ATB {RESHAPE_AND_CACHE_OP}."
-            )
         fia = getattr(module, FIA_OP, None)
         if fia is None:
             raise NotImplementedError(
@@ -156,7 +206,8 @@ class AscendKernels:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write ``key``/``value`` ``[T, kv_heads, head_size]`` into the ND caches at int32 slots.
+        """Write ``key``/``value`` ``[T, kv_heads, head_size]`` into the ND caches at int32 slots
+        (every slot a real one: callers drop padding first, see :mod:`.slots`).
 
         Both writers reject non-contiguous inputs, so the inputs are made contiguous here.
         """
@@ -187,9 +238,15 @@ class AscendKernels:
         value_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        getattr(self.module, RESHAPE_AND_CACHE_OP)(
-            key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots
-        )
+        try:
+            getattr(self.module, RESHAPE_AND_CACHE_OP)(
+                key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots
+            )
+        except OSError as exc:  # torch_npu's lazy ATB wrapper: NNAL's libatb.so could not be loaded
+            raise PlatformUnavailableError(
+                f"npu: the ATB writer {RESHAPE_AND_CACHE_OP} could not load its library "
+                f"({type(exc).__name__}: {exc}); {NNAL_FIX}"
+            ) from exc
 
     # -- attention --------------------------------------------------------------------------
 
