@@ -10,9 +10,10 @@ vllm-ascend's) fits the same seam through a thin adapter in ``integrations/vllm`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -126,6 +127,78 @@ class BlockTables(Protocol):
     def init_block_table_layout_tensors(self) -> None:
         """Rebuild derived layout tensors (after the underlying storage was reallocated)."""
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# One batch's per-row integers and what prepare puts on the device
+# --------------------------------------------------------------------------------------------
+
+
+class HostBatch(NamedTuple):
+    """One batch's per-row integers on the host, packed in one int32 CPU tensor so they travel
+    in one transfer: ``[query_start_loc (n+1) | seq_lens (n) | row_indices (n) | kv_start_pos (n)]``.
+    Row ``i`` queries tokens ``[kv_start_pos[i], kv_start_pos[i] + query_len[i])`` of worker row
+    ``row_indices[i]``."""
+
+    packed: torch.Tensor
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+
+    def split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``(query_start_loc, seq_lens, row_indices, kv_start_pos)`` of ``packed``."""
+        n = self.num_reqs
+        qsl, seq, rows, starts = torch.split(self.packed, [n + 1, n, n, n])
+        return qsl, seq, rows, starts
+
+
+class DeviceBatch(NamedTuple):
+    """What ``prepare_batch`` puts on the device for one batch (see :class:`BlockTables`)."""
+
+    query_start_loc: torch.Tensor
+    """``[n + 1]`` int32."""
+    seq_lens: torch.Tensor
+    """``[n]`` int32."""
+    row_indices: torch.Tensor
+    """``[n]`` int32 worker rows."""
+    positions: torch.Tensor
+    """``[num_tokens]`` int64: ``kv_start_pos[i] + j`` for the ``j``-th query token of row ``i``."""
+    block_tables: tuple[torch.Tensor, ...]
+    """Per group ``[n, width]`` int32 (``gather_block_tables``)."""
+    slot_mappings: torch.Tensor
+    """``[groups, num_tokens]`` (``compute_slot_mappings``)."""
+
+
+@functools.cache
+def pinned_memory_available() -> bool:
+    """Whether this host runtime can allocate pinned (page-locked) memory."""
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def prepare_batch_torch(bt: BlockTables, host: HostBatch, device: torch.device) -> DeviceBatch:
+    """The default ``prepare_batch``, for any BlockTables: positions built on the host, the
+    per-row integers and the positions copied in two transfers (from pinned memory on
+    accelerators, so the copies do not block the host), then ``bt.gather_block_tables`` and
+    ``bt.compute_slot_mappings``. Every call returns fresh tensors."""
+    n, num_tokens = host.num_reqs, host.num_tokens
+    qsl_h, _, _, starts_h = host.split()
+    lens = (qsl_h[1:] - qsl_h[:-1]).long()
+    positions = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
+        (starts_h - qsl_h[:-1]).long(), lens, output_size=num_tokens
+    )
+    packed = host.packed
+    if device.type != "cpu":
+        pin = pinned_memory_available()
+        packed = (packed.pin_memory() if pin else packed).to(device, non_blocking=True)
+        positions = (positions.pin_memory() if pin else positions).to(device, non_blocking=True)
+    qsl, seq, rows, _ = torch.split(packed, [n + 1, n, n, n])
+    tables = bt.gather_block_tables(rows, num_reqs_padded=n)
+    slots = bt.compute_slot_mappings(rows, qsl, positions, num_tokens_padded=num_tokens)
+    return DeviceBatch(qsl, seq, rows, positions, tuple(tables), slots)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,6 +374,15 @@ class TorchBlockTables:
         self._block_sizes_t = torch.tensor(self.block_sizes, dtype=torch.long, device=self.device)
 
     # -- per batch ---------------------------------------------------------------------------
+
+    def prepare_batch(self, host: HostBatch) -> DeviceBatch:
+        """One batch's device metadata: the rows' integers, positions, tables and slots.
+
+        The hook the translator calls once per ``prepare`` (BlockTables without it get
+        :func:`prepare_batch_torch`). An override may return views of persistent buffers that
+        the next call overwrites: the translator never prepares while a batch is active, and a
+        new preparation makes every earlier batch stale."""
+        return prepare_batch_torch(self, host, self.device)
 
     def gather_block_tables(
         self, idx_mapping: torch.Tensor, num_reqs_padded: int

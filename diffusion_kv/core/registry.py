@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.block_tables import BlockTables
@@ -129,6 +129,14 @@ class _RequestState:
     generation: int
     snapshot: RequestAllocation
     installs: tuple[RowInstall, ...]
+    by_identity: dict[Identity, RowInstall] = field(init=False, repr=False, compare=False)
+    """``installs`` by identity (the first install of each), so a lookup is not a scan."""
+
+    def __post_init__(self) -> None:
+        index: dict[Identity, RowInstall] = {}
+        for install in self.installs:
+            index.setdefault(install.identity, install)
+        object.__setattr__(self, "by_identity", index)
 
 
 def identity_of(request_id: str, sequence_id: int | None, context_id: str | None) -> Identity:
@@ -174,6 +182,9 @@ class RowRegistry:
         # Per group: block id -> {holding identity: writes it}.
         self._holders: list[dict[int, dict[Identity, bool]]] = [{} for _ in layout.groups]
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
+        # resolve()'s answers: each depends on _rows, _states and _written of its identity only,
+        # and is dropped whenever one of them changes (install, record_writes, remove).
+        self._bindings: dict[Identity, RowBinding] = {}
         self._serial = 0
         self._removed: OrderedDict[str, int] = OrderedDict()  # request id -> last generation
 
@@ -423,6 +434,7 @@ class RowRegistry:
                 )
             if gen > state.generation:
                 self._states[rid] = _RequestState(gen, snapshot, state.installs)
+                self._bindings.clear()
             return False
         orphans = [i.identity for i in installs if i.identity in self._rows]
         if orphans:
@@ -435,6 +447,7 @@ class RowRegistry:
             )
         rows = [self._free[-1 - k] for k in range(len(installs))]
         self._write_rows(rows, [i.block_ids for i in installs])
+        self._bindings.clear()
         del self._free[len(self._free) - len(installs) :]
         for install, row in zip(installs, rows, strict=True):
             self._rows[install.identity] = row
@@ -467,6 +480,7 @@ class RowRegistry:
             entry = self._written.get(identity)
             if entry is not None and entry[0] == serial:
                 self._written[identity] = (serial, add_span(entry[1], start, end))
+                self._bindings.pop(identity, None)
 
     def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
         """Clear the rows of the given requests; returns the number of rows cleared.
@@ -488,6 +502,8 @@ class RowRegistry:
                 targets.add(entry)
         doomed = [(identity, row) for identity, row in self._rows.items() if identity[0] in targets]
         rows = [row for _, row in doomed]
+        if targets:
+            self._bindings.clear()
         if rows:
             empty = tuple(() for _ in self.layout.groups)
             self._write_rows(rows, [empty] * len(rows))
@@ -531,22 +547,29 @@ class RowRegistry:
             raise UnknownIdentityError(f"no worker row is installed for {identity!r}") from None
 
     def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
+        # identity_of, inlined: the translator resolves every row of every batch
+        identity = (
+            (request_id, None, context_id) if context_id is not None else (request_id, sequence_id, None)
+        )
+        if self.mode is KVCacheMode.PAGED:
+            binding = self._bindings.get(identity)
+            if binding is not None:
+                return binding
         row = self.row_of(request_id, sequence_id, context_id)
-        identity = identity_of(request_id, sequence_id, context_id)
         state = self._states.get(request_id)
-        if state is not None:
-            for install in state.installs:
-                if install.identity == identity:
-                    serial, written = self._written[identity]
-                    return RowBinding(
-                        row,
-                        install.token_len,
-                        install.block_ids,
-                        install.cache_role,
-                        install.read_only_tokens,
-                        written,
-                        serial,
-                    )
+        install = state.by_identity.get(identity) if state is not None else None
+        if install is not None:
+            serial, written = self._written[identity]
+            binding = self._bindings[identity] = RowBinding(
+                row,
+                install.token_len,
+                install.block_ids,
+                install.cache_role,
+                install.read_only_tokens,
+                written,
+                serial,
+            )
+            return binding
         raise StateError(f"registry state is missing the logical length of {identity!r}")
 
 

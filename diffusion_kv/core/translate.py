@@ -23,13 +23,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.batch import CommonBatchMetadata
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import (
+    BlockTables,
+    DeviceBatch,
+    HostBatch,
+    pinned_memory_available,
+    prepare_batch_torch,
+)
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import (
     DiffusionKVError,
@@ -38,9 +46,9 @@ from diffusion_kv.core.errors import (
     StateError,
     ValidationError,
 )
-from diffusion_kv.core.layout import CacheLayout, cdiv
+from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.piecewise import PiecewisePlan, build_piecewise_plan, freeze_spans
-from diffusion_kv.core.registry import RowBinding, WrittenSpan, missing_spans
+from diffusion_kv.core.registry import Identity, RowBinding, TokenSpans, WrittenSpan, missing_spans
 from diffusion_kv.core.rows import PagedRow
 
 
@@ -118,13 +126,8 @@ class Translator:
         self._owner = object()
         self._generation = 0
         self._active: _ActiveState | None = None
-        self._pin = False
-        if self.device.type != "cpu":  # pinned staging where the host runtime supports it
-            try:
-                torch.empty(1, pin_memory=True)
-                self._pin = True
-            except RuntimeError:
-                pass
+        # pinned staging where the host runtime supports it
+        self._pin = self.device.type != "cpu" and pinned_memory_available()
         self._modes = tuple(grp.spec.mode for grp in layout.groups)
         self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m is AttentionMode.CAUSAL)
         thresholds = [
@@ -148,11 +151,13 @@ class Translator:
 
     # -- preparation --------------------------------------------------------------------------
 
-    def _validate(self, rows: tuple[PagedRow, ...]) -> list[RowBinding]:
+    def _validate(self, rows: tuple[PagedRow, ...]) -> tuple[list[RowBinding], list[Identity]]:
+        """Every check of a batch, before anything changes; the rows' bindings and identities."""
         if not rows:
             raise ValidationError("a paged batch must contain at least one row")
-        if any(not isinstance(r, PagedRow) for r in rows):
-            raise ValidationError("a paged batch takes PagedRow records")
+        for r in rows:
+            if not isinstance(r, PagedRow):
+                raise ValidationError("a paged batch takes PagedRow records")
         bt = self.block_tables
         if len(rows) > bt.max_num_reqs:
             raise ValidationError(f"paged batch has {len(rows)} rows; worker capacity is {bt.max_num_reqs}")
@@ -162,30 +167,57 @@ class Translator:
             raise ValidationError(f"paged batch contains duplicate row identities {dup!r}")
         if self.rows is None:
             raise StateError("the translator has no row source (registry) bound")
-        source = self.rows
-        bindings = [source.resolve(r.request_id, r.sequence_id, r.context_id) for r in rows]
+        resolve = self.rows.resolve
+        bindings = [resolve(r.request_id, r.sequence_id, r.context_id) for r in rows]
         indices = [b.row_index for b in bindings]
         if len(set(indices)) != len(indices):
             raise ValidationError(f"paged batch resolves several rows to the same worker row: {indices}")
+        # One pass over the rows; a row failing the first checks raises at once, and the first
+        # failure of each later check is raised after the pass, so the error a batch gets is
+        # the one of the first check (in this order) that any row fails.
+        counts = bt.num_blocks.cpu.tolist()  # one conversion, not one per row and group
+        groups = [
+            (g, counts[g], block_size * bt.cp_size, ratio)
+            for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True))
+        ]
+        max_rows = bt.max_num_reqs
+        short_of_blocks: tuple[PagedRow, int, int, int, int] | None = None
+        unread_by: tuple[PagedRow, RowBinding, TokenSpans] | None = None
+        num_tokens = 0
         for row, binding in zip(rows, bindings, strict=True):
-            if type(binding.row_index) is not int or not 0 <= binding.row_index < bt.max_num_reqs:
-                raise ValidationError(
-                    f"row {row.identity!r} resolved to invalid worker row {binding.row_index!r}"
-                )
+            row_index = binding.row_index
+            if type(row_index) is not int or not 0 <= row_index < max_rows:
+                raise ValidationError(f"row {row.identity!r} resolved to invalid worker row {row_index!r}")
             if type(binding.max_seq_len) is not int or binding.max_seq_len < 0:
                 raise ValidationError(
                     f"row {row.identity!r} resolved to invalid logical capacity {binding.max_seq_len!r}"
                 )
-            if row.seq_len > binding.max_seq_len:
+            seq_len = row.seq_len
+            if seq_len > binding.max_seq_len:
                 raise ValidationError(
-                    f"row {row.identity!r} uses seq_len={row.seq_len}, but its installed allocation has logical "
+                    f"row {row.identity!r} uses seq_len={seq_len}, but its installed allocation has logical "
                     f"length {binding.max_seq_len}"
                 )
-            if row.kv_start_pos < binding.read_only_tokens:
+            start = row.kv_start_pos
+            end = start + row.query_len
+            if start < binding.read_only_tokens:
                 raise ValidationError(
-                    f"row {row.identity!r} would write tokens [{row.kv_start_pos}, {row.kv_start_pos + row.query_len}) "
+                    f"row {row.identity!r} would write tokens [{start}, {end}) "
                     f"inside its read-only cached prefix [0, {binding.read_only_tokens})"
                 )
+            num_tokens += row.query_len
+            if short_of_blocks is None:
+                for g, group_counts, tokens_per_block, ratio in groups:
+                    required = -(-seq_len // tokens_per_block)  # cdiv, inlined: runs per row
+                    installed = group_counts[row_index]
+                    if required * ratio > installed:
+                        short_of_blocks = (row, g, required, installed, ratio)
+                        break
+            written = binding.written
+            if unread_by is None and not _reads_written(written, start, end, seq_len):
+                unread = missing_spans(written, 0, start) + missing_spans(written, end, seq_len)
+                if unread:
+                    unread_by = (row, binding, unread)
         threshold = self._reorder_threshold
         if threshold is not None:
             seen_long = False
@@ -197,33 +229,24 @@ class Translator:
                         f"causal paged rows must place short-query rows (query_len <= {threshold}) before "
                         f"long-query rows; row {row.identity!r} (query_len {row.query_len}) comes after a long one"
                     )
-        counts = bt.num_blocks.cpu.tolist()  # one conversion, not one per row and group
-        for row, binding in zip(rows, bindings, strict=True):
-            for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True)):
-                required = cdiv(row.seq_len, block_size * bt.cp_size)
-                installed = counts[g][binding.row_index]
-                if required * ratio > installed:
-                    raise ValidationError(
-                        f"row {row.identity!r} needs {required} blocks in cache group {g} for seq_len={row.seq_len}, "
-                        f"but its worker row holds only {installed // ratio}"
-                    )
-        num_tokens = sum(r.query_len for r in rows)
+        if short_of_blocks is not None:
+            row, g, required, installed, ratio = short_of_blocks
+            raise ValidationError(
+                f"row {row.identity!r} needs {required} blocks in cache group {g} for seq_len={row.seq_len}, "
+                f"but its worker row holds only {installed // ratio}"
+            )
         if num_tokens > bt.max_num_batched_tokens:
             raise ValidationError(
                 f"paged batch has {num_tokens} tokens; worker capacity is {bt.max_num_batched_tokens}"
             )
-        for row, binding in zip(rows, bindings, strict=True):
-            end = row.kv_start_pos + row.query_len
-            unread = missing_spans(binding.written, 0, row.kv_start_pos) + missing_spans(
-                binding.written, end, row.seq_len
+        if unread_by is not None:
+            row, binding, unread = unread_by
+            raise StateError(
+                f"row {row.identity!r} would read tokens {list(unread)} that were never written since its "
+                f"install (readable: {list(binding.written)}); write them first (the prefill phase) or "
+                "declare them computed with cached_prefix_len"
             )
-            if unread:
-                raise StateError(
-                    f"row {row.identity!r} would read tokens {list(unread)} that were never written since its "
-                    f"install (readable: {list(binding.written)}); write them first (the prefill phase) or "
-                    "declare them computed with cached_prefix_len"
-                )
-        return bindings
+        return bindings, identities
 
     @staticmethod
     def _lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> _HostLengths:
@@ -284,40 +307,64 @@ class Translator:
         if self._active is not None:
             raise StateError("cannot prepare a paged batch while another batch is active")
         rows = tuple(rows)
-        bindings = self._validate(rows)
+        bindings, identities = self._validate(rows)
         # Persistent native buffers may be reused by the next preparation: every earlier batch
         # is stale from here on, even if the builder below fails.
         self._generation += 1
         generation = self._generation
+        n = len(rows)
         query_lens = [r.query_len for r in rows]
         seq_lens = [r.seq_len for r in rows]
-        num_tokens = sum(query_lens)
-        lens = torch.tensor(query_lens, dtype=torch.long)
-        starts = torch.tensor([r.kv_start_pos for r in rows], dtype=torch.long)
-        offsets = torch.cumsum(lens, 0) - lens
-        positions_cpu = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
-            starts - offsets, lens, output_size=num_tokens
+        starts = [r.kv_start_pos for r in rows]
+        qsl = [0, *accumulate(query_lens)]
+        num_tokens = qsl[-1]
+        # Every per-row integer in one int32 host array (one numpy conversion; the BlockTables
+        # copies it to the device in one transfer): [qsl | seq_lens | rows | kv_start_pos].
+        packed = torch.from_numpy(
+            np.array(qsl + seq_lens + [b.row_index for b in bindings] + starts, dtype=np.int32)
         )
-        host = self._lengths(query_lens, seq_lens)
-        row_cpu = torch.tensor([b.row_index for b in bindings], dtype=torch.int32)
-        qsl, seq, row_indices = self._stage(host.query_start_loc, host.seq_lens, row_cpu)  # one transfer
-        (positions,) = self._stage(positions_cpu)
+        host = HostBatch(packed, n, num_tokens, max(query_lens))
         bt = self.block_tables
-        tables = bt.gather_block_tables(row_indices, num_reqs_padded=len(rows))
-        slots = bt.compute_slot_mappings(row_indices, qsl, positions, num_tokens_padded=num_tokens)
-        block_ids = tuple(
-            tuple(b.block_ids[g] if g < len(b.block_ids) else () for b in bindings)
-            for g in range(len(self.layout.groups))
+        hook = getattr(bt, "prepare_batch", None)
+        on_device: DeviceBatch = (
+            hook(host) if hook is not None else prepare_batch_torch(bt, host, self.device)
         )
-        common = self._common(host, (qsl, seq), positions, tuple(tables), slots, self._modes, block_ids)
-        attn_metadata = self._build(common, range(len(self.layout.groups)))
+        qsl_cpu, seq_cpu = packed[: n + 1], packed[n + 1 : 2 * n + 1]
+        dcp = dcp_cpu = None
+        if bt.cp_size > 1:
+            dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
+            dcp = dcp_cpu.to(self.device, non_blocking=True)
+        num_groups = len(self.layout.groups)
+        common = CommonBatchMetadata(
+            num_reqs=n,
+            num_tokens=num_tokens,
+            query_start_loc=on_device.query_start_loc,
+            query_start_loc_cpu=qsl_cpu,
+            max_query_len=host.max_query_len,
+            seq_lens=on_device.seq_lens,
+            seq_lens_cpu=seq_cpu,
+            max_seq_len=max(seq_lens),
+            positions=on_device.positions,
+            block_tables=on_device.block_tables,
+            slot_mappings=on_device.slot_mappings,
+            modes=self._modes,
+            dcp_local_seq_lens=dcp,
+            dcp_local_seq_lens_cpu=dcp_cpu,
+            host_block_ids=tuple(
+                tuple([b.block_ids[g] if g < len(b.block_ids) else () for b in bindings])
+                for g in range(num_groups)
+            ),
+        )
+        attn_metadata = self._build(common, range(num_groups))
+        slots = on_device.slot_mappings
         by_layer: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.layout.groups):
+            slots_g = slots[g]
             for name in group.layer_names:
-                by_layer[name] = slots[g]
+                by_layer[name] = slots_g
         return PreparedBatch(
             rows=rows,
-            row_indices=row_indices,
+            row_indices=on_device.row_indices,
             common=common,
             attn_metadata=attn_metadata,
             slot_mappings_by_layer=by_layer,
@@ -325,8 +372,12 @@ class Translator:
             owner=self._owner,
             generation=generation,
             write_spans=tuple(
-                (r.identity, b.install_serial, r.kv_start_pos, r.kv_start_pos + r.query_len)
-                for r, b in zip(rows, bindings, strict=True)
+                [
+                    (identity, b.install_serial, start, start + query_len)
+                    for identity, b, start, query_len in zip(
+                        identities, bindings, starts, query_lens, strict=True
+                    )
+                ]
             ),
         )
 
@@ -453,6 +504,18 @@ class Translator:
             keep = torch.arange(tokens_per_row)[None, :] < lens[:, None]
             state.packing[key] = grid[keep].to(self.device)
         return state.packing[key]
+
+
+def _reads_written(spans: Sequence[tuple[int, int]], start: int, end: int, seq_len: int) -> bool:
+    """Whether a row writing ``[start, end)`` of ``seq_len`` keys reads only written tokens
+    because one span holds ``[0, start)`` and one holds ``[end, seq_len)`` (the common case,
+    checked without building the missing spans; False means: measure them exactly)."""
+    head = start <= 0
+    tail = end >= seq_len
+    for a, b in spans:
+        head = head or (a <= 0 and start <= b)
+        tail = tail or (a <= end and seq_len <= b)
+    return head and tail
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -194,6 +194,32 @@ def test_unknown_identity() -> None:
         reg.resolve("r", None, "nope")
 
 
+def test_resolve_follows_every_change() -> None:
+    """resolve() keeps its answers between changes; each install, write record, removal or
+    mode change is seen by the next lookup."""
+    reg, _ = make_registry()
+    ident = ("a", 0, None)
+    reg.install(request("a", 0, (seq(0, 5, [1, 2]),)))
+    first = reg.resolve("a", 0)
+    assert reg.resolve("a", 0) == first and first.written == ()
+    reg.record_writes([(ident, first.install_serial, 0, 3)])
+    assert reg.resolve("a", 0).written == ((0, 3),)
+    reg.record_writes([(ident, first.install_serial - 1, 3, 5)])  # an older install's write: ignored
+    assert reg.resolve("a", 0).written == ((0, 3),)
+    assert reg.install(request("a", 1, (seq(0, 5, [1, 2]),))) is False  # newer generation, same rows
+    assert reg.resolve("a", 0).written == ((0, 3),)
+    reg.remove("a")
+    with pytest.raises(UnknownIdentityError):
+        reg.resolve("a", 0)
+    reg.install(request("a", 2, (seq(0, 9, [4, 5, 6]),)))
+    again = reg.resolve("a", 0)
+    assert (again.max_seq_len, again.block_ids, again.written) == (9, ((4, 5, 6),), ())
+    assert again.install_serial > first.install_serial
+    reg.mode = KVCacheMode.DENSE
+    with pytest.raises(StateError, match="dense mode"):
+        reg.resolve("a", 0)
+
+
 def test_orphaned_identity_is_detected() -> None:
     reg, _ = make_registry()
     reg._rows[("a", 0, None)] = 5  # an inconsistent registry (e.g. a bug elsewhere)

@@ -320,6 +320,55 @@ def test_prepare_checks_installed_blocks_and_tokens() -> None:
     prepare_error(h2, rows, ValidationError, "paged batch has 64 tokens; worker capacity is 63")
 
 
+def test_prepare_reports_the_first_failing_check_in_order() -> None:
+    """Checks run in one pass over the rows, yet a batch failing several of them gets the error
+    of the first check in this order, whichever row fails it: worker row and capacity, then
+    short-before-long order, installed blocks, token capacity, page provenance."""
+    h, _ = make(threshold=2, max_num_seqs=1, max_rows_per_request=3)
+    h.install("r", [8], placement="contiguous")  # worker row 0 holds 2 blocks; rows 1, 2 none
+    bindings = {
+        0: RowBinding(0, 16, written=((0, 16),)),  # seq_len 12 needs 3 blocks
+        1: RowBinding(1, 4, written=((0, 16),)),  # logical length 4
+        2: RowBinding(2, 16, written=()),  # no blocks, nothing written
+        3: RowBinding(0, 8, written=()),  # enough blocks, nothing written
+        4: RowBinding(1, 16, written=((0, 16),)),  # no blocks
+    }
+
+    class ScriptedRows:
+        def resolve(self, rid: str, sid: int | None, cid: str | None = None) -> RowBinding:
+            assert sid is not None
+            return bindings[sid]
+
+        def record_writes(self, spans: Any) -> None:
+            pass
+
+    h.translator.rows = ScriptedRows()
+    short_of_blocks = PagedRow("r", 1, 12, 11, sequence_id=0)
+    prepare_error(
+        h,
+        (short_of_blocks, PagedRow("r", 1, 8, 7, sequence_id=1)),
+        ValidationError,
+        "installed allocation has logical length 4",
+    )
+    prepare_error(
+        h,
+        (PagedRow("r", 8, 8, 0, sequence_id=4), PagedRow("r", 1, 8, 7, sequence_id=3)),
+        ValidationError,
+        "short-query rows",
+    )
+    prepare_error(
+        h,
+        (short_of_blocks, PagedRow("r", 1, 8, 7, sequence_id=2)),
+        ValidationError,
+        r"row \('r', 0, None\) needs 3 blocks in cache group 0 for seq_len=12",
+    )
+    unread = (PagedRow("r", 1, 8, 7, sequence_id=3),)
+    h.block_tables.max_num_batched_tokens = 0  # type: ignore[misc]
+    prepare_error(h, unread, ValidationError, "paged batch has 1 tokens; worker capacity is 0")
+    h.block_tables.max_num_batched_tokens = 8  # type: ignore[misc]
+    prepare_error(h, unread, StateError, r"would read tokens \[\(0, 7\)\] that were never written")
+
+
 def test_builder_failure_still_invalidates_older_batches() -> None:
     h, rec = make()
     h.install("r", [4])

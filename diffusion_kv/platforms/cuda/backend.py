@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -42,9 +42,9 @@ SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
 """Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128)."""
 DEFAULT_NUM_SMS = 132
-
-
-DEFAULT_NUM_SMS = 132
+PLAN_CACHE_SIZE = 64
+"""Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
+is dropped first)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,54 @@ def contiguous_run(ids: tuple[int, ...], ratio: int, count: int) -> int | None:
     """The first kernel block when the first ``count`` kernel blocks of a row (scheduler ids
     ``ids``, ``ratio`` kernel blocks each) are consecutive, else None."""
     needed = -(-count // ratio)
-    if len(ids) < needed or any(ids[i] != ids[0] + i for i in range(needed)):
+    if len(ids) < needed:
         return None
-    return ids[0] * ratio
+    first = ids[0]
+    if needed <= 1:
+        return first * ratio
+    if ids[needed - 1] != first + needed - 1:  # rejects most placements at once
+        return None
+    return first * ratio if tuple(ids[:needed]) == tuple(range(first, first + needed)) else None
+
+
+RowShapes = tuple[tuple[int, int, tuple[int, ...], "torch.Tensor | None"], ...]
+"""``(query_len, seq_len, rows, device row index or None when the rows are consecutive)`` per
+row shape of a batch, rows without queries left out."""
+
+
+def row_shapes(qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> RowShapes:
+    """A batch's rows grouped by shape (the part of :func:`sdpa_row_groups` that depends on the
+    lengths alone)."""
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for r in range(len(seq)):
+        shapes.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
+    out = []
+    for (ql, sl), rows in shapes.items():
+        if ql == 0:  # a row without queries in this (piecewise) segment
+            continue
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        out.append((ql, sl, tuple(rows), index))
+    return tuple(out)
+
+
+def page_view(
+    rows: tuple[int, ...], seq_len: int, host_block_ids: tuple[tuple[int, ...], ...], ratio: int, page: int
+) -> tuple[int, int] | None:
+    """``SdpaRowGroup.view`` for rows of ``seq_len`` keys placed at ``host_block_ids``."""
+    if not host_block_ids:
+        return None
+    nblk = -(-seq_len // page)
+    starts: list[int] = []
+    for r in rows:  # stop at the first row whose pages are not one run
+        start = contiguous_run(host_block_ids[r], ratio, nblk)
+        if start is None:
+            return None
+        starts.append(start)
+    first = starts[0]
+    step = (starts[1] - first) if len(starts) > 1 else nblk
+    evenly = all(st == first + i * step for i, st in enumerate(starts))
+    return (first, step) if evenly and step >= nblk else None
 
 
 def sdpa_row_groups(
@@ -81,29 +126,16 @@ def sdpa_row_groups(
     host_block_ids: tuple[tuple[int, ...], ...] = (),
     ratio: int = 1,
     page: int = 1,
+    shapes: RowShapes | None = None,
 ) -> tuple[SdpaRowGroup, ...]:
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for r in range(len(seq)):
-        shapes.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
-    groups = []
-    for (ql, sl), rows in shapes.items():
-        if ql == 0:  # a row without queries in this (piecewise) segment
-            continue
-        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-        view = None
-        if host_block_ids:
-            nblk = -(-sl // page)
-            starts = [contiguous_run(host_block_ids[r], ratio, nblk) for r in rows]
-            if all(start is not None for start in starts):
-                first = starts[0]
-                assert first is not None
-                step = (starts[1] - first) if len(starts) > 1 else nblk  # type: ignore[operator]
-                evenly = all(st == first + i * step for i, st in enumerate(starts))
-                if evenly and step >= nblk:
-                    view = (first, step)
-        groups.append(SdpaRowGroup(ql, sl, tuple(rows), index, view))
-    return tuple(groups)
+    """Rows grouped by shape, each group read as a strided view of the cache when its pages
+    allow it; ``shapes`` is ``row_shapes(qsl, seq, device)`` when the caller has it already."""
+    if shapes is None:
+        shapes = row_shapes(qsl, seq, device)
+    return tuple(
+        SdpaRowGroup(ql, sl, rows, index, page_view(rows, sl, host_block_ids, ratio, page))
+        for ql, sl, rows, index in shapes
+    )
 
 
 @dataclass(frozen=True)
@@ -126,6 +158,17 @@ class CudaPagedMetadata:
     num_warps: int = 4
     sdpa_groups: tuple[SdpaRowGroup, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _BatchPlan(NamedTuple):
+    """What :meth:`CudaPagedBackend.build` decides from a batch's lengths alone."""
+
+    way: str
+    reason: str
+    extra: dict[str, Any]
+    """The in-place way's tile schedule and launch settings (CudaPagedMetadata fields)."""
+    shapes: RowShapes
+    """The gather + SDPA way's row shapes."""
 
 
 def _pow2_at_least(n: int, floor: int = 16) -> int:
@@ -252,8 +295,41 @@ class CudaPagedBackend(PagedBackend):
         self.num_sms = DEFAULT_NUM_SMS
         if group.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
+        self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
 
-    def _schedule(
+    def _plan(self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> _BatchPlan:
+        """The plan of one batch shape, made once: a batch of a shape seen before reuses it, its
+        device tensors (tile schedule, row indices) included. They are never written after
+        they are made, so a batch that holds them stays valid; preparing it again costs no
+        allocation and no host-to-device copy."""
+        key = (qsl, seq, device)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        if self.way is not None:
+            way, reason = self.way, f"backend {self.name!r} always takes this way"
+        else:
+            lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
+            way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
+        if way == "triton":
+            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, seq, device)
+            extra: dict[str, Any] = dict(
+                tile_row=tile_row,
+                tile_q0=tile_q0,
+                block_m=block_m,
+                block_n=block_n,
+                num_splits=splits,
+                num_warps=8 if block_m >= 128 else 4,
+            )
+            plan = _BatchPlan(way, reason, extra, ())
+        else:
+            plan = _BatchPlan(way, reason, {}, row_shapes(qsl, seq, device))
+        if len(self._plans) >= PLAN_CACHE_SIZE:
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+        return plan
+
+    def _make_schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
@@ -288,35 +364,17 @@ class CudaPagedBackend(PagedBackend):
         return sched[0], sched[1], block_m, block_n, splits
 
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
-        qsl = tuple(int(x) for x in batch.query_start_loc_cpu.tolist())
-        seq = tuple(int(x) for x in batch.seq_lens_cpu.tolist())
-        lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
-        if self.way is not None:
-            way, reason = self.way, f"backend {self.name!r} always takes this way"
-        else:
-            way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
-        device = batch.query_start_loc.device
-        extra: dict[str, Any]
-        if way == "triton":
-            tile_row, tile_q0, block_m, block_n, splits = self._schedule(qsl, seq, device)
-            extra = dict(
-                tile_row=tile_row,
-                tile_q0=tile_q0,
-                block_m=block_m,
-                block_n=block_n,
-                num_splits=splits,
-                num_warps=8 if block_m >= 128 else 4,
-            )
-        else:
+        qsl = tuple(batch.query_start_loc_cpu.tolist())
+        seq = tuple(batch.seq_lens_cpu.tolist())
+        plan = self._plan(qsl, seq, batch.query_start_loc.device)
+        extra = plan.extra
+        if plan.way != "triton":  # the page views depend on the placement, not only the shape
             g = self.group
+            ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
             extra = dict(
-                sdpa_groups=sdpa_row_groups(
-                    qsl,
-                    seq,
-                    device,
-                    batch.host_block_ids,
-                    g.block_size // g.kernel_block_size,
-                    g.kernel_block_size,
+                sdpa_groups=tuple(
+                    SdpaRowGroup(ql, sl, rows, index, page_view(rows, sl, batch.host_block_ids, ratio, page))
+                    for ql, sl, rows, index in plan.shapes
                 )
             )
         return CudaPagedMetadata(
@@ -328,8 +386,8 @@ class CudaPagedBackend(PagedBackend):
             page=self.group.kernel_block_size,
             host_query_start_loc=qsl,
             host_seq_lens=seq,
-            backend=way,
-            reason=reason,
+            backend=plan.way,
+            reason=plan.reason,
             **extra,
         )
 

@@ -6,6 +6,9 @@
   packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
   over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
 * ``gather_block_tables`` / ``compute_slot_mappings``: one launch each per KV-cache group.
+* ``prepare_batch``: what ``Translator.prepare`` needs on the device, in one launch per
+  KV-cache group, from the batch's per-row integers: positions, slot mappings and the
+  gathered block-table rows.
 
 Importing this module imports Triton; the plugin imports it lazily. Every kernel also runs under
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how CI exercises them.
@@ -456,4 +459,127 @@ def compute_slots(
         CP_RANK=cp_rank,
         INTERLEAVE=cp_interleave,
         BLOCK=128,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Fused per-batch metadata: positions + slot mapping + block-table gather (one launch per group)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _prepare_batch_kernel(
+    meta_ptr,
+    table_ptr,
+    counts_ptr,
+    tables_out_ptr,
+    pos_ptr,
+    slots_ptr,
+    num_reqs,
+    width,
+    stride_t,
+    stride_o,
+    BS: tl.constexpr,
+    KBS: tl.constexpr,
+    CP: tl.constexpr,
+    CP_RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    WRITE_POSITIONS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    # meta = [query_start_loc (n+1) | seq_lens (n) | row_indices (n) | kv_start_pos (n)], int32
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    req = tl.load(meta_ptr + 2 * num_reqs + 1 + i)
+    qs = tl.load(meta_ptr + i)
+    qe = tl.load(meta_ptr + i + 1)
+    first = tl.load(meta_ptr + 3 * num_reqs + 1 + i).to(tl.int64)
+    safe_req = tl.maximum(req, 0).to(tl.int64)
+    n = tl.load(counts_ptr + safe_req, mask=req >= 0, other=0)
+    row_table = table_ptr + safe_req * stride_t
+
+    # the row's query tokens [qs + j * BLOCK, ...): positions and slots
+    offs = tl.arange(0, BLOCK)
+    t = qs + j * BLOCK + offs
+    tm = t < qe
+    p = first + (t - qs).to(tl.int64)
+    if WRITE_POSITIONS:
+        tl.store(pos_ptr + t, p, mask=tm)
+    if CP == 1:
+        lp = p
+        local = tm
+    else:
+        vbs = BS * CP
+        o = p % vbs
+        local = tm & ((o // INTERLEAVE) % CP == CP_RANK)
+        lp = (p // vbs) * BS + (o // (INTERLEAVE * CP)) * INTERLEAVE + o % INTERLEAVE
+    kb = lp // KBS
+    local = local & (kb < n) & (req >= 0)
+    blk = tl.load(row_table + tl.minimum(kb, width - 1), mask=local, other=0)
+    slot = tl.where(local, blk.to(tl.int64) * KBS + lp % KBS, -1)
+    tl.store(slots_ptr + t, slot.to(slots_ptr.dtype.element_ty), mask=tm)
+
+    # the row's table entries (zeros past its installed blocks), split across the chunks
+    cols = tl.arange(0, BLOCK_W)
+    out_row = tables_out_ptr + i.to(tl.int64) * stride_o
+    for c0 in range(j * BLOCK_W, width, chunks * BLOCK_W):
+        c = c0 + cols
+        inb = c < width
+        keep = inb & (c < n) & (req >= 0)
+        tl.store(out_row + c, tl.load(row_table + c, mask=keep, other=0), mask=inb)
+
+
+PREPARE_BLOCK = 1024
+"""Query tokens per program of the fused prepare kernel."""
+PREPARE_BLOCK_W = 128
+"""Block-table columns per program and step of the fused prepare kernel."""
+
+
+def prepare_batch(
+    meta: torch.Tensor,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    tables_out: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    block_size: int,
+    kernel_block_size: int,
+    cp_size: int,
+    cp_rank: int,
+    cp_interleave: int,
+    write_positions: bool,
+) -> None:
+    """One group's slots ``slots[t]`` and table rows ``tables_out[:num_reqs]`` (and, with
+    ``write_positions``, ``positions[t]``) for the batch in ``meta`` (device int32
+    ``[query_start_loc | seq_lens | row_indices | kv_start_pos]``, ``num_reqs`` rows).
+
+    Token ``t`` of row ``i`` sits at ``kv_start_pos[i] + t - query_start_loc[i]``; its slot
+    follows :class:`~diffusion_kv.core.block_tables.TorchBlockTables` (``-1`` for tokens of
+    another DCP rank, past the row's blocks, or of a row index ``< 0``). ``tables_out`` and
+    ``table`` are row-major with unit column stride."""
+    chunks = max(1, -(-max_query_len // PREPARE_BLOCK))
+    _prepare_batch_kernel[(num_reqs, chunks)](
+        meta,
+        table,
+        counts,
+        tables_out,
+        positions,
+        slots,
+        num_reqs,
+        table.shape[1],
+        table.stride(0),
+        tables_out.stride(0),
+        BS=block_size,
+        KBS=kernel_block_size,
+        CP=cp_size,
+        CP_RANK=cp_rank,
+        INTERLEAVE=cp_interleave,
+        WRITE_POSITIONS=write_positions,
+        BLOCK=PREPARE_BLOCK,
+        BLOCK_W=PREPARE_BLOCK_W,
     )
