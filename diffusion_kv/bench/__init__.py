@@ -108,18 +108,22 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             report["host"] = host.host_overhead(platform, device, dtype, tokens=4096, iters=config.host_iters)
         except Exception as exc:  # reported, and the command exits 1
             errors["host"] = f"{type(exc).__name__}: {exc}"
-    if "e2e" in config.sections:
-        say("tiny-DiT end to end")
+    whole_runs = (
+        ("e2e", "tiny-DiT end to end", e2e.end_to_end),
+        (
+            "stream",
+            "continuous batching: mixed requests served together vs one after another",
+            stream.stream_throughput,
+        ),
+    )
+    for section, title, run in whole_runs:
+        if section not in config.sections:
+            continue
+        say(title)
         try:
-            report["e2e"] = e2e.end_to_end(platform, device, dtype, sizes)
-        except Exception as exc:
-            errors["e2e"] = f"{type(exc).__name__}: {exc}"
-    if "stream" in config.sections:
-        say("continuous batching: mixed requests served together vs one after another")
-        try:
-            report["stream"] = stream.stream_throughput(platform, device, dtype, sizes)
-        except Exception as exc:
-            errors["stream"] = f"{type(exc).__name__}: {exc}"
+            report[section] = run(platform, device, dtype, sizes)
+        except Exception as exc:  # reported, and the command exits 1
+            errors[section] = f"{type(exc).__name__}: {exc}"
     errors.update({r["case"]: r["error"] for r in report.get("attention", []) if "error" in r})
     report["errors"] = errors
     return report

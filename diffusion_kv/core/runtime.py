@@ -44,9 +44,7 @@ class PagedRuntime:
         rows = self.phases.rows_for_step(step)
         prefill = step == 0
         if self._phase is prefill:
-            active = self.translator.active_batch
-            assert active is not None
-            return active
+            return self._active_batch()
         batch = self._activate(rows)
         self._phase = prefill
         return batch
@@ -58,12 +56,15 @@ class PagedRuntime:
             raise StateError("the paged runtime is closed")
         rows = tuple(rows)
         if self._rows is not None and self._rows == rows:
-            active = self.translator.active_batch
-            assert active is not None
-            return active
+            return self._active_batch()
         batch = self._activate(rows)
         self._rows = rows
         return batch
+
+    def _active_batch(self) -> PreparedBatch:
+        active = self.translator.active_batch
+        assert active is not None
+        return active
 
     def _activate(self, rows: tuple[PagedRow, ...]) -> PreparedBatch:
         self._deactivate()

@@ -127,11 +127,16 @@ def _inputs(cfg: DemoConfig, device: torch.device) -> tuple[torch.Tensor, torch.
     return prefixes.to(device, cfg.dtype), latent.to(device, cfg.dtype)
 
 
-def _combine(cfg: DemoConfig, velocity: torch.Tensor) -> torch.Tensor:
-    if cfg.cfg_rows == 1:
+def combine_guidance(guidance: float, velocity: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance over ``[cond, uncond]`` rows (one row: returned as is)."""
+    if velocity.shape[0] == 1:
         return velocity
     cond, uncond = velocity[0:1], velocity[1:2]
-    return uncond + cfg.guidance * (cond - uncond)
+    return uncond + guidance * (cond - uncond)
+
+
+def _combine(cfg: DemoConfig, velocity: torch.Tensor) -> torch.Tensor:
+    return combine_guidance(cfg.guidance, velocity)
 
 
 def _sync(device: torch.device) -> None:

@@ -41,7 +41,7 @@ from diffusion_kv.core.scheduler import (
     StepBatch,
     StepReport,
 )
-from diffusion_kv.models.demo import TOLERANCE, build_model, max_difference
+from diffusion_kv.models.demo import TOLERANCE, _sync, build_model, combine_guidance, max_difference
 from diffusion_kv.models.demo import DemoConfig as _DemoConfig
 from diffusion_kv.models.tiny_dit import TinyDiT
 from diffusion_kv.platforms.interface import Platform
@@ -139,18 +139,6 @@ def make_inputs(
     return RequestInputs(prefixes.to(device, cfg.dtype), latent.to(device, cfg.dtype))
 
 
-def _combine(guidance: float, velocity: torch.Tensor) -> torch.Tensor:
-    if velocity.shape[0] == 1:
-        return velocity
-    cond, uncond = velocity[0:1], velocity[1:2]
-    return uncond + guidance * (cond - uncond)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def dense_run(
     model: TinyDiT, request: DiffusionRequest, inputs: RequestInputs, guidance: float
 ) -> torch.Tensor:
@@ -161,7 +149,7 @@ def dense_run(
         for step in range(request.steps):
             target = latent.expand(request.cfg_rows, -1, -1)
             velocity = model.dense_step(inputs.prefixes, target, 1.0 - step * dt)
-            latent = latent - dt * _combine(guidance, velocity)
+            latent = latent - dt * combine_guidance(guidance, velocity)
     return latent
 
 
@@ -253,7 +241,9 @@ class StreamModel:
                 v = velocity[cursor : cursor + n].reshape(req.cfg_rows, req.target_len, -1)
                 cursor += n
                 dt = 1.0 / req.steps
-                self.latents[req.request_id] = self.latents[req.request_id] - dt * _combine(self.guidance, v)
+                self.latents[req.request_id] = self.latents[req.request_id] - dt * combine_guidance(
+                    self.guidance, v
+                )
 
 
 @dataclass

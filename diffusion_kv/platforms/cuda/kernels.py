@@ -370,6 +370,37 @@ def gather_block_table(
 
 
 @triton.jit
+def _slots_of(
+    p,
+    tm,
+    n,
+    req,
+    row_table,
+    width,
+    BS: tl.constexpr,
+    KBS: tl.constexpr,
+    CP: tl.constexpr,
+    CP_RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
+    """Slots of absolute positions ``p`` (int64; ``tm`` marks real tokens) of a row whose table
+    starts at ``row_table`` and holds ``n`` kernel blocks: ``-1`` for another DCP rank's tokens,
+    past the row's blocks, or for a row index ``req < 0``."""
+    if CP == 1:
+        lp = p
+        local = tm
+    else:
+        vbs = BS * CP
+        o = p % vbs
+        local = tm & ((o // INTERLEAVE) % CP == CP_RANK)
+        lp = (p // vbs) * BS + (o // (INTERLEAVE * CP)) * INTERLEAVE + o % INTERLEAVE
+    kb = lp // KBS
+    local = local & (kb < n) & (req >= 0)
+    blk = tl.load(row_table + tl.minimum(kb, width - 1), mask=local, other=0)
+    return tl.where(local, blk.to(tl.int64) * KBS + lp % KBS, -1)
+
+
+@triton.jit
 def _slot_kernel(
     table_ptr,
     counts_ptr,
@@ -408,22 +439,8 @@ def _slot_kernel(
             t = t0 + offs
             tm = t < stop
             p = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
-            if CP == 1:
-                lp = p
-                local = tm
-            else:
-                vbs = BS * CP
-                o = p % vbs
-                local = tm & ((o // INTERLEAVE) % CP == CP_RANK)
-                lp = (p // vbs) * BS + (o // (INTERLEAVE * CP)) * INTERLEAVE + o % INTERLEAVE
-            kb = lp // KBS
-            local = local & (kb < n) & (req >= 0)
-            blk = tl.load(
-                table_ptr + tl.maximum(req, 0).to(tl.int64) * stride_t + tl.minimum(kb, width - 1),
-                mask=local,
-                other=0,
-            )
-            slot = tl.where(local, blk.to(tl.int64) * KBS + lp % KBS, -1)
+            row_table = table_ptr + tl.maximum(req, 0).to(tl.int64) * stride_t
+            slot = _slots_of(p, tm, n, req, row_table, width, BS, KBS, CP, CP_RANK, INTERLEAVE)
             tl.store(out_ptr + t, slot.to(out_ptr.dtype.element_ty), mask=tm)
 
 
@@ -507,18 +524,7 @@ def _prepare_batch_kernel(
     p = first + (t - qs).to(tl.int64)
     if WRITE_POSITIONS:
         tl.store(pos_ptr + t, p, mask=tm)
-    if CP == 1:
-        lp = p
-        local = tm
-    else:
-        vbs = BS * CP
-        o = p % vbs
-        local = tm & ((o // INTERLEAVE) % CP == CP_RANK)
-        lp = (p // vbs) * BS + (o // (INTERLEAVE * CP)) * INTERLEAVE + o % INTERLEAVE
-    kb = lp // KBS
-    local = local & (kb < n) & (req >= 0)
-    blk = tl.load(row_table + tl.minimum(kb, width - 1), mask=local, other=0)
-    slot = tl.where(local, blk.to(tl.int64) * KBS + lp % KBS, -1)
+    slot = _slots_of(p, tm, n, req, row_table, width, BS, KBS, CP, CP_RANK, INTERLEAVE)
     tl.store(slots_ptr + t, slot.to(slots_ptr.dtype.element_ty), mask=tm)
 
     # the row's table entries (zeros past its installed blocks), split across the chunks
