@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from diffusion_kv.core.errors import DiffusionKVError, PlatformError, PlatformNotFoundError
+from diffusion_kv.core.errors import DiffusionKVError, PlatformError, PlatformNotFoundError, ValidationError
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 from diffusion_kv.platforms.selection import (
     ENV_PLATFORM,
@@ -315,10 +315,16 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         )
     if args.cfg_parallel and args.cfg != 2:
         problems.append(f"--cfg-parallel needs --cfg 2 (one branch per rank); got --cfg {args.cfg}")
+    block = args.block_size if args.block_size is not None else platform.default_block_size
+    if args.dcp > 1 and (args.ulysses > 1 or args.cfg_parallel):
+        problems.append("the demo runs --dcp on its own; drop --ulysses/--cfg-parallel")
+    if args.dcp_interleave > 1 and args.dcp == 1:
+        problems.append("--dcp-interleave needs --dcp N > 1")
+    elif args.dcp > 1 and block % args.dcp_interleave:
+        problems.append(f"--dcp-interleave {args.dcp_interleave} must divide the block size {block}")
     if problems:
         raise UsageError("; ".join(problems))
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else preferred_dtype(platform)
-    block = args.block_size if args.block_size is not None else platform.default_block_size
     requirements = Requirements(
         dtype=dtype,
         head_size=args.hidden // args.heads,
@@ -327,6 +333,7 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         block_size=block,
         attention_modes=frozenset({AttentionMode.CAUSAL, AttentionMode.PIECEWISE}),
         ulysses_degree=args.ulysses,
+        dcp_size=args.dcp,
     )
     reasons = platform.not_supported_reasons(requirements)
     if reasons:
@@ -349,17 +356,23 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
 
 
 def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoConfig) -> int:
-    """``demo --ulysses N`` / ``--cfg-parallel`` under torchrun: every rank runs, rank 0 reports."""
+    """``demo --ulysses N`` / ``--cfg-parallel`` / ``--dcp N`` under torchrun: every rank runs,
+    rank 0 reports."""
     import torch.distributed as dist
 
-    from diffusion_kv.core.parallel import build_parallel_groups, init_distributed_from_env
+    from diffusion_kv.core.parallel import (
+        ParallelGroups,
+        RankGroup,
+        build_parallel_groups,
+        init_distributed_from_env,
+    )
     from diffusion_kv.models.demo import format_result, text_progress
     from diffusion_kv.models.parallel_demo import check_parallel_config, run_parallel_demo
 
     if "WORLD_SIZE" not in os.environ:
-        raise UsageError("--ulysses N and --cfg-parallel run under torchrun (WORLD_SIZE is not set)")
+        raise UsageError("--ulysses N, --cfg-parallel and --dcp N run under torchrun (WORLD_SIZE is not set)")
     try:
-        check_parallel_config(cfg, args.ulysses, args.cfg_parallel)
+        check_parallel_config(cfg, args.ulysses, args.cfg_parallel, args.dcp, args.dcp_interleave)
         device = platform.device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
         if device.type != "cpu":  # torch.cuda / torch.npu (registered by torch_npu)
             import torch
@@ -372,19 +385,40 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
         raise RunError(str(exc)) from exc
     rank = world.rank
     try:
+        dcp: RankGroup | None = None
         try:
-            groups = build_parallel_groups(args.ulysses, 2 if args.cfg_parallel else 1)
+            if args.dcp > 1:  # the whole world is one DCP group (the core's default group)
+                if world.size != args.dcp:
+                    raise ValidationError(
+                        f"--dcp {args.dcp} needs a world of {args.dcp} ranks; got {world.size}"
+                    )
+                groups = ParallelGroups(world, RankGroup.single(), RankGroup.single())
+                dcp = world
+            else:
+                groups = build_parallel_groups(args.ulysses, 2 if args.cfg_parallel else 1)
         except DiffusionKVError as exc:
             print(f"diffusion-kv: error (rank {rank}): {exc}", file=sys.stderr)
             return EXIT_ERROR
         show = rank == 0 and not args.json and not args.no_progress
         if show:
+            split = (
+                f"DCP {args.dcp}, interleave {args.dcp_interleave}"
+                if dcp is not None
+                else f"Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size}"
+            )
             print(
-                f"diffusion-kv demo on platform {platform.name!r}, {world.size} ranks "
-                f"(Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size})",
+                f"diffusion-kv demo on platform {platform.name!r}, {world.size} ranks ({split})",
                 file=sys.stderr,
             )
-        result = run_parallel_demo(platform, cfg, groups, device, progress=text_progress() if show else None)
+        result = run_parallel_demo(
+            platform,
+            cfg,
+            groups,
+            device,
+            progress=text_progress() if show else None,
+            dcp=dcp,
+            dcp_interleave=args.dcp_interleave,
+        )
         if rank == 0:
             if args.json:
                 print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
@@ -408,8 +442,8 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
     from diffusion_kv.models.stream import StreamConfig, format_stream, run_stream, text_progress
 
     problems = []
-    if args.ulysses != 1 or args.cfg_parallel:
-        problems.append("--stream runs on one device; drop --ulysses/--cfg-parallel")
+    if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
+        problems.append("--stream runs on one device; drop --ulysses/--cfg-parallel/--dcp")
     if args.inject_fault:
         problems.append("--inject-fault applies to the single-request demo only")
     if args.target < 2:
@@ -461,7 +495,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = _demo_config(args, platform)
     if args.stream is not None:
         return _cmd_demo_stream(args, cfg, platform)
-    if args.ulysses != 1 or args.cfg_parallel:
+    if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
         return _cmd_demo_parallel(args, platform, cfg)
     show = not args.json and not args.no_progress
     if show:
@@ -627,6 +661,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--cfg-parallel",
         action="store_true",
         help="run the 2 CFG branches on different ranks; launch with torchrun (world size = 2 x --ulysses)",
+    )
+    d.add_argument(
+        "--dcp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="decode context parallelism: every row's KV interleaved across N ranks, partial attention "
+        "merged by log-sum-exp; launch with torchrun (world size = N); not combined with --ulysses or "
+        "--cfg-parallel",
+    )
+    d.add_argument(
+        "--dcp-interleave",
+        type=positive_int,
+        default=1,
+        metavar="I",
+        help="--dcp: consecutive tokens each rank holds in turn (must divide the block size)",
     )
     d.add_argument(
         "--stream",

@@ -90,6 +90,7 @@ class PagedHarness:
     placement_seed: int = 0
     cp_size: int = 1
     cp_rank: int = 0
+    cp_interleave: int = 1
     dcp_merger: PartialMerger | None = None
     _next_block: int = field(default=0, init=False)
 
@@ -105,6 +106,7 @@ class PagedHarness:
                 device=self.device,
                 cp_size=self.cp_size,
                 cp_rank=self.cp_rank,
+                cp_interleave=self.cp_interleave,
                 slot_mapping_dtype=self.slot_mapping_dtype,
             ),
             dcp_merger=self.dcp_merger,

@@ -612,43 +612,59 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
     assert ran, f"no declared combination could run: {skipped}"
 
 
-def test_dcp_partials_merge_to_full_attention(dkv_platform: Platform, dkv_backend: Backend) -> None:
-    """Decode context parallelism in one process: each of two ranks holds every other
-    interleave of keys; their partials merged by log-sum-exp equal dense attention."""
+@pytest.mark.parametrize(
+    ("cp_size", "interleave", "mode"), [(2, 1, "causal"), (4, 2, "causal"), (2, 4, "full")]
+)
+def test_dcp_partials_merge_to_full_attention(
+    dkv_platform: Platform, dkv_backend: Backend, cp_size: int, interleave: int, mode: str
+) -> None:
+    """Decode context parallelism in one process: each of ``cp_size`` ranks holds its interleave
+    slots of keys; their partials merged by log-sum-exp equal dense attention, for the whole
+    sequence (where a causal query may see no key of a rank) and for a suffix over cached
+    pages."""
     if not dkv_backend.capabilities.supports_dcp:
         pytest.skip(f"{dkv_backend.name}: does not declare supports_dcp")
 
     class Capture:
         def __init__(self, rank: int) -> None:
-            self.size, self.rank = 2, rank
+            self.size, self.rank = cp_size, rank
             self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
             self.parts.append((output, lse))
             return output
 
+    attention = AttentionMode.CAUSAL if mode == "causal" else AttentionMode.FULL
     lens = [45, 23]
+    whole = rows_for("r", [(0, n) for n in lens])
+    suffix = rows_for("r", [(n - 5, n) for n in lens])
     data: list[RowData] | None = None
-    outs: list[torch.Tensor] = []
-    lses: list[torch.Tensor] = []
-    for rank in (0, 1):
+    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"whole": [], "suffix": []}
+    for rank in range(cp_size):
         capture = Capture(rank)
         h = harness(
-            dkv_platform, dkv_backend, cp_size=2, cp_rank=rank, dcp_merger=capture, layer_names=("layer.0",)
+            dkv_platform,
+            dkv_backend,
+            cp_size=cp_size,
+            cp_rank=rank,
+            cp_interleave=interleave,
+            dcp_merger=capture,
+            mode=attention,
+            layer_names=("layer.0",),
         )
         h.install("r", lens)
         data = make_rows(h, lens, seed=31)
-        rows = rows_for("r", [(n - 5, n) for n in lens])
-        full = rows_for("r", [(0, n) for n in lens])
-        run(h, full, data)
-        capture.parts.clear()
-        run(h, rows, data)
-        ((part, lse),) = capture.parts
-        outs.append(part)
-        lses.append(lse)
+        for name, rows in (("whole", whole), ("suffix", suffix)):
+            capture.parts.clear()
+            run(h, rows, data)
+            ((part, lse),) = capture.parts
+            assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(part.shape[:2])
+            assert not torch.isnan(lse).any() and not torch.isnan(part).any()
+            parts[name].append((part, lse))
     assert data is not None
-    merged = merge_partial_attention(outs, lses)
-    check(h, merged, expected(h, rows, data, "causal"))
+    for name, rows in (("whole", whole), ("suffix", suffix)):
+        merged = merge_partial_attention([p for p, _ in parts[name]], [lse for _, lse in parts[name]])
+        check(h, merged, expected(h, rows, data, mode))
 
 
 def test_ulysses_rank_local_heads(dkv_platform: Platform, dkv_backend: Backend) -> None:

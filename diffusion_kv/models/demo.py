@@ -371,8 +371,15 @@ def format_result(r: DemoResult) -> str:
         lines.insert(
             3,
             f"parallel: {par['world_size']} ranks ({par['backend']}), Ulysses degree {par['ulysses_degree']}, "
-            f"CFG-parallel size {par['cfg_parallel_size']}; per rank {par['rank_local_heads']} heads "
-            f"(kv {par['rank_local_kv_heads']}); agreement is the largest difference over all ranks",
+            f"CFG-parallel size {par['cfg_parallel_size']}"
+            + (
+                f", DCP size {par['dcp_size']} (interleave {par['dcp_interleave']})"
+                if par.get("dcp_size", 1) > 1
+                else ""
+            )
+            + f"; per rank {par['rank_local_heads']} heads (kv {par['rank_local_kv_heads']})"
+            + (f", paged backend {'/'.join(par['paged_backends'])}" if par.get("paged_backends") else "")
+            + "; agreement is the largest difference over all ranks",
         )
         lines[-2] += " (rank 0's share)"
     return "\n".join(lines)

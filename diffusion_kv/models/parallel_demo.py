@@ -1,8 +1,10 @@
-"""The demo across ranks: strict Ulysses and CFG-parallel on torch.distributed.
+"""The demo across ranks: strict Ulysses, CFG-parallel and DCP on torch.distributed.
 
 Launched with ``torchrun`` (one process per device): the world is split into CFG-parallel
 groups of 2 (with ``cfg_parallel``) and Ulysses groups of ``ulysses`` ranks
-(rank = cfg_rank * ulysses + ulysses_rank). Every rank
+(rank = cfg_rank * ulysses + ulysses_rank); or, with decode context parallelism (``dcp``), the
+whole world is one DCP group: every rank runs every token and holds the keys of its interleave
+slots, and the partial attentions are merged by log-sum-exp across the group. Every rank
 
 * computes the dense reference on its own (the whole model on one device), then
 * runs the paged model on its share: the rows of its CFG branch, a shard of the sequence, and
@@ -27,13 +29,16 @@ from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRe
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import (
+    DCPMerger,
     ParallelGroups,
+    RankGroup,
     SequencePadding,
     UlyssesParallel,
     gather_cfg_branches,
 )
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.models.demo import (
     DemoConfig,
     DemoResult,
@@ -50,10 +55,20 @@ from diffusion_kv.models.tiny_dit import TinyDiT
 from diffusion_kv.platforms.interface import Platform
 
 
-def check_parallel_config(cfg: DemoConfig, ulysses: int, cfg_parallel: bool) -> None:
-    """Every reason the demo cannot run this split, before any process group is touched."""
+def check_parallel_config(
+    cfg: DemoConfig, ulysses: int, cfg_parallel: bool, dcp: int = 1, dcp_interleave: int = 1, block: int = 0
+) -> None:
+    """Every reason the demo cannot run this split, before any process group is touched
+    (``block``: the KV block size, checked against ``dcp_interleave`` when given)."""
     if type(ulysses) is not int or ulysses <= 0:
         raise ValidationError(f"--ulysses must be a positive integer; got {ulysses!r}")
+    for name, value in (("--dcp", dcp), ("--dcp-interleave", dcp_interleave)):
+        if type(value) is not int or value <= 0:
+            raise ValidationError(f"{name} must be a positive integer; got {value!r}")
+    if dcp > 1 and (ulysses > 1 or cfg_parallel):
+        raise ValidationError("the demo runs --dcp on its own; drop --ulysses/--cfg-parallel")
+    if dcp > 1 and block and block % dcp_interleave:
+        raise ValidationError(f"--dcp-interleave {dcp_interleave} must divide the block size {block}")
     if cfg_parallel and cfg.cfg_rows != 2:
         raise ValidationError(f"--cfg-parallel needs 2 CFG rows (one per rank); got --cfg {cfg.cfg_rows}")
     if cfg.heads % ulysses or cfg.kv_heads % ulysses:
@@ -78,14 +93,18 @@ def run_paged_parallel(
     groups: ParallelGroups,
     device: torch.device,
     progress: Progress,
+    dcp: RankGroup | None = None,
+    dcp_interleave: int = 1,
 ) -> tuple[torch.Tensor, list[float], dict[str, Any]]:
     uly = UlyssesParallel(groups.ulysses)
     cfg_group = groups.cfg
     degree, sp_rank = uly.degree, groups.ulysses.rank
+    dcp = dcp or RankGroup.single()
     block = cfg.block_size or platform.default_block_size
     seq_len = cfg.prefix_len + cfg.target_len
     rows = cfg.cfg_rows
-    num_blocks = rows * cdiv(seq_len, block) + 1
+    # Under DCP one scheduler block id covers ``block`` tokens on each rank.
+    num_blocks = rows * cdiv(seq_len, block * dcp.size) + 1
     runner = RunnerBackend(
         platform,
         RunnerConfig(
@@ -97,7 +116,11 @@ def run_paged_parallel(
             parallel=ParallelConfig(ulysses_degree=degree),
             cfg_parallel_size=cfg_group.size,
             cfg_parallel_rank=cfg_group.rank,
+            cp_size=dcp.size,
+            cp_rank=dcp.rank,
+            cp_interleave=dcp_interleave,
         ),
+        dcp_merger=DCPMerger(dcp) if dcp.size > 1 else None,
     )
     mc = model.cfg
     geometry = runner.register_kv_cache_layers(
@@ -106,7 +129,7 @@ def run_paged_parallel(
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
     # The scheduler side is replicated: every rank reserves the same blocks for every CFG row.
     allocator = DiffusionKVAllocator(
-        block_size=block,
+        block_size=block * dcp.size,
         max_model_len=cfg.max_model_len,
         max_rows_per_request=rows,
         worker_rows=rows,
@@ -162,16 +185,19 @@ def run_paged_parallel(
         runner.remove(["demo"])
         allocator.free("demo")
     installed = [s for s in snapshot.sequences if ("demo", s.sequence_id, None) in rows_here]
+    # tokens this rank holds per row (its interleave slots under DCP)
+    local_len = int(dcp_local_seq_lens(torch.tensor([seq_len]), dcp.size, dcp.rank, dcp_interleave)[0])
     blocks_used = sum(len(s.block_ids[0]) for s in installed)
     any_geom = next(iter(geometry.values()))
     info = {
         "block_size": block,
         "blocks_used": blocks_used,
         "kv_bytes_paged": blocks_used * runner.kv_bytes_per_block(),
-        "tokens": len(installed) * seq_len,
+        "tokens": len(installed) * local_len,
         "rank_local_heads": any_geom.num_heads,
         "rank_local_kv_heads": any_geom.num_kv_heads,
         "worker_rows": {f"{rid}/{sid}": row for (rid, sid, _), row in rows_here.items()},
+        "backends": sorted({b.name for b in runner.backends}),
     }
     return latent, times, info
 
@@ -182,13 +208,21 @@ def run_parallel_demo(
     groups: ParallelGroups,
     device: torch.device,
     progress: Progress | None = None,
+    dcp: RankGroup | None = None,
+    dcp_interleave: int = 1,
 ) -> DemoResult:
-    """Dense on every rank, paged across ranks; agreement is decided on the largest difference."""
-    check_parallel_config(cfg, groups.ulysses.size, groups.cfg.size > 1)
+    """Dense on every rank, paged across ranks; agreement is decided on the largest difference.
+
+    ``dcp``: the decode-context-parallel group (the world, with single Ulysses and CFG groups)."""
+    dcp_size = dcp.size if dcp is not None else 1
+    block = cfg.block_size or platform.default_block_size
+    check_parallel_config(cfg, groups.ulysses.size, groups.cfg.size > 1, dcp_size, dcp_interleave, block)
     progress = progress or (lambda _mode, _i, _n: None)
     model = build_model(cfg, device)
     dense_out, dense_ms = run_dense(model, cfg, device, progress)
-    paged_out, paged_ms, info = run_paged_parallel(model, cfg, platform, groups, device, progress)
+    paged_out, paged_ms, info = run_paged_parallel(
+        model, cfg, platform, groups, device, progress, dcp, dcp_interleave
+    )
     worst = max_difference(dense_out, paged_out).to(device)
     if groups.world.size > 1:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.world.group)
@@ -206,6 +240,9 @@ def run_parallel_demo(
                 "rank": groups.world.rank,
                 "ulysses_degree": groups.ulysses.size,
                 "cfg_parallel_size": groups.cfg.size,
+                "dcp_size": dcp_size,
+                "dcp_interleave": dcp_interleave,
+                "paged_backends": info["backends"],
                 "rank_local_heads": info["rank_local_heads"],
                 "rank_local_kv_heads": info["rank_local_kv_heads"],
                 "worker_rows": info["worker_rows"],

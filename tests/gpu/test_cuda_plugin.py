@@ -155,7 +155,7 @@ def test_cuda_platform_capabilities_are_honest() -> None:
     own = {b.name: b.capabilities for b in platform.candidate_backends()}
     assert own["triton"].head_sizes == frozenset({64, 128}) and 96 in (own["sdpa"].head_sizes or ())
     assert torch.float32 not in platform.capabilities.dtypes
-    assert not own["paged"].supports_dcp and not own["paged"].supports_ulysses
+    assert all(own[n].supports_dcp and own[n].supports_ulysses for n in ("paged", "triton", "sdpa"))
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])

@@ -1,8 +1,9 @@
 """The cuda plugin's Triton kernels under Triton's interpreter on CPU (small shapes).
 
-The whole conformance kit runs against the cuda plugin's own backends (``triton`` and ``sdpa``,
-with TritonBlockTables) on the CPU, once each, so kernel-logic regressions are caught without
-a GPU. Skipped when Triton is not installed.
+The whole conformance kit runs against the cuda plugin's own backends (``paged``, ``triton`` and
+``sdpa``, with TritonBlockTables) on the CPU, once each, so kernel-logic regressions are caught
+without a GPU; that includes the strict-Ulysses and DCP cases, which they declare. Skipped when
+Triton is not installed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from collections.abc import Iterator
 from diffusion_kv.conformance.test_paged_attention import *  # noqa: F403
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.platforms.cuda import CudaPlatform
-from diffusion_kv.platforms.cuda.backend import SdpaPagedBackend, TritonPagedBackend, triton_available
+from diffusion_kv.platforms.cuda.backend import (
+    CudaPagedBackend,
+    SdpaPagedBackend,
+    TritonPagedBackend,
+    triton_available,
+)
 from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
 from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, PagedBackend
 
@@ -33,7 +39,7 @@ pytestmark = [
 ]
 
 
-def interpreted(base: type[TritonPagedBackend]) -> type[PagedBackend]:
+def interpreted(base: type[CudaPagedBackend]) -> type[PagedBackend]:
     """``base`` on the CPU under Triton's interpreter, float32 allowed."""
 
     class Interpreted(base):  # type: ignore[valid-type,misc]
@@ -52,7 +58,11 @@ class InterpretedCudaPlatform(CudaPlatform):
 
     device_type = "cpu"
     default_block_size = 16  # short sequences keep the interpreter quick
-    backends = (interpreted(TritonPagedBackend), interpreted(SdpaPagedBackend))
+    backends = (
+        interpreted(CudaPagedBackend),
+        interpreted(TritonPagedBackend),
+        interpreted(SdpaPagedBackend),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +70,7 @@ def dkv_platform() -> CudaPlatform:
     return InterpretedCudaPlatform()
 
 
-@pytest.fixture(params=["triton", "sdpa"])
+@pytest.fixture(params=["paged", "triton", "sdpa"])
 def dkv_backend(
     request: pytest.FixtureRequest, dkv_platform: CudaPlatform, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[type[PagedBackend]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from diffusion_kv.platforms.cuda.backend import choose_way, contiguous_run, sdpa_row_groups
+from diffusion_kv.core.translate import dcp_local_seq_lens
+from diffusion_kv.platforms.cuda.backend import choose_way, contiguous_run, dcp_causal_mask, sdpa_row_groups
 
 CPU = torch.device("cpu")
 
@@ -36,3 +37,29 @@ def test_the_per_batch_way() -> None:
     assert choose_way((1024, 1024), (5120, 5120), triton_ok=True)[0] == "sdpa"
     assert choose_way((32,) * 8, (8192,) * 8, triton_ok=True)[0] == "triton"
     assert choose_way((32,), (8192,), triton_ok=False) == ("sdpa", "Triton is not importable")
+
+
+def test_dcp_row_groups_read_local_keys_and_skip_rows_without_any() -> None:
+    # cp_size 2, interleave 2, rank 1 holds positions 2, 3, 6, 7, ...: 4 of 10 keys, 0 of 2
+    local = tuple(int(x) for x in dcp_local_seq_lens(torch.tensor([10, 2]), 2, 1, 2).tolist())
+    assert local == (4, 0)
+    (grp,) = sdpa_row_groups((0, 10, 12), (10, 2), CPU, ((0,), (1,)), ratio=1, page=4, kv_lens=local)
+    assert (grp.rows, grp.seq_len, grp.keys) == ((0,), 10, 4)
+    assert grp.view == (0, 1)  # one page of local keys
+
+
+def test_dcp_causal_mask_is_a_staircase_over_absolute_positions() -> None:
+    (grp,) = sdpa_row_groups((0, 10), (10,), CPU, kv_lens=(4,))
+    masked = dcp_causal_mask(grp, 2, 2, 1, 2, torch.float32, CPU)
+    # query m sits at position m; rank 1's local keys are positions 2, 3, 6, 7
+    seen = [0, 0, 1, 2, 2, 2, 3, 4, 4, 4]
+    assert masked.visible is not None and masked.visible.tolist() == [n > 0 for n in seen]
+    assert masked.bias is not None and tuple(masked.bias.shape) == (1, 1, 2 * 10, 4)
+    bias = masked.bias[0, 0]
+    assert (bias == 0).sum(dim=1).tolist() == seen * 2  # both query heads of the KV head, folded
+    assert torch.isneginf(bias[bias != 0]).all()
+    assert bias.stride(0) % 16 == 0  # rows aligned for the memory-efficient kernel
+    # a suffix whose queries all see every local key needs neither mask
+    (late,) = sdpa_row_groups((0, 2), (10,), CPU, kv_lens=(4,))
+    plain = dcp_causal_mask(late, 2, 2, 1, 2, torch.float32, CPU)
+    assert plain.bias is None and plain.visible is None

@@ -100,7 +100,17 @@ def test_without_vllm_the_cuda_backends_serve_with_the_reason(no_vllm: None) -> 
             VllmFlashAttnBackend,
             SdpaPagedBackend,
         ),
-        (Requirements(dtype=torch.float16, head_size=64, ulysses_degree=2), VllmFlashAttnBackend, None),
+        (
+            Requirements(dtype=torch.float16, head_size=64, ulysses_degree=2),
+            VllmFlashAttnBackend,
+            CudaPagedBackend,
+        ),
+        (
+            Requirements(dtype=torch.float16, head_size=128, dcp_size=2),
+            CudaPagedBackend,  # vLLM's FlashAttention backend does not implement DCP partials
+            CudaPagedBackend,
+        ),
+        (Requirements(dtype=torch.float16, head_size=96, dcp_size=2), SdpaPagedBackend, SdpaPagedBackend),
         (
             Requirements(dtype=torch.float16, head_size=128, block_size=64),
             VllmFlashAttnBackend,
@@ -108,32 +118,36 @@ def test_without_vllm_the_cuda_backends_serve_with_the_reason(no_vllm: None) -> 
         ),
     ],
 )
-def test_what_only_vllm_serves_needs_vllm(
+def test_choice_with_and_without_vllm(
     monkeypatch: pytest.MonkeyPatch,
     requirements: Requirements,
     with_vllm: type[PagedBackend],
-    without_vllm: type[PagedBackend] | None,
+    without_vllm: type[PagedBackend],
 ) -> None:
+    """Strict Ulysses and DCP are served by the cuda plugin's own backends too (DCP only by
+    them: vLLM's FlashAttention backend returns no log-sum-exp)."""
     vllm_environment(monkeypatch, flash=None, found=VLLM_CUDA)
     platform = CudaPlatform()
     assert platform.select_backend(requirements) is with_vllm
     vllm_environment(monkeypatch, flash="vLLM is not installed", found=None)
-    if without_vllm is not None:
-        assert platform.select_backend(requirements) is without_vllm
-        return
+    assert platform.select_backend(requirements) is without_vllm
+
+
+def test_no_cuda_backend_serves_float32(no_vllm: None) -> None:
     with pytest.raises(UnsupportedRequirementsError) as info:
-        platform.select_backend(requirements)
+        CudaPlatform().select_backend(Requirements(dtype=torch.float32, head_size=64, ulysses_degree=2))
+    dtype = "      dtype=float32 (supported: ['bfloat16', 'float16'])"
     assert str(info.value).splitlines() == [
         "No paged backend of platform 'cuda' supports the requested requirements:",
-        "  requirements: dtype=float16, head_size=64, ulysses_degree=2",
+        "  requirements: dtype=float32, head_size=64, ulysses_degree=2",
         "  `cuda:vllm-flash-attn` (priority 300) is not supported because:",
         "      unavailable: vLLM is not installed",
         "  `cuda:paged` (priority 200) is not supported because:",
-        "      Ulysses sequence parallelism (degree 2)",
+        dtype,
         "  `cuda:triton` (priority 150) is not supported because:",
-        "      Ulysses sequence parallelism (degree 2)",
+        dtype,
         "  `cuda:sdpa` (priority 100) is not supported because:",
-        "      Ulysses sequence parallelism (degree 2)",
+        dtype,
     ]
 
 
@@ -181,9 +195,10 @@ def test_groups_share_the_blocktables_of_group_0(vllm_usable: list[StandInSessio
     assert platform.select_backend(head_96, [VllmFlashAttnBackend]) is VllmFlashAttnBackend
     assert platform.select_backend(REQ, [CudaPagedBackend]) is CudaPagedBackend
     with pytest.raises(UnsupportedRequirementsError) as info:
-        platform.select_backend(Requirements(dtype=torch.float16, ulysses_degree=2), [CudaPagedBackend])
-    assert str(info.value).splitlines()[2:5] == [
+        platform.select_backend(Requirements(dtype=torch.float32), [CudaPagedBackend])
+    assert str(info.value).splitlines()[2:6] == [
         "  `cuda:vllm-flash-attn` (priority 300) is not supported because:",
+        "      dtype=float32 (supported: ['bfloat16', 'float16'])",
         "      its BlockTables (StandInBlockTables) differs from the one KV-cache group 0's backend 'paged' uses "
         "(TritonBlockTables)",
         "  `cuda:paged` (priority 200) is not supported because:",

@@ -13,19 +13,32 @@ Two ways to attend:
 host-side lengths it already has (no device sync), and records the choice and its reason in
 the metadata. :class:`TritonPagedBackend` (``triton``) and :class:`SdpaPagedBackend`
 (``sdpa``) always take one way (``DIFFUSION_KV_BACKEND=cuda:triton`` / ``cuda:sdpa``).
+
+Strict Ulysses needs nothing of a backend: it is built with the rank-local head counts.
+
+Decode context parallelism (``cp_size > 1``): a rank's pages hold only the keys of its
+interleave slots, local key ``j`` at page index ``j``. :meth:`CudaPagedBackend.forward_partial`
+attends over those keys, with the causal mask on their absolute positions, and returns the
+output with its natural-log log-sum-exp (``-inf``, output 0, where no local key is visible);
+the core merges the partials across the DCP group. Both ways do it: the Triton kernel in its
+DCP mode, and gather + torch's memory-efficient SDPA kernel (the one torch kernel that returns
+the log-sum-exp under an arbitrary additive mask; the DCP causal mask is a staircase, which no
+``is_causal`` flag expresses), with the mask built at ``build``. ``forward`` refuses DCP
+metadata.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
-from diffusion_kv.core.errors import UnsupportedFeatureError
+from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.interface import (
     AttentionMode,
     Availability,
@@ -45,6 +58,8 @@ DEFAULT_NUM_SMS = 132
 PLAN_CACHE_SIZE = 64
 """Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
 is dropped first)."""
+BIAS_ALIGN = 16
+"""The memory-efficient SDPA kernel wants the rows of an additive mask 16-element aligned."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +74,23 @@ class SdpaRowGroup:
     """``(first kernel block, kernel blocks from one row's start to the next)`` when every row's
     pages form one contiguous run and the runs are evenly spaced: K/V are then read as a strided
     view of the cache, with no gather."""
+    kv_len: int | None = None
+    """Keys read from this rank's pages: the local keys under DCP; None means ``seq_len``."""
+    bias: torch.Tensor | None = None
+    """DCP causal partials: additive mask ``[1, 1, G * query_len, keys]`` (0 or -inf) over the
+    query heads of one KV head folded into the query sequence (``G = H // Hkv``); None when
+    every query sees every local key."""
+    visible: torch.Tensor | None = None
+    """DCP causal partials: ``[query_len]`` bool, whether a query sees any local key; None when
+    every query does."""
 
     @property
     def contiguous(self) -> bool:
         return self.row_index is None
+
+    @property
+    def keys(self) -> int:
+        return self.seq_len if self.kv_len is None else self.kv_len
 
 
 def contiguous_run(ids: tuple[int, ...], ratio: int, count: int) -> int | None:
@@ -127,15 +155,89 @@ def sdpa_row_groups(
     ratio: int = 1,
     page: int = 1,
     shapes: RowShapes | None = None,
+    kv_lens: tuple[int, ...] | None = None,
 ) -> tuple[SdpaRowGroup, ...]:
     """Rows grouped by shape, each group read as a strided view of the cache when its pages
-    allow it; ``shapes`` is ``row_shapes(qsl, seq, device)`` when the caller has it already."""
+    allow it; ``shapes`` is ``row_shapes(qsl, seq, device)`` when the caller has it already.
+    ``kv_lens`` are the keys each row reads from this rank's pages when they differ from
+    ``seq`` (DCP; equal within a group); a group with no local keys is left out."""
     if shapes is None:
         shapes = row_shapes(qsl, seq, device)
-    return tuple(
-        SdpaRowGroup(ql, sl, rows, index, page_view(rows, sl, host_block_ids, ratio, page))
-        for ql, sl, rows, index in shapes
+    groups = []
+    for ql, sl, rows, index in shapes:
+        kv_len = None if kv_lens is None else kv_lens[rows[0]]
+        keys = sl if kv_len is None else kv_len
+        if keys == 0:  # no key of these rows lives on this rank
+            continue
+        view = page_view(rows, keys, host_block_ids, ratio, page)
+        groups.append(SdpaRowGroup(ql, sl, rows, index, view, kv_len))
+    return tuple(groups)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, through pinned memory on CUDA (the copy does not block
+    the host)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def dcp_causal_mask(
+    grp: SdpaRowGroup,
+    heads_per_kv: int,
+    cp_size: int,
+    cp_rank: int,
+    interleave: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SdpaRowGroup:
+    """``grp`` with the DCP causal ``bias`` and ``visible`` its partial needs (built on the
+    device at ``build`` from host lengths; no synchronisation).
+
+    Query ``m`` of the group sits at absolute position ``seq_len - query_len + m`` and sees the
+    local keys at absolute positions up to it: a prefix of the local keys (their positions grow
+    with their index) of length ``dcp_local_seq_lens(position + 1)``.
+    """
+    ql, sl, keys = grp.query_len, grp.seq_len, grp.keys
+    positions = torch.arange(sl - ql, sl, dtype=torch.int32)
+    seen = dcp_local_seq_lens(positions + 1, cp_size, cp_rank, interleave)  # host, [ql]
+    least = int(seen.min())
+    bias = visible = None
+    if least < keys:
+        counts = _to_device(seen.repeat(heads_per_kv), device)  # folded row g * ql + m
+        padded = cdiv(keys, BIAS_ALIGN) * BIAS_ALIGN
+        cols = torch.arange(padded, device=device)
+        full = torch.zeros((heads_per_kv * ql, padded), dtype=dtype, device=device)
+        full.masked_fill_(cols[None, :] >= counts[:, None], float("-inf"))
+        bias = full[:, :keys][None, None]
+    if least == 0:
+        visible = _to_device(seen > 0, device)
+    return replace(grp, bias=bias, visible=visible)
+
+
+def sdpa_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, M, D]`` over ``[B, H, N, D]`` -> ``(out [B, H, M, D], natural-log lse [B, H, M]
+    float32)``, with an optional additive ``bias`` ``[B, H, M, N]`` in the query's dtype.
+
+    On CUDA: torch's memory-efficient kernel (cuDNN and FlashAttention take no such mask).
+    Elsewhere (the CPU, under Triton's interpreter in CI): torch's CPU flash kernel. A query
+    whose keys are all masked has an undefined result here: the caller masks it out.
+    """
+    if query.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, 0.0, False, scale=scale
+        )[:2]
+        return out, lse[..., : query.shape[2]]  # the kernel pads the LSE rows to a multiple of 32
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=bias, scale=scale
     )
+    return out, lse
 
 
 @dataclass(frozen=True)
@@ -157,6 +259,11 @@ class CudaPagedMetadata:
     num_splits: int = 1
     num_warps: int = 4
     sdpa_groups: tuple[SdpaRowGroup, ...] = ()
+    local_seq_lens: torch.Tensor | None = None
+    """Under DCP, ``[num_reqs]`` keys of each row on this rank (device); None without DCP."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -223,10 +330,13 @@ CAPABILITIES = Capabilities(
     slot_mapping_dtypes=frozenset({torch.int64}),
     attention_modes=frozenset(AttentionMode),
     supports_gqa=True,
+    supports_ulysses=True,
+    supports_dcp=True,
     supports_graph_capture=True,
 )
-"""Per layer the backends only launch work (plans, row groups and device indices are fixed in
-``build``): a denoise step can be captured as a CUDA graph and replayed."""
+"""Per layer the backends only launch work (plans, row groups, DCP masks and device indices are
+fixed in ``build``): a denoise step can be captured as a CUDA graph and replayed. Ulysses: the
+backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`."""
 
 
 def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
@@ -283,9 +393,12 @@ class CudaPagedBackend(PagedBackend):
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)
-        if group.cp_size > 1:
-            raise UnsupportedFeatureError(
-                "the cuda paged backends do not implement decode context parallelism"
+        bt = group.block_tables
+        self.cp_size, self.cp_rank, self.cp_interleave = bt.cp_size, bt.cp_rank, bt.cp_interleave
+        if self.cp_size > 1 and group.kernel_block_size % self.cp_interleave:
+            raise ValidationError(
+                f"cp_interleave={self.cp_interleave} must divide the kernel block size "
+                f"{group.kernel_block_size} of the cuda backend {self.name!r}"
             )
         self.triton_ok = bool(triton_available())
         layer = group.layers[0]
@@ -332,6 +445,8 @@ class CudaPagedBackend(PagedBackend):
     def _make_schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+        """Query tiles and the split count; ``seq`` are the keys each row reads (this rank's
+        under DCP)."""
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
         block_m = min(
@@ -366,17 +481,87 @@ class CudaPagedBackend(PagedBackend):
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         qsl = tuple(batch.query_start_loc_cpu.tolist())
         seq = tuple(batch.seq_lens_cpu.tolist())
-        plan = self._plan(qsl, seq, batch.query_start_loc.device)
+        device = batch.query_start_loc.device
+        if self.cp_size > 1:
+            return self._build_dcp(batch, qsl, seq, device)
+        plan = self._plan(qsl, seq, device)
         extra = plan.extra
         if plan.way != "triton":  # the page views depend on the placement, not only the shape
             g = self.group
             ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
             extra = dict(
-                sdpa_groups=tuple(
-                    SdpaRowGroup(ql, sl, rows, index, page_view(rows, sl, batch.host_block_ids, ratio, page))
-                    for ql, sl, rows, index in plan.shapes
+                sdpa_groups=sdpa_row_groups(
+                    qsl, seq, device, batch.host_block_ids, ratio, page, shapes=plan.shapes
                 )
             )
+        return self._metadata(batch, qsl, seq, plan.way, plan.reason, extra)
+
+    def _build_dcp(
+        self, batch: PagedBatch, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
+    ) -> CudaPagedMetadata:
+        """Under DCP each rank reads its local keys only: the schedule and row groups follow the
+        rank-local lengths, and causal partials of the gather + SDPA way carry their mask."""
+        host = batch.dcp_local_seq_lens_cpu
+        if host is None:
+            host = dcp_local_seq_lens(batch.seq_lens_cpu, self.cp_size, self.cp_rank, self.cp_interleave)
+        local = tuple(int(x) for x in host.tolist())
+        local_dev = batch.dcp_local_seq_lens
+        if local_dev is None:
+            local_dev = _to_device(host.to(torch.int32), device)
+        lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
+        if self.way is not None:
+            way, reason = self.way, f"backend {self.name!r} always takes this way"
+        else:
+            way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
+        extra: dict[str, Any]
+        if way == "triton":
+            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, local, device)
+            extra = dict(
+                tile_row=tile_row,
+                tile_q0=tile_q0,
+                block_m=block_m,
+                block_n=block_n,
+                num_splits=splits,
+                num_warps=8 if block_m >= 128 else 4,
+            )
+        else:
+            g = self.group
+            groups = sdpa_row_groups(
+                qsl,
+                seq,
+                device,
+                batch.host_block_ids,
+                g.block_size // g.kernel_block_size,
+                g.kernel_block_size,
+                kv_lens=local,
+            )
+            if batch.causal:
+                layer = g.layers[0]
+                groups = tuple(
+                    dcp_causal_mask(
+                        grp,
+                        self.group_ratio,
+                        self.cp_size,
+                        self.cp_rank,
+                        self.cp_interleave,
+                        layer.dtype,
+                        device,
+                    )
+                    for grp in groups
+                )
+            extra = dict(sdpa_groups=groups)
+        return self._metadata(batch, qsl, seq, way, reason, extra, local_dev)
+
+    def _metadata(
+        self,
+        batch: PagedBatch,
+        qsl: tuple[int, ...],
+        seq: tuple[int, ...],
+        way: str,
+        reason: str,
+        extra: dict[str, Any],
+        local_seq_lens: torch.Tensor | None = None,
+    ) -> CudaPagedMetadata:
         return CudaPagedMetadata(
             query_start_loc=batch.query_start_loc,
             seq_lens=batch.seq_lens,
@@ -386,8 +571,12 @@ class CudaPagedBackend(PagedBackend):
             page=self.group.kernel_block_size,
             host_query_start_loc=qsl,
             host_seq_lens=seq,
-            backend=plan.way,
-            reason=plan.reason,
+            backend=way,
+            reason=reason,
+            local_seq_lens=local_seq_lens,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+            cp_interleave=self.cp_interleave,
             **extra,
         )
 
@@ -426,32 +615,130 @@ class CudaPagedBackend(PagedBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md: CudaPagedMetadata = metadata
-        k_cache, v_cache = _caches(kv_cache)
+        if md.cp_size > 1:
+            raise ValidationError(
+                f"cuda metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's keys "
+                "is partial; use forward_partial and merge across the DCP group"
+            )
         if md.backend != "triton":
             return self._gather_sdpa(layer, query, kv_cache, md, out)
         result = out if out is not None else torch.empty_like(query)
-        if md.backend == "triton":
-            from diffusion_kv.platforms.cuda import kernels
-
-            assert md.tile_row is not None and md.tile_q0 is not None
-            kernels.paged_attention(
-                query,
-                k_cache,
-                v_cache,
-                result,
-                md.block_table,
-                md.seq_lens,
-                md.query_start_loc,
-                md.tile_row,
-                md.tile_q0,
-                scale=layer.scale,
-                causal=md.causal,
-                block_m=md.block_m,
-                block_n=md.block_n,
-                num_splits=md.num_splits,
-                num_warps=md.num_warps,
-            )
+        self._triton(layer, query, kv_cache, md, result, None)
         return result
+
+    def forward_partial(
+        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over this DCP rank's keys: ``(out [T, H, D], lse [T, H] float32)``, the
+        log-sum-exp in natural log, ``-inf`` (and ``out`` 0) where no local key is visible.
+        Without DCP the local keys are all keys and ``out`` equals :meth:`forward`'s."""
+        md: CudaPagedMetadata = metadata
+        if md.backend != "triton":
+            return self._gather_sdpa_partial(layer, query, kv_cache, md)
+        result = torch.empty_like(query)
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        self._triton(layer, query, kv_cache, md, result, lse)
+        return result, lse
+
+    def _triton(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        md: CudaPagedMetadata,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
+        from diffusion_kv.platforms.cuda import kernels
+
+        k_cache, v_cache = _caches(kv_cache)
+        assert md.tile_row is not None and md.tile_q0 is not None
+        kernels.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            out,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            md.tile_row,
+            md.tile_q0,
+            scale=layer.scale,
+            causal=md.causal,
+            block_m=md.block_m,
+            block_n=md.block_n,
+            num_splits=md.num_splits,
+            num_warps=md.num_warps,
+            lse=lse,
+            local_seq_lens=md.local_seq_lens,
+            cp_size=md.cp_size,
+            cp_rank=md.cp_rank,
+            cp_interleave=md.cp_interleave,
+        )
+
+    @staticmethod
+    def _group_tensors(
+        layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata, grp: SdpaRowGroup
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One row group's ``q [R, ql, H, D]`` and ``k``/``v`` ``[R, keys, Hkv, D]`` (a view of the
+        cache when its pages are contiguous, else gathered)."""
+        hkv, hd = layer.num_kv_heads, layer.head_size
+        qsl, rows, ql, keys = md.host_query_start_loc, grp.rows, grp.query_len, grp.keys
+        nblk = cdiv(keys, md.page)
+        R = len(rows)
+        k_cache, v_cache = _caches(kv_cache)
+        if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
+            k, v = (_row_view(c, grp.view, R, nblk * md.page)[:, :keys] for c in (k_cache, v_cache))
+        else:
+            if grp.row_index is None:
+                table = md.block_table[rows[0] : rows[0] + R, :nblk]
+            else:
+                table = md.block_table[grp.row_index, :nblk]
+            flat = table.reshape(-1).long()
+            k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
+            v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
+        if grp.contiguous:
+            q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
+        else:
+            q = torch.stack([query[qsl[r] : qsl[r] + ql] for r in rows])
+        return q, k, v
+
+    def _gather_sdpa_partial(
+        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather + SDPA with the log-sum-exp. The ``G`` query heads of each KV head are folded
+        into the query sequence (``[R, Hkv, G * ql, D]``), so GQA needs no copy of K/V.
+
+        Under DCP the causal masks were built at ``build``. Without DCP (a direct call: the core
+        calls ``forward_partial`` only under DCP) a causal mask is built here, per call."""
+        hkv, heads, hd = layer.num_kv_heads, layer.num_heads, layer.head_size
+        per_kv = heads // hkv
+        qsl = md.host_query_start_loc
+        out = torch.zeros_like(query)  # rows without local keys keep out 0 and lse -inf
+        lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+        groups = md.sdpa_groups
+        if md.cp_size == 1 and md.causal:
+            groups = tuple(dcp_causal_mask(g, per_kv, 1, 0, 1, query.dtype, query.device) for g in groups)
+        for grp in groups:
+            q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
+            R, ql, keys = len(grp.rows), grp.query_len, grp.keys
+            qf = q.reshape(R, ql, hkv, per_kv, hd).permute(0, 2, 3, 1, 4).reshape(R, hkv, per_kv * ql, hd)
+            bias = None if grp.bias is None else grp.bias.expand(R, hkv, per_kv * ql, keys)
+            o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), bias, layer.scale)
+            o = o.reshape(R, hkv, per_kv, ql, hd).permute(0, 3, 1, 2, 4).reshape(R, ql, heads, hd)
+            lg = lg.reshape(R, hkv, per_kv, ql).permute(0, 3, 1, 2).reshape(R, ql, heads)
+            if grp.visible is not None:  # queries that see no local key: out 0, lse -inf
+                o = torch.where(grp.visible[None, :, None, None], o, 0.0)
+                lg = torch.where(grp.visible[None, :, None], lg, float("-inf"))
+            if grp.contiguous:
+                at = slice(qsl[grp.rows[0]], qsl[grp.rows[0]] + R * ql)
+                out[at].view(R, ql, heads, hd).copy_(o)
+                lse[at].view(R, ql, heads).copy_(lg)
+            else:
+                for i, r in enumerate(grp.rows):
+                    out[qsl[r] : qsl[r] + ql] = o[i]
+                    lse[qsl[r] : qsl[r] + ql] = lg[i]
+        return out, lse
 
     def _gather_sdpa(
         self,
@@ -464,7 +751,7 @@ class CudaPagedBackend(PagedBackend):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
 
-        hkv, hd = layer.num_kv_heads, layer.head_size
+        hd = layer.head_size
         qsl = md.host_query_start_loc
         order = [
             SDPBackend.CUDNN_ATTENTION,
@@ -478,24 +765,9 @@ class CudaPagedBackend(PagedBackend):
         result = out
         for grp in md.sdpa_groups:
             ql, sl, rows = grp.query_len, grp.seq_len, grp.rows
-            nblk = cdiv(sl, md.page)
             R = len(rows)
-            contiguous = grp.row_index is None
-            if grp.row_index is None:
-                table = md.block_table[rows[0] : rows[0] + R, :nblk]
-            else:
-                table = md.block_table[grp.row_index, :nblk]
-            k_cache, v_cache = _caches(kv_cache)
-            if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
-                k, v = (_row_view(c, grp.view, R, nblk * md.page)[:, :sl] for c in (k_cache, v_cache))
-            else:
-                flat = table.reshape(-1).long()
-                k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
-                v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :sl]
-            if contiguous:
-                q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
-            else:
-                q = torch.stack([query[qsl[r] : qsl[r] + ql] for r in rows])
+            contiguous = grp.contiguous
+            q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
             mask: Any = None
             is_causal = False
             if md.causal and ql == sl:
@@ -547,6 +819,8 @@ class SdpaPagedBackend(CudaPagedBackend):
         slot_mapping_dtypes=CAPABILITIES.slot_mapping_dtypes,
         attention_modes=CAPABILITIES.attention_modes,
         supports_gqa=True,
+        supports_ulysses=True,
+        supports_dcp=True,
         supports_graph_capture=True,
     )
     way: ClassVar[str | None] = "sdpa"

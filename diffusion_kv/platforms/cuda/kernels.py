@@ -5,6 +5,9 @@
   copy): packed varlen queries, per-row KV lengths, bottom-right causal or full masks, GQA by
   packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
   over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
+  Optionally it also writes each query's natural-log log-sum-exp, and in its decode context
+  parallelism (DCP) mode it attends over one rank's interleaved keys only (see
+  :func:`paged_attention`).
 * ``gather_block_tables`` / ``compute_slot_mappings``: one launch each per KV-cache group.
 * ``prepare_batch``: what ``Translator.prepare`` needs on the device, in one launch per
   KV-cache group, from the batch's per-row integers: positions, slot mappings and the
@@ -102,10 +105,12 @@ def _paged_attention_kernel(
     key_cache_ptr,
     value_cache_ptr,
     out_ptr,
+    lse_ptr,
     part_out_ptr,
     part_lse_ptr,
     block_table_ptr,
     seq_lens_ptr,
+    kv_lens_ptr,
     qsl_ptr,
     tile_row_ptr,
     tile_q0_ptr,
@@ -114,6 +119,7 @@ def _paged_attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_et,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -130,6 +136,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    CP: tl.constexpr,
+    CP_RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -139,8 +149,13 @@ def _paged_attention_kernel(
     qs = tl.load(qsl_ptr + row)
     ql = tl.load(qsl_ptr + row + 1) - qs
     sl = tl.load(seq_lens_ptr + row)
+    # Keys are addressed by their index in this rank's pages. Without DCP that is the absolute
+    # position; under DCP local key j is absolute position
+    # (j // INTERLEAVE) * INTERLEAVE * CP + CP_RANK * INTERLEAVE + j % INTERLEAVE.
+    n_keys = sl if CP == 1 else tl.load(kv_lens_ptr + row)  # CP is constexpr: a static choice
 
     Q_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+    ROUND: tl.constexpr = INTERLEAVE * CP  # positions per interleave round of the DCP group
     m = tl.arange(0, BLOCK_M)
     tok = q0 + m // GROUP
     head = kvh * GROUP + m % GROUP
@@ -152,9 +167,15 @@ def _paged_attention_kernel(
 
     if CAUSAL:
         last_tok = tl.minimum(q0 + Q_PER_TILE, ql) - 1
-        kv_end = tl.minimum(sl, sl - ql + last_tok + 1)
+        seen = tl.minimum(sl, sl - ql + last_tok + 1)  # absolute keys the tile's last query sees
+        if CP == 1:
+            kv_end = seen
+        else:  # of those, the ones on this rank (dcp_local_seq_lens of ``seen``)
+            rest = seen % ROUND - CP_RANK * INTERLEAVE
+            kv_end = (seen // ROUND) * INTERLEAVE + tl.minimum(tl.maximum(rest, 0), INTERLEAVE)
+            kv_end = tl.minimum(kv_end, n_keys)
     else:
-        kv_end = sl
+        kv_end = n_keys
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_end)
@@ -179,7 +200,10 @@ def _paged_attention_kernel(
         s = tl.dot(q, tl.trans(k)) * scale_log2
         allowed = kmask[None, :]
         if CAUSAL:
-            allowed = allowed & (kidx[None, :] <= qpos[:, None])
+            kpos = (
+                kidx if CP == 1 else (kidx // INTERLEAVE) * ROUND + CP_RANK * INTERLEAVE + kidx % INTERLEAVE
+            )
+            allowed = allowed & (kpos[None, :] <= qpos[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -198,6 +222,9 @@ def _paged_attention_kernel(
         tl.store(
             out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None]
         )
+        if WRITE_LSE:  # natural log; -inf (and out 0) where no key is visible
+            lse_e = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+            tl.store(lse_ptr + t_glob * stride_et + head, lse_e, mask=m_valid)
     else:
         p_off = split * stride_ps + t_glob * stride_pt + head * stride_ph
         tl.store(part_out_ptr + p_off[:, None] + d[None, :], out, mask=m_valid[:, None])
@@ -210,6 +237,7 @@ def _combine_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    lse_ptr,
     stride_ps,
     stride_pt,
     stride_ph,
@@ -217,8 +245,10 @@ def _combine_kernel(
     stride_lt,
     stride_ot,
     stride_oh,
+    stride_et,
     NUM_SPLITS: tl.constexpr,
     HEAD_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -228,10 +258,14 @@ def _combine_kernel(
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse - mx)
-    w = w / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    total_safe = tl.where(total == 0.0, 1.0, total)  # no visible key in any split: out 0, not NaN
     parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :])
-    out = tl.sum(parts * w[:, None], 0)
+    out = tl.sum(parts * w[:, None], 0) / total_safe
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse_e = tl.where(total == 0.0, float("-inf"), (mx + tl.log2(total_safe)) * 0.6931471805599453)
+        tl.store(lse_ptr + t * stride_et + h, lse_e)
 
 
 LOG2E = 1.4426950408889634
@@ -255,11 +289,25 @@ def paged_attention(
     num_splits: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    lse: torch.Tensor | None = None,
+    local_seq_lens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_interleave: int = 1,
 ) -> torch.Tensor:
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``.
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
+
+    ``lse`` (``[T, H]`` float32, optional) receives each query's natural-log log-sum-exp over
+    the keys it attended (``-inf``, with ``out`` 0, where it saw none).
+
+    Decode context parallelism (``cp_size > 1``): the pages hold only rank ``cp_rank``'s keys
+    (``cp_interleave`` consecutive positions per rank in turn), ``local_seq_lens [rows]`` counts
+    them per row, and local key ``j`` sits at page index ``j``. ``seq_lens`` stays the rows' full
+    lengths: the causal mask compares each local key's absolute position with the query's
+    bottom-right aligned one. The result is this rank's partial attention.
     """
     T, H, D = query.shape
     _, page, hkv, _ = key_cache.shape
@@ -267,21 +315,27 @@ def paged_attention(
     n_tiles = tile_row.shape[0]
     if n_tiles == 0 or T == 0:
         return out
+    if cp_size > 1 and local_seq_lens is None:
+        raise ValueError("paged_attention: cp_size > 1 needs local_seq_lens")
     if num_splits > 1:
         part_out = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((num_splits, T, H), dtype=torch.float32, device=query.device)
     else:
         part_out = out
         part_lse = out
+    lse_arg = lse if lse is not None else out  # an unused pointer when no LSE is written
+    kv_lens = local_seq_lens if local_seq_lens is not None else seq_lens
     _paged_attention_kernel[(n_tiles, hkv, num_splits)](
         query,
         key_cache,
         value_cache,
         out,
+        lse_arg,
         part_out,
         part_lse,
         block_table,
         seq_lens,
+        kv_lens,
         query_start_loc,
         tile_row,
         tile_q0,
@@ -290,6 +344,7 @@ def paged_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
+        lse.stride(0) if lse is not None else 0,
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -306,6 +361,10 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        WRITE_LSE=lse is not None,
+        CP=cp_size,
+        CP_RANK=cp_rank if cp_size > 1 else 0,
+        INTERLEAVE=cp_interleave if cp_size > 1 else 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -314,6 +373,7 @@ def paged_attention(
             part_out,
             part_lse,
             out,
+            lse_arg,
             part_out.stride(0),
             part_out.stride(1),
             part_out.stride(2),
@@ -321,8 +381,10 @@ def paged_attention(
             part_lse.stride(1),
             out.stride(0),
             out.stride(1),
+            lse.stride(0) if lse is not None else 0,
             NUM_SPLITS=num_splits,
             HEAD_D=D,
+            WRITE_LSE=lse is not None,
         )
     return out
 
