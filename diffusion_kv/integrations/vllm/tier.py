@@ -350,6 +350,11 @@ class VllmSession:
 
     def allocate_kv_cache(self, layer_name: str, num_blocks: int) -> torch.Tensor:
         adapter = self.adapters[layer_name]
+        # The CUDA backends read the KV-cache layout from the current config (stride order).
+        with self.compat.current_config(self.vllm_config):
+            return self._allocate(adapter, num_blocks)
+
+    def _allocate(self, adapter: Any, num_blocks: int) -> torch.Tensor:
         return self.compat.allocate_kv_cache(
             adapter.attn_backend,
             num_blocks=num_blocks,
