@@ -17,12 +17,17 @@ Rules (each has a test):
   mutation) is a :class:`~diffusion_kv.core.errors.StaleBatchError`: a graph is never replayed
   against metadata it was not captured with. Capture again for the new batch.
 
+* the garbage collector is run before a capture and kept off during it, so an unreachable
+  earlier capture (kept alive by a reference cycle) is never destroyed mid-capture, which would
+  invalidate the capture (CUDA forbids destroying a graph while a stream captures).
+
 The first call runs the step eagerly (on a side stream, as CUDA graphs require before capture):
 its result is the step's real output (``warmup_output``), so no step is wasted.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,8 +70,19 @@ class CapturedStep:
                 self.warmup_output = fn(*self.static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_output = fn(*self.static_inputs)
+        # Unreachable objects that own CUDA graphs (an earlier captured step kept alive only by a
+        # reference cycle) are destroyed when the garbage collector runs; destroying a graph
+        # while this capture is underway invalidates the capture. So collect first and keep the
+        # collector off until the capture has ended.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.static_output = fn(*self.static_inputs)
+        finally:
+            if was_enabled:
+                gc.enable()
         self.replays = 0
 
     @property

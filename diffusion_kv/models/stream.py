@@ -228,6 +228,7 @@ class StreamModel:
                 velocity = self._captured.replay(x)
                 self.graph_replays += 1
             elif self.graphs and batch.composition_steps >= 2 and batch.stable_for >= GRAPH_MIN_STABLE:
+                self._captured = None  # the previous graph goes now, not during the capture
                 self._captured = runner.capture(forward, x)
                 velocity = self._captured.warmup_output
                 self.graph_captures += 1

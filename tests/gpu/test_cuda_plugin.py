@@ -3,10 +3,14 @@ and the bench. Skipped without CUDA (see conftest)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -184,11 +188,10 @@ def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch:
     assert out.shape == setup.query.shape and bool(torch.isfinite(out).all())
 
 
-@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
-def test_a_captured_step_replays_the_eager_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A denoise step captured as a CUDA graph gives the eager step's output on every replay, and
-    is refused (not replayed stale) once the active batch changed."""
-    from diffusion_kv import StaleBatchError
+@contextlib.contextmanager
+def _denoise_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, list[Any]]]:
+    """A two-row tiny-DiT batch on ``cuda:backend`` past its prefill step; yields the runner, the
+    active runtime, a denoise ``step(target, t)`` and four target latents."""
     from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
     from diffusion_kv.core.rows import PagedRow, PhaseRows
     from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
@@ -232,7 +235,17 @@ def test_a_captured_step_replays_the_eager_step(backend: str, monkeypatch: pytes
         runtime.ensure_active(0)
         model.paged_step(prefixes, targets[0], 1.0, 0, runner.forward)
         runtime.ensure_active(1)
-        t = torch.full((), 0.5, device=dev)
+        yield runner, runtime, step, targets
+
+
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_a_captured_step_replays_the_eager_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A denoise step captured as a CUDA graph gives the eager step's output on every replay, and
+    is refused (not replayed stale) once the active batch changed."""
+    from diffusion_kv import StaleBatchError
+
+    with _denoise_step(backend, monkeypatch) as (runner, runtime, step, targets):
+        t = torch.full((), 0.5, device="cuda")
         eager = [step(x, t).clone() for x in targets[1:]]
         captured = runner.capture(step, targets[1], t)
         torch.testing.assert_close(captured.warmup_output, eager[0], atol=0, rtol=0)
@@ -242,6 +255,39 @@ def test_a_captured_step_replays_the_eager_step(backend: str, monkeypatch: pytes
         runtime.ensure_active(0)  # a phase change: another batch is active now
         with pytest.raises(StaleBatchError, match="capture it again"):
             captured.replay(targets[1], t)
+
+
+def test_an_unreachable_earlier_capture_is_not_destroyed_mid_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier captured step that only a reference cycle keeps alive becomes garbage during a
+    new capture: the collector must not destroy its graph while the capture is underway (that
+    invalidates the capture), and the new capture replays the eager step."""
+    with _denoise_step("sdpa", monkeypatch) as (runner, _, step, targets):
+        t = torch.full((), 0.5, device="cuda")
+        eager = step(targets[2], t).clone()
+        earlier = [runner.capture(step, targets[1], t)]
+        calls = 0
+
+        def step_dropping_the_earlier_capture(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the call under capture (the first is the warm-up)
+                cycle: list[Any] = [earlier.pop()]
+                cycle.append(cycle)  # only the cycle holds the earlier capture now
+                del cycle
+                for _ in range(2000):  # enough allocations for the collector to run if enabled
+                    _ = [[], {}]
+            out: torch.Tensor = step(target, t)
+            return out
+
+        thresholds = gc.get_threshold()
+        gc.set_threshold(1, 1, 1)
+        try:
+            captured = runner.capture(step_dropping_the_earlier_capture, targets[1], t)
+        finally:
+            gc.set_threshold(*thresholds)
+        assert calls == 2 and not earlier
+        torch.testing.assert_close(captured.replay(targets[2], t), eager, atol=0, rtol=0)
+        gc.collect()
 
 
 @pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
