@@ -156,6 +156,19 @@ class PagedBackend(abc.ABC):
     def __init__(self, group: GroupContext) -> None:
         self.group = group
 
+    def _bind_dcp(self) -> None:
+        """For backends that declare ``supports_dcp``: take the group's decode-context-parallel
+        geometry (``cp_size``, ``cp_rank``, ``cp_interleave``) from its BlockTables; the
+        interleave must divide the kernel block size (the runner checks this too; a backend
+        constructed by hand gets the same error)."""
+        bt, kernel = self.group.block_tables, self.group.kernel_block_size
+        self.cp_size, self.cp_rank, self.cp_interleave = bt.cp_size, bt.cp_rank, bt.cp_interleave
+        if self.cp_size > 1 and kernel % self.cp_interleave:
+            raise ValidationError(
+                f"cp_interleave={self.cp_interleave} must divide the kernel block size {kernel} "
+                f"of the {self.group.platform_name} backend {self.name!r}"
+            )
+
     def allocate_kv_cache(self, layer: LayerGeometry) -> KVCache:
         """One layer's cache; the default allocates zeroed pages in ``page_layout``."""
         g = self.group

@@ -28,6 +28,15 @@ KVCache = torch.Tensor | tuple[torch.Tensor, ...]
 """A layer's KV cache: one tensor or a tuple (e.g. separate K and V caches)."""
 
 
+def key_value_caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches of a layer cache that is either one stacked ``[2, ...]``
+    tensor or a ``(key_cache, value_cache)`` pair (views; nothing is copied)."""
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache[0], kv_cache[1]
+    key_cache, value_cache = kv_cache
+    return key_cache, value_cache
+
+
 @dataclass(frozen=True)
 class LayerGeometry:
     """Rank-local shape of one paged attention layer, as the backend sees it."""

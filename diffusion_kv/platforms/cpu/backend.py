@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import dcp_key_positions
@@ -53,13 +54,6 @@ class CpuPagedMetadata:
     cp_interleave: int = 1
 
 
-def _cache_views(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(kv_cache, torch.Tensor):
-        return kv_cache[0], kv_cache[1]
-    key_cache, value_cache = kv_cache
-    return key_cache, value_cache
-
-
 class CpuReferenceBackend(PagedBackend):
     """Writes K/V by slot mapping; attends by gathering each row's pages (the oracle)."""
 
@@ -80,13 +74,7 @@ class CpuReferenceBackend(PagedBackend):
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)
-        bt = group.block_tables
-        self.cp_size, self.cp_rank, self.cp_interleave = bt.cp_size, bt.cp_rank, bt.cp_interleave
-        if self.cp_size > 1 and group.kernel_block_size % self.cp_interleave:
-            raise ValidationError(
-                f"cp_interleave={self.cp_interleave} must divide the kernel block size "
-                f"{group.kernel_block_size} of the reference backend"
-            )
+        self._bind_dcp()
 
     def build(self, batch: PagedBatch) -> CpuPagedMetadata:
         local: tuple[int, ...] | None = None
@@ -115,7 +103,7 @@ class CpuReferenceBackend(PagedBackend):
         kv_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        key_cache, value_cache = _cache_views(kv_cache)
+        key_cache, value_cache = key_value_caches(kv_cache)
         nb, bs, hkv, d = key_cache.shape
         slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
         keep = slots >= 0
@@ -152,7 +140,7 @@ class CpuReferenceBackend(PagedBackend):
         Without DCP the local keys are all keys, and ``out`` equals :meth:`forward`'s.
         """
         md: CpuPagedMetadata = metadata
-        key_cache, value_cache = _cache_views(kv_cache)
+        key_cache, value_cache = key_value_caches(kv_cache)
         groups = layer.num_heads // layer.num_kv_heads
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
         device = query.device

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
@@ -351,13 +352,6 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
     )
 
 
-def _caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(kv_cache, torch.Tensor):
-        return kv_cache[0], kv_cache[1]
-    k, v = kv_cache
-    return k, v
-
-
 class CudaPagedBackend(PagedBackend):
     """Writes with the Triton writer; attends in place or by gather + SDPA, chosen per batch."""
 
@@ -393,13 +387,7 @@ class CudaPagedBackend(PagedBackend):
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)
-        bt = group.block_tables
-        self.cp_size, self.cp_rank, self.cp_interleave = bt.cp_size, bt.cp_rank, bt.cp_interleave
-        if self.cp_size > 1 and group.kernel_block_size % self.cp_interleave:
-            raise ValidationError(
-                f"cp_interleave={self.cp_interleave} must divide the kernel block size "
-                f"{group.kernel_block_size} of the cuda backend {self.name!r}"
-            )
+        self._bind_dcp()
         self.triton_ok = bool(triton_available())
         layer = group.layers[0]
         self.group_ratio = layer.num_heads // layer.num_kv_heads
@@ -588,7 +576,7 @@ class CudaPagedBackend(PagedBackend):
         kv_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        k_cache, v_cache = _caches(kv_cache)
+        k_cache, v_cache = key_value_caches(kv_cache)
         slots = slot_mapping[: key.shape[0]]
         if self.triton_ok:
             from diffusion_kv.platforms.cuda import kernels
@@ -651,7 +639,7 @@ class CudaPagedBackend(PagedBackend):
     ) -> None:
         from diffusion_kv.platforms.cuda import kernels
 
-        k_cache, v_cache = _caches(kv_cache)
+        k_cache, v_cache = key_value_caches(kv_cache)
         assert md.tile_row is not None and md.tile_q0 is not None
         kernels.paged_attention(
             query,
@@ -686,7 +674,7 @@ class CudaPagedBackend(PagedBackend):
         qsl, rows, ql, keys = md.host_query_start_loc, grp.rows, grp.query_len, grp.keys
         nblk = cdiv(keys, md.page)
         R = len(rows)
-        k_cache, v_cache = _caches(kv_cache)
+        k_cache, v_cache = key_value_caches(kv_cache)
         if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
             k, v = (_row_view(c, grp.view, R, nblk * md.page)[:, :keys] for c in (k_cache, v_cache))
         else:
