@@ -352,19 +352,16 @@ class VllmSession:
         adapter = self.adapters[layer_name]
         # The CUDA backends read the KV-cache layout from the current config (stride order).
         with self.compat.current_config(self.vllm_config):
-            return self._allocate(adapter, num_blocks)
-
-    def _allocate(self, adapter: Any, num_blocks: int) -> torch.Tensor:
-        return self.compat.allocate_kv_cache(
-            adapter.attn_backend,
-            num_blocks=num_blocks,
-            block_size=adapter.spec.block_size,
-            num_kv_heads=adapter.num_kv_heads,
-            head_size=adapter.head_size,
-            dtype=adapter.dtype,
-            device=self.device,
-            cache_dtype=self.vllm_config.cache_config.cache_dtype,
-        )
+            return self.compat.allocate_kv_cache(
+                adapter.attn_backend,
+                num_blocks=num_blocks,
+                block_size=adapter.spec.block_size,
+                num_kv_heads=adapter.num_kv_heads,
+                head_size=adapter.head_size,
+                dtype=adapter.dtype,
+                device=self.device,
+                cache_dtype=self.vllm_config.cache_config.cache_dtype,
+            )
 
 
 __all__ = ["COMPAT", "VllmSession", "layer_adapter_cls", "synthesize_vllm_config"]
