@@ -30,7 +30,8 @@ from diffusion_kv.platforms.selection import get_platform
 BACKENDS = ["paged", "triton", "sdpa"]
 DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 128
-BF16 = {"atol": 2e-2, "rtol": 2e-2}
+BF16_TOL = 2e-2
+"""Absolute and relative tolerance of a bf16 result against the float64 reference."""
 
 
 class Capture:
@@ -164,7 +165,9 @@ def test_dcp_partials_merge_to_dense_attention(
             parts[name].append((out, lse))
     for name, rows in phases.items():
         merged = merge_partial_attention([o for o, _ in parts[name]], [lse for _, lse in parts[name]])
-        torch.testing.assert_close(merged.cpu().double(), expected(data, rows, mode).cpu(), **BF16)
+        torch.testing.assert_close(
+            merged.cpu().double(), expected(data, rows, mode).cpu(), atol=BF16_TOL, rtol=BF16_TOL
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -204,8 +207,10 @@ def test_ulysses_rank_local_heads(backend: str, degree: int, monkeypatch: pytest
         ]
         outs.append(run(h, rows, local))
     together = torch.cat(outs, dim=1)
-    torch.testing.assert_close(together, whole, **BF16)
-    torch.testing.assert_close(together.cpu().double(), expected(data, rows, "causal").cpu(), **BF16)
+    torch.testing.assert_close(together, whole, atol=BF16_TOL, rtol=BF16_TOL)
+    torch.testing.assert_close(
+        together.cpu().double(), expected(data, rows, "causal").cpu(), atol=BF16_TOL, rtol=BF16_TOL
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

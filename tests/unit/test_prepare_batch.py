@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from diffusion_kv.conformance.harness import PagedHarness
-from diffusion_kv.core.block_tables import DeviceBatch, HostBatch, TorchBlockTables, prepare_batch_torch
+from diffusion_kv.core.block_tables import (
+    BlockTables,
+    DeviceBatch,
+    HostBatch,
+    TorchBlockTables,
+    prepare_batch_torch,
+)
 from diffusion_kv.core.errors import StaleBatchError
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.platforms.cpu import CpuPlatform
@@ -105,10 +111,17 @@ def random_batch(rng: random.Random, max_reqs: int, max_tokens: int) -> HostBatc
     return host_batch(query_lens, seq_lens, rows, starts)
 
 
+def tensor_pairs(a: object, b: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One DeviceBatch field of two batches, tensor by tensor (a field is a tensor or a tuple)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return list(zip(a, b, strict=True))
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return [(a, b)]
+
+
 def assert_same(got: DeviceBatch, want: DeviceBatch) -> None:
     for name, a, b in zip(DeviceBatch._fields, got, want, strict=True):
-        pairs = zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]
-        for x, y in pairs:
+        for x, y in tensor_pairs(a, b):
             assert x.dtype == y.dtype and x.shape == y.shape, name
             assert torch.equal(x, y), f"{name}: {x.tolist()} != {y.tolist()}"
 
@@ -151,7 +164,7 @@ def test_batches_are_views_of_persistent_buffers() -> None:
     first = tri.prepare_batch(host_batch([4, 2], [20, 6], [0, 1], [16, 4]))
     second = tri.prepare_batch(host_batch([3, 2], [19, 6], [0, 1], [16, 4]))
     for a, b in zip(first, second, strict=True):  # persistent buffers: the same storage
-        for x, y in zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]:
+        for x, y in tensor_pairs(a, b):
             assert x.data_ptr() == y.data_ptr()
     assert second.positions.tolist() == [16, 17, 18, 4, 5]
     assert second.slot_mappings.tolist() == [[64, 65, 66, 84, 85]]
@@ -234,7 +247,7 @@ def test_translator_outputs_equal_the_cpu_plugin() -> None:
 class HooklessBlockTables:
     """A BlockTables without ``prepare_batch`` (vLLM's and vllm-ascend's adapters)."""
 
-    def __init__(self, inner: TorchBlockTables) -> None:
+    def __init__(self, inner: BlockTables) -> None:
         self._inner = inner
 
     def __getattr__(self, name: str) -> Any:
@@ -246,7 +259,7 @@ class HooklessBlockTables:
 def test_block_tables_without_the_hook_take_the_torch_default() -> None:
     h = harness(InterpretedCudaPlatform())
     want = common_values(h.translator.prepare(DENOISE))
-    h.translator.block_tables = HooklessBlockTables(h.block_tables)  # type: ignore[assignment]
+    h.translator.block_tables = HooklessBlockTables(h.block_tables)
     assert common_values(h.translator.prepare(DENOISE)) == want
 
 
@@ -281,7 +294,8 @@ def test_tile_schedule_is_made_once_per_batch_shape(monkeypatch: pytest.MonkeyPa
     def schedule(rows: tuple[PagedRow, ...]) -> torch.Tensor:
         md = h.translator.prepare(rows).attn_metadata[layer]
         assert md.backend == "triton" and md.tile_row is not None
-        return md.tile_row
+        tile_row: torch.Tensor = md.tile_row
+        return tile_row
 
     first = schedule(DENOISE)
     assert schedule(DENOISE) is first  # the same device tensor: no new copy
