@@ -222,6 +222,8 @@ class HostCounts:
 
     def __init__(self, num_groups: int, max_num_reqs: int, device: torch.device) -> None:
         self.cpu = torch.zeros((num_groups, max_num_reqs), dtype=torch.int32)
+        self.np = self.cpu.numpy()
+        """NumPy view of ``.cpu`` (the same memory): element access without torch dispatch."""
         self.gpu = torch.zeros((num_groups, max_num_reqs), dtype=torch.int32, device=device)
 
     def copy_to_uva(self) -> None:
@@ -243,9 +245,14 @@ class StagedTable:
         self._staged.clear()
 
     def apply_write(self) -> None:
-        """Apply every staged write with one indexed copy, then clear them."""
+        """Apply every staged write (one indexed copy on an accelerator, NumPy slice writes on
+        the host), then clear them."""
         staged = [(row, start, ids) for row, start, ids in self._staged if ids]
-        if staged:
+        if staged and self.gpu.device.type == "cpu":
+            table = self.gpu.numpy()
+            for row, start, ids in staged:
+                table[row, start : start + len(ids)] = ids
+        elif staged:
             rows = [row for row, _, ids in staged for _ in ids]
             cols = [start + k for _, start, ids in staged for k in range(len(ids))]
             vals = [v for _, _, ids in staged for v in ids]
@@ -347,7 +354,7 @@ class TorchBlockTables:
         plans = []
         for g, ids in enumerate(new_block_ids):
             r = self.blocks_per_kv_block[g]
-            start = 0 if overwrite else int(self.num_blocks.cpu[g, req_index])
+            start = 0 if overwrite else int(self.num_blocks.np[g, req_index])
             kernel_ids = [b * r + k for b in ids for k in range(r)] if r > 1 else list(ids)
             end = start + len(kernel_ids)
             if end > self.block_tables[g].width:
@@ -358,7 +365,7 @@ class TorchBlockTables:
             plans.append((start, kernel_ids, end))
         for g, (start, kernel_ids, end) in enumerate(plans):  # all checks passed: now mutate
             self.block_tables[g].stage_write(req_index, start, kernel_ids)
-            self.num_blocks.cpu[g, req_index] = end
+            self.num_blocks.np[g, req_index] = end
 
     def apply_staged_writes(self) -> None:
         for table in self.block_tables:
@@ -381,8 +388,41 @@ class TorchBlockTables:
         The hook the translator calls once per ``prepare`` (BlockTables without it get
         :func:`prepare_batch_torch`). An override may return views of persistent buffers that
         the next call overwrites: the translator never prepares while a batch is active, and a
-        new preparation makes every earlier batch stale."""
-        return prepare_batch_torch(self, host, self.device)
+        new preparation makes every earlier batch stale.
+
+        On the host (``device`` is the CPU) without DCP, each row's tokens are one run of
+        positions, so a row's slots are a slice of its block grid (``table[b] * kbs + o``)
+        built from host integers: a few tensor ops per row instead of per-token searches."""
+        if self.device.type != "cpu" or self.cp_size != 1:
+            return prepare_batch_torch(self, host, self.device)
+        return self._prepare_batch_host(host)
+
+    def _prepare_batch_host(self, host: HostBatch) -> DeviceBatch:
+        n, num_tokens = host.num_reqs, host.num_tokens
+        qsl, seq, rows, starts = host.split()
+        qsl_l, rows_l, starts_l = qsl.tolist(), rows.tolist(), starts.tolist()
+        positions = torch.empty(num_tokens, dtype=torch.long)
+        for i in range(n):
+            q0, q1 = qsl_l[i], qsl_l[i + 1]
+            torch.arange(starts_l[i], starts_l[i] + q1 - q0, out=positions[q0:q1])
+        tables = self.gather_block_tables(rows, num_reqs_padded=n)
+        slots = torch.full((self.num_kv_cache_groups, num_tokens), PAD_SLOT_ID, dtype=self.slot_mapping_dtype)
+        counts = self.num_blocks.cpu.tolist()
+        for g, table in enumerate(self.block_tables):
+            kbs = self.kernel_block_sizes[g]
+            offsets = torch.arange(kbs, dtype=torch.long)
+            for i in range(n):
+                q0, q1, row, start = qsl_l[i], qsl_l[i + 1], rows_l[i], starts_l[i]
+                if row < 0:  # a padding row writes nothing
+                    continue
+                end = min(start + q1 - q0, counts[g][row] * kbs)  # -1 past the installed blocks
+                if end <= start:
+                    continue
+                b0, b1 = start // kbs, -(-end // kbs)
+                grid = table.gpu[row, b0:b1].long().mul_(kbs).unsqueeze(1).add(offsets).view(-1)
+                lo = start - b0 * kbs
+                slots[g, q0 : q0 + end - start] = grid[lo : lo + end - start]
+        return DeviceBatch(qsl, seq, rows, positions, tables, slots)
 
     def gather_block_tables(
         self, idx_mapping: torch.Tensor, num_reqs_padded: int
@@ -415,24 +455,30 @@ class TorchBlockTables:
         device = self.device
         idx = idx_mapping.to(device=device, dtype=torch.long)
         qsl = query_start_loc.to(device=device, dtype=torch.long)
-        token = torch.arange(num_tokens_padded, device=device)
-        num_real = positions.shape[0]
-        pos = torch.zeros(num_tokens_padded, dtype=torch.long, device=device)
-        n = min(num_real, num_tokens_padded)
-        pos[:n] = positions[:n].to(device=device, dtype=torch.long)
-        # batch row of every token; tokens at or past query_start_loc[-1] are padding
-        batch_row = torch.searchsorted(qsl[1:].contiguous(), token, right=True)
-        in_batch = token < qsl[-1]
-        batch_row = batch_row.clamp(max=max(idx.shape[0] - 1, 0))
-        req = idx.index_select(0, batch_row) if idx.numel() else torch.full_like(token, -1)
-        valid = in_batch & (req >= 0)
-        safe_req = req.clamp(min=0)
+        num_real = min(positions.shape[0], num_tokens_padded)
         out = torch.full(
             (self.num_kv_cache_groups, num_tokens_padded),
             PAD_SLOT_ID,
             dtype=self.slot_mapping_dtype,
             device=device,
         )
+        n = idx.shape[0]
+        if n == 0 or num_real == 0:
+            return out
+        # the batch row of every real token: row i owns [qsl[i], qsl[i + 1]); tokens at or past
+        # qsl[-1] are padding (their slot stays -1)
+        if device.type == "cpu" and int(qsl[0]) == 0:  # host integers: no synchronisation
+            num_real = min(num_real, int(qsl[n]))
+            lens = (qsl[1 : n + 1] - qsl[:n]).clamp(min=0)
+            token_row = torch.repeat_interleave(torch.arange(n), lens)[:num_real]
+            num_real = token_row.shape[0]
+            valid = idx.index_select(0, token_row) >= 0
+        else:
+            token = torch.arange(num_real, device=device)
+            token_row = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=n - 1)
+            valid = (token < qsl[-1]) & (idx.index_select(0, token_row) >= 0)
+        safe_req = idx.index_select(0, token_row).clamp(min=0)
+        pos = positions[:num_real].to(device=device, dtype=torch.long)
         for g, table in enumerate(self.block_tables):
             bs = self.block_sizes[g]
             kbs = self.kernel_block_sizes[g]
@@ -449,12 +495,9 @@ class TorchBlockTables:
                     + offset % self.cp_interleave
                 )
             kernel_block = local_pos // kbs
-            installed = self.num_blocks.gpu[g].index_select(0, safe_req).long()
+            installed = self.num_blocks.gpu[g].index_select(0, safe_req)
             local = local & (kernel_block < installed)
-            column = kernel_block.clamp(max=table.width - 1)
-            block_id = table.gpu[safe_req, column].long()
-            slots = block_id * kbs + local_pos % kbs
-            out[g] = torch.where(local, slots, torch.full_like(slots, PAD_SLOT_ID)).to(
-                self.slot_mapping_dtype
-            )
+            flat = safe_req * table.width + kernel_block.clamp(max=table.width - 1)
+            slots = table.gpu.view(-1).index_select(0, flat).long() * kbs + local_pos % kbs
+            out[g, :num_real] = slots.masked_fill_(~local, PAD_SLOT_ID)
         return out

@@ -270,27 +270,42 @@ class RowRegistry:
                     f"row {identity!r} group {g} needs {len(ids)} blocks; row capacity is {capacity} "
                     f"(max_model_len {self.layout.max_model_len})"
                 )
-            first_at: dict[int, int] = {}
-            for position, block_id in enumerate(ids):
-                if type(block_id) is not int:
-                    raise ValidationError(f"row {identity!r} group {g} has non-integer block id {block_id!r}")
-                if not 0 <= block_id < self.layout.num_blocks:
-                    raise ValidationError(
-                        f"row {identity!r} group {g} block id {block_id} is outside [0, {self.layout.num_blocks})"
-                    )
-                if block_id in first_at:
-                    raise ValidationError(
-                        f"row {identity!r} group {g} lists block {block_id} twice (positions "
-                        f"{first_at[block_id]} and {position}); a block backs one place of one row"
-                    )
-                first_at[block_id] = position
-            if read_only_tokens % tokens_per_block:
-                raise ValidationError(
-                    f"row {identity!r} cached_prefix_len {read_only_tokens} must be a multiple of group {g}'s "
-                    f"{tokens_per_block} tokens per block (a cached prefix is whole blocks)"
-                )
+            # one pass in C for the common, valid case; the loop below names the first offence
+            if ids and not (
+                all(type(b) is int for b in ids)
+                and min(ids) >= 0
+                and max(ids) < self.layout.num_blocks
+                and len(set(ids)) == len(ids)
+            ):
+                self._explain_block_ids(identity, g, ids)
             normalized.append(ids)
+        if read_only_tokens:
+            for g, group in enumerate(groups):
+                tokens_per_block = group.block_size * cp_size
+                if read_only_tokens % tokens_per_block:
+                    raise ValidationError(
+                        f"row {identity!r} cached_prefix_len {read_only_tokens} must be a multiple of group {g}'s "
+                        f"{tokens_per_block} tokens per block (a cached prefix is whole blocks)"
+                    )
         return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
+
+    def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
+        """Raise the error for the first invalid block id of ``ids`` (group ``g``)."""
+        first_at: dict[object, int] = {}
+        for position, block_id in enumerate(ids):
+            if type(block_id) is not int:
+                raise ValidationError(f"row {identity!r} group {g} has non-integer block id {block_id!r}")
+            if not 0 <= block_id < self.layout.num_blocks:
+                raise ValidationError(
+                    f"row {identity!r} group {g} block id {block_id} is outside [0, {self.layout.num_blocks})"
+                )
+            if block_id in first_at:
+                raise ValidationError(
+                    f"row {identity!r} group {g} lists block {block_id} twice (positions "
+                    f"{first_at[block_id]} and {position}); a block backs one place of one row"
+                )
+            first_at[block_id] = position
+        raise ValidationError(f"row {identity!r} group {g} has invalid block ids {ids!r}")  # unreachable
 
     def _prepare(self, snapshot: RequestAllocation) -> list[RowInstall]:
         if not isinstance(snapshot, RequestAllocation):
@@ -362,12 +377,19 @@ class RowRegistry:
         cached-prefix block another row writes (module rules)."""
         for g, group in enumerate(self.layout.groups):
             tokens_per_block = group.block_size * self.block_tables.cp_size
+            live = self._holders[g]
             proposed: dict[int, tuple[Identity, bool]] = {}
             for install in installs:
                 read_only_blocks = install.read_only_tokens // tokens_per_block
-                for position, block_id in enumerate(install.block_ids[g]):
+                ids = install.block_ids[g]
+                if live.keys().isdisjoint(ids) and proposed.keys().isdisjoint(ids):
+                    # nobody else holds any of these blocks (the common case): nothing to refuse
+                    for position, block_id in enumerate(ids):
+                        proposed[block_id] = (install.identity, position >= read_only_blocks)
+                    continue
+                for position, block_id in enumerate(ids):
                     writes = position >= read_only_blocks
-                    holders = dict(self._holders[g].get(block_id, {}))
+                    holders = dict(live.get(block_id, {}))
                     if block_id in proposed:
                         other, other_writes = proposed[block_id]
                         holders[other] = other_writes
@@ -394,7 +416,7 @@ class RowRegistry:
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
-        previous = bt.num_blocks.cpu[:, rows].clone()
+        previous = bt.num_blocks.cpu[:, rows]  # advanced indexing: a copy
         try:
             for row, ids in zip(rows, block_ids, strict=True):
                 bt.append_block_ids(row, tuple(list(group) for group in ids), overwrite=True)
@@ -460,18 +482,29 @@ class RowRegistry:
         return True
 
     def _hold(self, install: RowInstall, release: bool = False) -> None:
+        identity = install.identity
         for g, group in enumerate(self.layout.groups):
             read_only_blocks = install.read_only_tokens // (group.block_size * self.block_tables.cp_size)
             holders = self._holders[g]
-            for position, block_id in enumerate(install.block_ids[g]):
-                if release:
+            ids = install.block_ids[g]
+            shared, written = ids[:read_only_blocks], ids[read_only_blocks:]
+            if release:
+                for block_id in written:  # a written block has this row as its only holder
+                    holders.pop(block_id, None)
+                for block_id in shared:
                     entry = holders.get(block_id)
                     if entry is not None:
-                        entry.pop(install.identity, None)
+                        entry.pop(identity, None)
                         if not entry:
                             del holders[block_id]
+                continue
+            holders.update({block_id: {identity: True} for block_id in written})
+            for block_id in shared:
+                entry = holders.get(block_id)
+                if entry is None:
+                    holders[block_id] = {identity: False}
                 else:
-                    holders.setdefault(block_id, {})[install.identity] = position >= read_only_blocks
+                    entry[identity] = False
 
     def record_writes(self, spans: Iterable[WrittenSpan]) -> None:
         """Mark tokens as written (the translator calls this when every paged layer of a batch
