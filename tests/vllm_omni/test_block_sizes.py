@@ -39,7 +39,10 @@ def configured(monkeypatch: pytest.MonkeyPatch, block_size: int | None, forced: 
 
 def test_vllms_default_block_size_here_is_128(monkeypatch: pytest.MonkeyPatch) -> None:
     config = configured(monkeypatch, None, None)
-    assert (config.cache_config.block_size, config.additional_config[CONFIG_KEY]) == (128, "cpu:vllm-cpu-attn")
+    assert (config.cache_config.block_size, config.additional_config[CONFIG_KEY]) == (
+        128,
+        "cpu:vllm-cpu-attn",
+    )
 
 
 @pytest.mark.parametrize(
