@@ -28,6 +28,7 @@ from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.backend import KVPageLayout
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
+from diffusion_kv.core.errors import UnsupportedRequirementsError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.backend import VllmCpuAttnBackend, view_layout
 from diffusion_kv.integrations.vllm_omni import (
@@ -38,11 +39,11 @@ from diffusion_kv.integrations.vllm_omni import (
 )
 from diffusion_kv.integrations.vllm_omni.hooks import (
     CONFIG_KEY,
-    block_size_for,
     kv_cache_layout_for,
     latest_block_tables,
     omni_block_tables_cls,
     paged_batch,
+    smallest_block_size_served,
 )
 from diffusion_kv.integrations.vllm_omni.native import page_view
 from diffusion_kv.integrations.vllm_omni.plugin import PLATFORM_PATH, omni_platform_plugin
@@ -340,18 +341,120 @@ def test_registration_rejections_follow_upstream() -> None:
 # -- the platform hooks ----------------------------------------------------------------------------
 
 
-def test_block_size_and_layout_follow_the_backend() -> None:
-    assert block_size_for(VllmCpuAttnBackend, 16) == 32  # CPU_ATTN: multiples of 32
-    assert block_size_for(VllmCpuAttnBackend, 128) == 128
-    assert block_size_for(CpuReferenceBackend, 16) == 16
+def with_kernel_blocks(name: str, priority: int, *rules: int | MultipleOf) -> type[CpuReferenceBackend]:
+    """The reference backend under another name and priority, its kernel taking ``rules``."""
+    caps = CpuReferenceBackend.capabilities
+    return type(
+        f"Blocks{name.title()}",
+        (CpuReferenceBackend,),
+        {
+            "name": name,
+            "platform": "blocks",
+            "priority": priority,
+            "capabilities": caps.__class__(**{**caps.__dict__, "kernel_block_sizes": rules}),
+        },
+    )
 
-    class Fixed(CpuReferenceBackend):
-        capabilities = CpuReferenceBackend.capabilities.__class__(
-            **{**CpuReferenceBackend.capabilities.__dict__, "kernel_block_sizes": (128,)}
-        )
 
-    assert block_size_for(Fixed, 16) == 128  # a fixed kernel block: the scheduler block is a multiple
-    assert block_size_for(Fixed, 256) == 256  # split into two kernel blocks
+FIXED64 = with_kernel_blocks("fixed64", 300, 64)  # one kernel block size: larger blocks are split
+STRICT32 = with_kernel_blocks("strict32", 200, MultipleOf(32))  # like vLLM's CPU_ATTN
+
+
+class BlocksPlatform(CpuPlatform):
+    """A platform whose backends take different kernel block sizes (no entry-point backends
+    join it: nothing is registered under its name)."""
+
+    name = "blocks"
+    backends = (FIXED64, STRICT32, CpuReferenceBackend)
+
+
+def configured(block_size: int) -> tuple[str, int, str]:
+    config = vllm_config()
+    config.cache_config.block_size = block_size
+    decision = DiffusionKVPlatformHooks(BlocksPlatform()).configure(config, od_config())
+    assert decision.requirements.block_size == block_size
+    return decision.key, config.cache_config.block_size, config.additional_config[CONFIG_KEY]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "forced", "expected"),
+    [
+        (16, None, "blocks:reference"),  # neither fixed64 nor strict32 serves 16
+        (32, None, "blocks:strict32"),  # fixed64 cannot (64 does not divide 32)
+        (128, None, "blocks:fixed64"),  # two 64-token kernel blocks per block
+        (16, "reference", "blocks:reference"),
+        (32, "reference", "blocks:reference"),
+        (128, "reference", "blocks:reference"),
+        (32, "strict32", "blocks:strict32"),
+        (128, "strict32", "blocks:strict32"),
+        (128, "fixed64", "blocks:fixed64"),
+    ],
+)
+def test_the_configured_block_size_is_served_never_changed(
+    monkeypatch: pytest.MonkeyPatch, block_size: int, forced: str | None, expected: str
+) -> None:
+    if forced is None:
+        monkeypatch.delenv(ENV_BACKEND, raising=False)
+    else:
+        monkeypatch.setenv(ENV_BACKEND, f"blocks:{forced}")
+    assert configured(block_size) == (expected, block_size, expected)
+
+
+def test_a_forced_backend_that_cannot_serve_the_block_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENV_BACKEND, "blocks:strict32")
+    config = vllm_config()
+    config.cache_config.block_size = 16
+    with pytest.raises(UnsupportedRequirementsError) as refused:
+        DiffusionKVPlatformHooks(BlocksPlatform()).configure(config, od_config())
+    message = str(refused.value)
+    assert "DIFFUSION_KV_BACKEND forces diffusion-kv backend blocks:strict32" in message
+    assert "configured block size 16: it takes block sizes multiple of 32" in message
+    assert "(e.g. 32)" in message
+    assert "here blocks:reference serves block size 16 for dtype=float32, block_size=16" in message
+    assert (config.cache_config.block_size, config.additional_config) == (16, {})  # nothing applied
+
+    monkeypatch.setenv(ENV_BACKEND, "blocks:fixed64")
+    config.cache_config.block_size = 96  # 64 neither equals nor divides 96
+    with pytest.raises(UnsupportedRequirementsError) as refused:
+        DiffusionKVPlatformHooks(BlocksPlatform()).configure(config, od_config())
+    message = str(refused.value)
+    assert "backend blocks:fixed64, whose kernel cannot serve vLLM-Omni's configured block size 96" in message
+    assert "it takes block sizes 64 (a block size it takes, or a multiple of a fixed one" in message
+    assert "(e.g. 192)" in message
+    assert "here blocks:strict32, blocks:reference serve block size 96" in message
+    assert (config.cache_config.block_size, config.additional_config) == (96, {})
+
+
+def test_no_backend_serving_the_block_size_is_the_selection_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+
+    class Only32(CpuPlatform):
+        name = "blocks"
+        backends = (STRICT32,)
+
+    config = vllm_config()
+    config.cache_config.block_size = 16
+    with pytest.raises(UnsupportedRequirementsError) as refused:
+        DiffusionKVPlatformHooks(Only32()).configure(config, od_config())
+    message = str(refused.value)
+    assert "requirements: dtype=float32, block_size=16" in message
+    assert "`blocks:strict32` (priority 200) is not supported because:" in message
+    assert "block_size=16 (kernel blocks: multiple of 32; none equals or divides it)" in message
+    assert config.cache_config.block_size == 16
+    config.cache_config.block_size = None
+    with pytest.raises(ValueError, match="cache_config.block_size must be a positive integer; got None"):
+        DiffusionKVPlatformHooks(Only32()).configure(config, od_config())
+
+
+def test_block_size_suggestion_and_layout_follow_the_backend() -> None:
+    assert smallest_block_size_served(VllmCpuAttnBackend, 16) == 32  # CPU_ATTN: multiples of 32
+    assert smallest_block_size_served(VllmCpuAttnBackend, 128) == 128
+    assert smallest_block_size_served(CpuReferenceBackend, 16) == 16
+    assert smallest_block_size_served(FIXED64, 16) == 64  # a fixed kernel block: a multiple of it
+    assert smallest_block_size_served(FIXED64, 256) == 256  # split into four kernel blocks
+    assert smallest_block_size_served(with_kernel_blocks("odd", 1, 48, MultipleOf(40)), 30) == 120
     assert (kv_cache_layout_for(VllmCpuAttnBackend), kv_cache_layout_for(CpuReferenceBackend)) == (
         "LBHNC",
         "LBNHC",

@@ -8,8 +8,9 @@ scheduler's two calls this file makes in the engine's place:
   span) built from vLLM-Omni's ``Attention`` layers with ``paged_kv_cache_role`` set, as a paged
   DiT declares them; in paged mode, steps after the first feed only the target tokens (the
   prefix is read from the pages), which is what paging is for;
-* the engine's steps around the worker (:func:`run`): ``create_diffusion_vllm_config`` (which
-  calls the platform's ``configure_diffusion_vllm_config``), the worker's
+* the engine's steps around the worker (:func:`run`): ``create_diffusion_vllm_config``'s two
+  steps (which call the platform's ``configure_diffusion_vllm_config``; a ``Shape.block_size``
+  is put on the cache config between them), the worker's
   ``init_diffusion_worker_vllm_config``, vLLM-Omni's ``DiffusionModelRunner`` with this model
   as its pipeline (``load_model`` is skipped: it would load weights from disk; the platform hook
   it calls, ``init_diffusion_model_runner_runtime``, is called here), then in paged mode
@@ -49,7 +50,7 @@ from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVCacheManager
 from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVRequest
 from vllm_omni.diffusion.forward_context import get_forward_context, set_forward_context_denoise_step_idx
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
+from vllm_omni.diffusion.vllm_config import configure_diffusion_vllm_config, create_base_diffusion_vllm_config
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.platforms import current_omni_platform
@@ -73,6 +74,9 @@ class Shape:
     max_model_len: int = 512
     dtype: torch.dtype = torch.float16
     seed: int = 0
+    block_size: int | None = None
+    """The KV-cache block size configured before the platform's hook (None: vLLM's default,
+    128 from vLLM's CPU platform)."""
 
     @property
     def head_size(self) -> int:
@@ -222,6 +226,16 @@ def request(shape: Shape, request_id: str) -> OmniDiffusionRequest:
     )
 
 
+def diffusion_vllm_config(device: torch.device, od: OmniDiffusionConfig, block_size: int | None) -> Any:
+    """vLLM-Omni's ``create_diffusion_vllm_config`` (its two steps: the base config, then
+    ``configure_diffusion_vllm_config``, which calls the platform hook in paged mode), with
+    ``block_size`` put on the cache config between them where given."""
+    vllm_config = create_base_diffusion_vllm_config(device, od)
+    if block_size is not None:
+        vllm_config.cache_config.block_size = block_size
+    return configure_diffusion_vllm_config(vllm_config, od)
+
+
 def run(shape: Shape, *, paged: bool, requests: int = 1) -> RunResult:
     """The tiny DiT through vLLM-Omni's runner (see the module docstring); the output of the last
     request (every request has the same inputs). ``hooks["calls"]`` lists the platform's
@@ -237,7 +251,7 @@ def _run(shape: Shape, *, paged: bool, requests: int) -> RunResult:
     torch.manual_seed(shape.seed)
     device = torch.device("cpu")
     od = od_config(shape, paged)
-    vllm_config = create_diffusion_vllm_config(device, od)
+    vllm_config = diffusion_vllm_config(device, od, shape.block_size)
     current_omni_platform.init_diffusion_worker_vllm_config(vllm_config)
     with set_current_diffusion_config(od), set_current_vllm_config(vllm_config):
         pipeline = TinyPipeline(shape).to(shape.dtype).eval()

@@ -25,16 +25,21 @@ is checked again when the KV cache is built. Two kinds of backend:
   a vLLM-shaped attention backend wrapping the diffusion-kv backend (:mod:`.native`), built from
   the platform's own BlockTables, metadata builder, KV write and forward.
 
-**Geometry and layout.** The block size becomes one the backend's kernel takes (the smallest
-multiple of the configured size it accepts), and the KV-cache layout the one it reads: the
-vLLM backend's declared layout (``LBHNC`` for ``CPU_ATTN``), ``LBHNC`` for head-first pages,
-``LBNHC`` (vLLM-Omni's default) for token-major pages. A layout already on the config is kept.
+**Geometry and layout.** The configured block size is never changed: it is one of the
+requirements the backend is chosen for, so the highest-priority backend whose kernel serves it
+wins (one that takes it, or takes a fixed size dividing it: each block is then split into
+kernel blocks), and a backend forced by ``DIFFUSION_KV_BACKEND`` that cannot serve it is an
+``UnsupportedRequirementsError`` naming the size, the backend and the sizes it takes. The
+KV-cache layout becomes the one the backend reads: the vLLM backend's declared layout (``LBHNC``
+for ``CPU_ATTN``), ``LBHNC`` for head-first pages, ``LBNHC`` (vLLM-Omni's default) for
+token-major pages. A layout already on the config is kept.
 
 Nothing here imports vLLM or vLLM-Omni at import time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -49,8 +54,8 @@ from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import PagedBatch
 from diffusion_kv.core.block_tables import block_table_width
 from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
-from diffusion_kv.core.errors import StateError, ValidationError
-from diffusion_kv.platforms.interface import Platform
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.platforms.interface import ENV_BACKEND, Platform, forced_backend
 
 CONFIG_KEY = "diffusion_kv_backend"
 """Key of ``VllmConfig.additional_config`` holding the chosen ``"<platform>:<backend>"``."""
@@ -96,9 +101,10 @@ def kv_cache_layout_for(backend: type[PagedBackend]) -> str | None:
     return PAGE_LAYOUT_KV_CACHE_LAYOUT[backend.page_layout]
 
 
-def block_size_for(backend: type[PagedBackend], configured: int) -> int:
-    """``configured`` when ``backend``'s kernel takes it, else the smallest multiple of
-    ``configured`` it takes (e.g. 16 -> 32 for kernels taking multiples of 32)."""
+def smallest_block_size_served(backend: type[PagedBackend], configured: int) -> int | None:
+    """The smallest block size of at least ``configured`` that ``backend``'s kernel serves
+    (``configured`` itself when it does; None when none of its rules has a multiple of it).
+    Only a suggestion in a refusal: diffusion-kv never changes the configured block size."""
     caps = backend.capabilities
     if caps.kernel_block_size_for(configured) is not None:
         return configured
@@ -107,12 +113,12 @@ def block_size_for(backend: type[PagedBackend], configured: int) -> int:
         for base in (r.base if isinstance(r, MultipleOf) else r for r in caps.kernel_block_sizes)
     ]
     served = [o for o in options if caps.kernel_block_size_for(o) is not None]
-    if not served:
-        raise ValidationError(
-            f"backend {backend.platform}:{backend.name} declares no kernel block size serving "
-            f"block size {configured} ({[str(r) for r in caps.kernel_block_sizes]})"
-        )
-    return min(served)
+    return min(served) if served else None
+
+
+def kernel_block_sizes_text(backend: type[PagedBackend]) -> str:
+    """``backend``'s kernel block-size rules as a message names them (``multiple of 32``)."""
+    return ", ".join(str(rule) for rule in backend.capabilities.kernel_block_sizes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,20 +316,22 @@ class DiffusionKVPlatformHooks:
         raise ValidationError(f"diffusion-kv backend {key!r} recorded in the VllmConfig is not installed")
 
     def configure(self, vllm_config: Any, od_config: Any) -> Decision:
-        """Choose the backend for a paged ``vllm_config`` and apply its cache geometry and layout
-        (``configure_diffusion_vllm_config``)."""
-        decision = self.decide(self.requirements(vllm_config, od_config))
+        """Choose the backend for a paged ``vllm_config`` and apply its KV-cache layout
+        (``configure_diffusion_vllm_config``).
+
+        The configured block size is a requirement, never changed: the backend chosen is the
+        highest-priority one whose kernel serves it (takes it, or takes a fixed size dividing
+        it, each block then split into kernel blocks); a backend forced by
+        ``DIFFUSION_KV_BACKEND`` that cannot serve it is refused."""
         cache = vllm_config.cache_config
-        block = block_size_for(decision.backend, int(cache.block_size))
-        cache.block_size = block
-        decision = self.decide(
-            Requirements(
-                dtype=decision.requirements.dtype,
-                block_size=block,
-                ulysses_degree=decision.requirements.ulysses_degree,
-                dcp_size=decision.requirements.dcp_size,
+        block = cache.block_size
+        if type(block) is not int or block <= 0:
+            raise ValidationError(
+                f"vLLM-Omni's cache_config.block_size must be a positive integer; got {block!r}"
             )
-        )
+        requirements = dataclasses.replace(self.requirements(vllm_config, od_config), block_size=block)
+        self._refuse_forced_block_size(requirements)
+        decision = self.decide(requirements)
         layout = kv_cache_layout_for(decision.backend)
         if layout is not None and getattr(cache, "kv_cache_layout", "absent") is None:
             cache.kv_cache_layout = layout
@@ -331,6 +339,40 @@ class DiffusionKVPlatformHooks:
         if isinstance(extra, dict):
             extra[CONFIG_KEY] = decision.key
         return decision
+
+    def _refuse_forced_block_size(self, requirements: Requirements) -> None:
+        """Refuse a backend ``DIFFUSION_KV_BACKEND`` forces whose kernel cannot serve the
+        configured block size, naming the size, the backend, the sizes it takes and the
+        platform's backends that serve the size (an unknown name is left to the selection)."""
+        forced = forced_backend(self.platform.name)
+        block = requirements.block_size
+        if forced is None or block is None:
+            return
+        candidates = self.platform.candidate_backends()
+        backend = next((b for b in candidates if b.name == forced), None)
+        if backend is None or backend.capabilities.supports_block_size(block):
+            return
+        key = f"{self.platform.name}:{backend.name}"
+        larger = smallest_block_size_served(backend, block)
+        serving = [
+            f"{self.platform.name}:{b.name}"
+            for b in candidates
+            if not self.platform.backend_reasons(b, requirements)
+        ]
+        alternatives = (
+            f", or unset {ENV_BACKEND} (here {', '.join(serving)} "
+            f"{'serves' if len(serving) == 1 else 'serve'} block size {block} for {requirements.describe()})"
+            if serving
+            else ""
+        )
+        raise UnsupportedRequirementsError(
+            f"{ENV_BACKEND} forces diffusion-kv backend {key}, whose kernel cannot serve vLLM-Omni's configured "
+            f"block size {block}: it takes block sizes {kernel_block_sizes_text(backend)} (a block size it "
+            "takes, or a multiple of a fixed one, split into kernel blocks); diffusion-kv does not change "
+            "the block size. Configure a block size it serves"
+            + (f" (e.g. {larger})" if larger is not None else "")
+            + alternatives
+        )
 
     def decision_for(self, vllm_config: Any | None, ulysses_degree: int | None = None) -> Decision:
         """The decision recorded in ``vllm_config``; else the last one made here; else a fresh
@@ -389,12 +431,13 @@ __all__ = [
     "TOKEN_ALIGNMENT",
     "Decision",
     "DiffusionKVPlatformHooks",
-    "block_size_for",
     "current_vllm_config",
     "group_causal",
     "is_vllm_native",
+    "kernel_block_sizes_text",
     "kv_cache_layout_for",
     "latest_block_tables",
     "omni_block_tables_cls",
     "paged_batch",
+    "smallest_block_size_served",
 ]

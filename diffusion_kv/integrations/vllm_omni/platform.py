@@ -11,8 +11,10 @@ and backend answer (:class:`~.hooks.DiffusionKVPlatformHooks` holds the logic):
 ==========================================  ===================================================
 hook                                        answer
 ==========================================  ===================================================
-``configure_diffusion_vllm_config``         the delegate's, then: choose the backend, block size
-                                            it takes, KV-cache layout it reads; record choice
+``configure_diffusion_vllm_config``         the delegate's, then: choose the backend serving the
+                                            configured block size (never changed; a forced one
+                                            that cannot is refused), the KV-cache layout it
+                                            reads; record the choice
 ``get_diffusion_kv_block_tables_cls``       the backend's BlockTables (upstream keywords,
                                             vLLM's width rounding, ``num_blocks.np``); for a
                                             vLLM-native backend on a device platform, the
@@ -32,8 +34,11 @@ hook                                        answer
 ==========================================  ===================================================
 
 Where vLLM-Omni has no device platform (the delegate is ``UnspecifiedOmniPlatform``, e.g. on
-CPU), the class also supplies the few device methods its runner calls that the fallback lacks
-(:class:`CpuDeviceMethods`), so vLLM-Omni gains a CPU platform.
+CPU) and the diffusion-kv platform runs its ranks on the CPU, the class also answers the device
+questions of vLLM-Omni's worker and runner that the fallback cannot (:class:`CpuDeviceMethods`:
+the rank's device, ``set_device``, the device count, ``dist_backend`` from the diffusion-kv
+platform, memory and synchronisation), so vLLM-Omni gains a CPU platform its
+``DiffusionWorker`` starts on.
 
 Opting out follows vLLM-Omni's convention (``VLLM_PLUGINS`` without ``diffusion_kv``); the
 platform and backend follow diffusion-kv's (``DIFFUSION_KV_PLATFORM``, ``DIFFUSION_KV_BACKEND``).
@@ -51,7 +56,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.errors import UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.integrations.vllm_omni.hooks import (
     CONFIG_KEY,
     Decision,
@@ -59,6 +64,7 @@ from diffusion_kv.integrations.vllm_omni.hooks import (
     current_vllm_config,
     latest_block_tables,
 )
+from diffusion_kv.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +95,45 @@ def _resolve(qualname: str) -> Any:
 
 
 class CpuDeviceMethods:
-    """Device methods vLLM-Omni's runner calls that its fallback ``UnspecifiedOmniPlatform`` (the
-    delegate on a machine without a device platform, i.e. CPU) lacks: peak-memory statistics
-    (none on CPU: 0), synchronisation (nothing to wait for), free memory (the host's)."""
+    """The device answers vLLM-Omni asks of its platform when it has none for this machine
+    (the delegate is ``UnspecifiedOmniPlatform``) and diffusion-kv's platform runs its ranks on
+    the CPU: the worker's ``init_device`` (``get_torch_device``, ``set_device``), its
+    distributed init (``dist_backend``, ``get_device_count``) and the runner's memory and
+    synchronisation calls.
+
+    The facts come from the selected diffusion-kv platform where it has them (each rank's
+    device: ``Platform.device_for_rank``; the ``torch.distributed`` backend:
+    ``Platform.distributed_backend``, ``gloo`` for ``cpu``); the rest is what a host is: one
+    device per host, nothing to select or wait for, no peak-memory statistics (0), free memory
+    the host's. Nothing pretends to be an accelerator."""
+
+    diffusion_kv_hooks: DiffusionKVPlatformHooks
+    device_type = "cpu"
+    device_name = "cpu"
+
+    @classmethod
+    def get_torch_device(cls, local_rank: int | None = None) -> torch.device:
+        platform = cls.diffusion_kv_hooks.platform
+        device = platform.device_for_rank(0 if local_rank is None else local_rank)
+        if device.type != "cpu":
+            raise StateError(
+                f"diffusion-kv platform {platform.name!r} puts local rank {local_rank} on {device}, "
+                "but vLLM-Omni's platform here is diffusion-kv's CPU platform"
+            )
+        return device
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        return 1  # the host: every rank's device is the CPU
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        if torch.device(device).type != "cpu":
+            raise ValidationError(
+                f"diffusion-kv's CPU platform for vLLM-Omni cannot select device {device}: its ranks "
+                f"run on cpu (diffusion-kv platform {cls.diffusion_kv_hooks.platform.name!r})"
+            )
+        return None  # one CPU device: nothing to select
 
     @classmethod
     def reset_peak_memory_stats(cls, device: Any = None) -> None:
@@ -123,6 +165,20 @@ class CpuDeviceMethods:
         return int(pages * size)
 
 
+def _ranks_on_cpu(platform: Platform) -> bool:
+    """Whether ``platform`` runs its ranks on the CPU; else vLLM-Omni, which found no device
+    platform here, keeps its fallback's device answers (a warning says so)."""
+    device = platform.device_for_rank(0)
+    if device.type != "cpu":
+        logger.warning(
+            "vLLM-Omni has no device platform here, and diffusion-kv platform %r runs on %s: "
+            "vLLM-Omni keeps UnspecifiedOmniPlatform's device answers",
+            platform.name,
+            device,
+        )
+    return device.type == "cpu"
+
+
 @functools.cache
 def platform_class(delegate: str | None = None) -> type:
     """:class:`DiffusionKVOmniPlatform` over ``delegate`` (default: :func:`delegate_qualname`)."""
@@ -134,11 +190,14 @@ def platform_class(delegate: str | None = None) -> type:
     def decision(ulysses_degree: int | None = None) -> Decision:
         return hooks.decision_for(current_vllm_config(), ulysses_degree)
 
-    bases: tuple[type, ...] = (CpuDeviceMethods, base) if unspecified else (base,)
+    cpu = unspecified and _ranks_on_cpu(hooks.platform)
+    bases: tuple[type, ...] = (CpuDeviceMethods, base) if cpu else (base,)
 
     class DiffusionKVOmniPlatform(*bases):  # type: ignore[misc]
         diffusion_kv_hooks = hooks
         diffusion_kv_delegate = delegate
+        if cpu:
+            dist_backend = hooks.platform.distributed_backend
 
         @classmethod
         def get_diffusion_attn_backend_cls(
