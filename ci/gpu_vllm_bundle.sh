@@ -69,9 +69,10 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 DROP='vllm/vllm_flash_attn/_vllm_fa2_C vllm/_moe_C vllm/third_party/deep_gemm/ vllm/vllm_flash_attn/cute/ vllm/vllm-rs vllm/third_party/fmha_sm100/'
 # 0.30.0 also: the optional kernels its platform imports under try/except or contextlib.suppress
 # (_qutlass_C; _moe_C_stable_libtorch is covered by the _moe_C prefix), MLA/DeepSelect/KDA kernels
-# of other model families (imported under try/except or lazily) and the Rust tool parser (lazy).
+# of other model families (imported under try/except or lazily), the Rust tool parser (lazy) and
+# FA4's TML sources. vllm/third_party/pynvml.py stays: vLLM's and vLLM-Omni's CUDA detection import it.
 if [ "$RELEASE" = 0.30.0 ]; then
-  DROP="$DROP vllm/_qutlass_C vllm/_flashmla_C vllm/_flashmla_extension_C vllm/_deepselect_C vllm/_flashkda_C vllm/_rust_tool_parser vllm/third_party/"
+  DROP="$DROP vllm/_qutlass_C vllm/_flashmla_C vllm/_flashmla_extension_C vllm/_deepselect_C vllm/_flashkda_C vllm/_rust_tool_parser vllm/third_party/tml_fa4/"
 fi
 
 # The import closure: name==version --hash (cp312 manylinux x86_64 / py3 wheels).

@@ -529,6 +529,31 @@ def _check_writable(path: str) -> None:
         os.remove(path)
 
 
+def _plot(report: dict[str, Any], path: str) -> None:
+    from diffusion_kv.bench.plot import plot_report
+
+    try:
+        written = plot_report(report, path)
+    except DiffusionKVError as exc:
+        raise RunError(str(exc)) from exc
+    print(f"[bench] picture written to {written}", file=sys.stderr)
+
+
+def _plot_saved_report(args: argparse.Namespace) -> int:
+    """``bench --from-report FILE --plot OUT``: draw a saved JSON report, run nothing."""
+    if not args.plot:
+        raise UsageError("--from-report draws a saved report: give --plot FILE.png|FILE.svg too")
+    try:
+        with open(args.from_report, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--from-report {args.from_report!r}: cannot read a JSON report ({exc})") from exc
+    if not isinstance(report, dict):
+        raise UsageError(f"--from-report {args.from_report!r}: not a bench report (a JSON object)")
+    _plot(report, args.plot)
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -536,6 +561,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.output:
         _check_writable(args.output)
+    if args.plot:
+        from diffusion_kv.bench.plot import check_plot_path
+
+        try:
+            check_plot_path(args.plot)
+        except DiffusionKVError as exc:
+            raise UsageError(str(exc)) from exc
+    if args.from_report:
+        return _plot_saved_report(args)
     platform = _select(args.platform, warn=_stderr_warning)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     problems = []
@@ -574,6 +608,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     print(text)
+    if args.plot:
+        _plot(report, args.plot)
     disagreements = [
         f"{r['case']} {variant}"
         for r in report.get("attention", [])
@@ -731,6 +767,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--output", default=None, help="also write the report to this file")
+    b.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the report (.png or .svg; needs matplotlib: pip install 'diffusion-kv[plot]')",
+    )
+    b.add_argument(
+        "--from-report",
+        default=None,
+        metavar="JSON",
+        help="with --plot: draw a saved --json report, run nothing",
+    )
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_cmd_bench)
     return parser

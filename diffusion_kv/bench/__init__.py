@@ -219,9 +219,17 @@ def format_report(report: dict[str, Any]) -> str:
             f"{st['shape']['target_len']} tokens, hidden {st['shape']['hidden']}, {st['shape']['layers']} layers): "
             f"together {s['wall_ms']:.0f} ms ({s['requests_per_s']:.2f} req/s, up to {s['max_running']} at once), "
             f"one after another {q['wall_ms']:.0f} ms ({q['requests_per_s']:.2f} req/s) -> {st['speedup']:.2f}x "
-            f"(target >= {st['target_speedup']:.1f}x); peak blocks {s['peak_blocks']}/{st['pool_blocks']}"
+            f"(same graph policy, captures apart: stream {s['capture_ms']:.0f} ms, one after another "
+            f"{q['capture_ms']:.0f} ms; target >= {st['target_speedup']:.1f}x); peak blocks "
+            f"{s['peak_blocks']}/{st['pool_blocks']}"
             + ("" if st["agree"] else f"  DISAGREES (max diff {st['max_abs_diff']:.3g})")
         )
+        if "eager" in st:
+            ea = st["eager"]
+            lines.append(
+                f"  both eager: together {ea['stream']['wall_ms']:.0f} ms, one after another "
+                f"{ea['sequential']['wall_ms']:.0f} ms -> {ea['speedup']:.2f}x"
+            )
     for where, error in report.get("errors", {}).items():
         lines.append(f"error in {where}: {error}")
     return "\n".join(lines)

@@ -224,6 +224,20 @@ class PagedBackend(abc.ABC):
         """Write ``key``/``value`` ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``; ``-1`` slots are
         padding and must not be written."""
 
+    def write_kv_valid(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """:meth:`write_kv` where the core guarantees every slot is a real one (``>= 0``): a
+        prepared batch without decode context parallelism has no padding tokens, and every
+        position it writes lies in an installed block. A backend may skip the padding check
+        here (one indexed copy instead of a masked write); the default is :meth:`write_kv`."""
+        self.write_kv(layer, key, value, kv_cache, slot_mapping)
+
     @abc.abstractmethod
     def forward(
         self,

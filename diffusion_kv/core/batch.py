@@ -32,7 +32,8 @@ def key_value_caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value caches of a layer cache that is either one stacked ``[2, ...]``
     tensor or a ``(key_cache, value_cache)`` pair (views; nothing is copied)."""
     if isinstance(kv_cache, torch.Tensor):
-        return kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kv_cache.unbind(0)  # one op for both views
+        return key_cache, value_cache
     key_cache, value_cache = kv_cache
     return key_cache, value_cache
 

@@ -34,7 +34,10 @@ def run_layer(
 ) -> torch.Tensor:
     """Write once, run every segment, and restore the caller's layout."""
     layer = ctx.layer
-    backend.write_kv(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    if ctx.slots_valid:
+        backend.write_kv_valid(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    else:
+        backend.write_kv(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
 
     def runner(q: torch.Tensor, md: Any, out: torch.Tensor | None) -> torch.Tensor:
         if merger is None:

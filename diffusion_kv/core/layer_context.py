@@ -12,6 +12,7 @@ All checks run here, before the execution driver writes anything into the cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,8 @@ class LayerContext:
     token_shape: tuple[int, ...]
     has_head_dims: bool
     scatter_indices: torch.Tensor | None
+    slots_valid: bool = False
+    """Every slot is a real one (the batch's :attr:`PreparedBatch.slots_valid`)."""
 
     def restore_output(self, output: torch.Tensor) -> torch.Tensor:
         """``[T, H, D]`` -> the caller's token layout (zeros where the input was padding)."""
@@ -149,6 +152,50 @@ def _inner_packed(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1])
 
 
+@dataclass(slots=True)
+class _LayerPlan:
+    """What one batch decided for layer inputs of one shape (see :func:`build_layer_context`):
+    every paged layer whose Q/K/V have this signature reuses it without re-validating."""
+
+    token_shape: tuple[int, ...]
+    has_head_dims: bool
+    scatter: torch.Tensor | None
+    contiguous_k: bool
+    contiguous_v: bool
+    metadata: Any
+    """The attention-metadata object last validated for this plan (a reference, so the same
+    object is recognised by identity)."""
+    spans_snapshot: Any
+    """A deep copy of the raw ``full_attn_spans`` validated (``None`` without spans)."""
+    plan: PiecewisePlan | None
+    by_layer: dict[str, tuple[torch.Tensor, Any, tuple[Any, ...]]]
+    """Per layer name: its slot mapping, native metadata and per-segment metadata."""
+
+
+def _signature(
+    layer: LayerGeometry, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[Any, ...]:
+    return (
+        layer.num_heads,
+        layer.num_kv_heads,
+        layer.head_size,
+        layer.dtype,
+        layer.mode,
+        query.shape,
+        key.shape,
+        value.shape,
+        query.stride(),
+        key.stride(),
+        value.stride(),
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+    )
+
+
 def build_layer_context(
     translator: Translator,
     layer: LayerGeometry,
@@ -157,8 +204,91 @@ def build_layer_context(
     value: torch.Tensor,
     attn_metadata: Any | None = None,
 ) -> LayerContext:
-    """Validate and normalise one layer's inputs against the active batch."""
+    """Validate and normalise one layer's inputs against the active batch.
+
+    Validation runs once per batch and input signature (shapes, strides, dtypes, devices and
+    the layer geometry): later layers with the same signature and the same spans reuse the
+    decisions (layout, packing, piecewise plan) and only take views of their own tensors. The
+    spans are compared with a copy of the ones validated, so a change between layers is still
+    refused."""
     state = translator.require_active()
+    if not (
+        isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+    ):
+        return _build_layer_context(state, translator, layer, query, key, value, attn_metadata)
+    sig = _signature(layer, query, key, value)
+    entry: _LayerPlan | None = state.layer_plans.get(sig)
+    if entry is not None and attn_metadata is not entry.metadata:
+        spans_raw = getattr(attn_metadata, "full_attn_spans", None) if attn_metadata is not None else None
+        if spans_raw != entry.spans_snapshot or attn_metadata is None or spans_raw is None:
+            entry = None  # the full path decides (and refuses spans that changed)
+        else:
+            spans_from_metadata(attn_metadata)  # a new metadata object: its fields are checked
+            entry.metadata = attn_metadata
+    elif (
+        entry is not None
+        and entry.spans_snapshot is not None
+        and getattr(attn_metadata, "full_attn_spans", None) != entry.spans_snapshot
+    ):
+        entry = None  # the same object, its spans changed in place
+    if entry is None:
+        return _build_layer_context(state, translator, layer, query, key, value, attn_metadata, sig)
+    per_layer = entry.by_layer.get(layer.layer_name)
+    if per_layer is None:
+        per_layer = entry.by_layer[layer.layer_name] = _layer_metadata(state, translator, layer, entry.plan)
+    slot_mapping, native, segment_metadata = per_layer
+    H, D = layer.num_heads, layer.head_size
+    q = query.reshape(-1, H, D)
+    k = (key.detach() if key.requires_grad else key).reshape(-1, layer.num_kv_heads, D)
+    v = (value.detach() if value.requires_grad else value).reshape(-1, layer.num_kv_heads, D)
+    scatter = entry.scatter
+    if scatter is not None:
+        q, k, v = q.index_select(0, scatter), k.index_select(0, scatter), v.index_select(0, scatter)
+    return LayerContext(
+        layer=layer,
+        query=q.contiguous(),
+        key=k.contiguous() if entry.contiguous_k else k,
+        value=v.contiguous() if entry.contiguous_v else v,
+        slot_mapping=slot_mapping,
+        native_metadata=native,
+        plan=entry.plan,
+        segment_metadata=segment_metadata,
+        token_shape=entry.token_shape,
+        has_head_dims=entry.has_head_dims,
+        scatter_indices=scatter,
+        slots_valid=state.batch.slots_valid,
+    )
+
+
+def _layer_metadata(
+    state: Any, translator: Translator, layer: LayerGeometry, plan: PiecewisePlan | None
+) -> tuple[torch.Tensor, Any, tuple[Any, ...]]:
+    batch = state.batch
+    try:
+        slot_mapping = batch.slot_mappings_by_layer[layer.layer_name]
+        native = batch.attn_metadata[layer.layer_name]
+    except KeyError:
+        raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
+    segment_metadata: tuple[Any, ...] = ()
+    if plan is not None:
+        try:
+            segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))
+        except KeyError:
+            raise ValidationError(f"no piecewise metadata was built for layer {layer.layer_name!r}") from None
+    return slot_mapping, native, segment_metadata
+
+
+def _build_layer_context(
+    state: Any,
+    translator: Translator,
+    layer: LayerGeometry,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_metadata: Any | None = None,
+    sig: tuple[Any, ...] | None = None,
+) -> LayerContext:
+    """Every check, then the decisions recorded under ``sig`` for the batch's later layers."""
     batch = state.batch
     spans = spans_from_metadata(attn_metadata)
     q, q_shape, has_heads = _flatten(query, layer.num_heads, layer.head_size, "query")
@@ -200,23 +330,28 @@ def build_layer_context(
             raise ValidationError(
                 f"causal paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
             )
-    try:
-        slot_mapping = batch.slot_mappings_by_layer[layer.layer_name]
-        native = batch.attn_metadata[layer.layer_name]
-    except KeyError:
-        raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
     plan = None
-    segment_metadata: tuple[Any, ...] = ()
     if spans is not None and causal:  # spans refine causal layers; a full layer sees all keys
         plan = translator.piecewise_plan(spans)
-        try:
-            segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))
-        except KeyError:
-            raise ValidationError(f"no piecewise metadata was built for layer {layer.layer_name!r}") from None
-    if not _inner_packed(k):
+    slot_mapping, native, segment_metadata = _layer_metadata(state, translator, layer, plan)
+    contiguous_k, contiguous_v = not _inner_packed(k), not _inner_packed(v)
+    if contiguous_k:
         k = k.contiguous()
-    if not _inner_packed(v):
+    if contiguous_v:
         v = v.contiguous()
+    if sig is not None:
+        raw = getattr(attn_metadata, "full_attn_spans", None) if attn_metadata is not None else None
+        state.layer_plans[sig] = _LayerPlan(
+            token_shape=q_shape,
+            has_head_dims=has_heads,
+            scatter=scatter,
+            contiguous_k=contiguous_k,
+            contiguous_v=contiguous_v,
+            metadata=attn_metadata,
+            spans_snapshot=copy.deepcopy(raw) if raw is not None else None,
+            plan=plan,
+            by_layer={layer.layer_name: (slot_mapping, native, segment_metadata)},
+        )
     return LayerContext(
         layer=layer,
         query=q.contiguous(),
@@ -229,4 +364,5 @@ def build_layer_context(
         token_shape=q_shape,
         has_head_dims=has_heads,
         scatter_indices=scatter,
+        slots_valid=batch.slots_valid,
     )

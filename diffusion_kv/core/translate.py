@@ -76,6 +76,9 @@ class PreparedBatch:
     generation: int = field(repr=False, compare=False)
     write_spans: tuple[WrittenSpan, ...] = field(default=(), repr=False, compare=False)
     """What the batch writes into each row; recorded once every paged layer ran on it."""
+    slots_valid: bool = field(default=False, compare=False)
+    """Every slot of the batch is a real one (no padding, no other DCP rank's token): the
+    translator validated that each row's positions lie in its installed blocks."""
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -96,6 +99,9 @@ class _ActiveState:
     segment_metadata: tuple[Mapping[str, Any], ...] | None = None
     packing: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     layers_done: set[str] = field(default_factory=set)
+    layer_plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Per layer-input signature, what :func:`~diffusion_kv.core.layer_context.build_layer_context`
+    decided for this batch (reused by every later layer of that signature)."""
 
 
 class Translator:
@@ -379,6 +385,7 @@ class Translator:
                     )
                 ]
             ),
+            slots_valid=bt.cp_size == 1,
         )
 
     def _build(self, common: CommonBatchMetadata, groups: Sequence[int]) -> dict[str, Any]:

@@ -50,25 +50,25 @@ class TinyDiTConfig:
             raise ValueError(f"RoPE needs an even head size; got {self.head_size}")
 
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]
+RopeTables = torch.Tensor
+"""``[1, L, 1, D/2]`` complex64 rotations ``exp(i * position * inv_freq)``."""
 
 
 def rope_tables(positions: torch.Tensor, head_size: int) -> RopeTables:
-    """``(cos, sin)`` of shape ``[1, L, 1, D/2]`` (float32) for absolute ``positions [L]``;
-    computed once per model call and shared by every layer."""
+    """The rotations for absolute ``positions [L]``; computed once per model call and shared
+    by every layer."""
     inv = 1.0 / (
         10000 ** (torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size)
     )
     angles = positions.to(torch.float32)[:, None] * inv[None, :]  # [L, D/2]
-    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    return torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
 
 
 def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-    """Rotary embedding over the last dim of ``x [B, L, H, D]``."""
-    cos, sin = tables
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    """Rotary embedding over the last dim of ``x [B, L, N, D]`` (pairs ``(2j, 2j+1)`` rotated by
+    ``tables``), in float32: one complex multiply for every head at once."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * tables).flatten(-2).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -96,13 +96,12 @@ class Block(nn.Module):
         cfg = self.cfg
         B, L, _ = x.shape
         d = cfg.head_size
-        qkv = self.qkv(self.norm1(x))
-        q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
-        q = q.reshape(B, L, cfg.heads, d)
-        k = k.reshape(B, L, cfg.kv_heads, d)
-        v = v.reshape(B, L, cfg.kv_heads, d)
-        if tables is not None:
-            q, k = apply_rope(q, tables), apply_rope(k, tables)
+        H, Hkv = cfg.heads, cfg.kv_heads
+        qkv = self.qkv(self.norm1(x)).view(B, L, H + 2 * Hkv, d)
+        qk = qkv[:, :, : H + Hkv]
+        if tables is not None:  # queries and keys rotated together
+            qk = apply_rope(qk, tables)
+        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
         attn = attention(self.name, q, k, v).reshape(B, L, cfg.hidden)
         x = x + self.out(attn)
         out: torch.Tensor = x + self.mlp(self.norm2(x))

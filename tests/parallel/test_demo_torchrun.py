@@ -43,7 +43,7 @@ def test_torchrun_demo_ulysses_and_cfg_parallel_agree_with_dense() -> None:
         "cfg_parallel_size": 2,
         "dcp_size": 1,
         "dcp_interleave": 1,
-        "paged_backends": ["reference"],
+        "paged_backends": ["sdpa"],
         "rank_local_heads": 2,
         "rank_local_kv_heads": 2,
         "worker_rows": {"demo/0": 0},  # rank 0 serves CFG branch 0 only
@@ -83,7 +83,7 @@ def test_torchrun_demo_dcp_agrees_with_dense() -> None:
         "cfg_parallel_size": 1,
         "dcp_size": 2,
         "dcp_interleave": 4,
-        "paged_backends": ["reference"],
+        "paged_backends": ["sdpa"],
         "rank_local_heads": 4,
         "rank_local_kv_heads": 4,
         "worker_rows": {"demo/0": 0, "demo/1": 1},  # every rank holds both CFG rows

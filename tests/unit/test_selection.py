@@ -241,15 +241,17 @@ def test_allowlist_does_not_import_excluded_plugins(test_group: str, monkeypatch
 def test_a_distribution_adds_a_backend_to_a_builtin_platform(test_group: str) -> None:
     platform = diffusion_kv.get_platform("cpu")
     backends = platform.candidate_backends()
-    assert [(b.name, b.priority) for b in backends] == [("extra", 150), ("reference", 100)]
+    assert [(b.name, b.priority) for b in backends] == [("extra", 150), ("sdpa", 120), ("reference", 100)]
     assert backends[0].__module__ == "dkv_test_plugins.good"
     assert platform.select_backend(Requirements(dtype=torch.float32)).name == "extra"
     lines = platform.explain()
     assert lines[0].startswith("cpu: selects backend 'extra'")
-    assert lines[1].startswith("  [150] extra") and lines[2].startswith("  [100] reference")
+    assert lines[1].startswith("  [150] extra") and lines[2].startswith("  [120] sdpa")
+    assert lines[3].startswith("  [100] reference")
     status = next(s for s in diffusion_kv.available_platforms() if s.name == "cpu")
     assert [(b["name"], b["source"]) for b in status.backends] == [
         ("extra", "entry point (dkv_test_plugins.good)"),
+        ("sdpa", "built-in"),
         ("reference", "built-in"),
     ]
 
@@ -259,5 +261,5 @@ def test_added_backends_are_limited_by_the_allowlist(
 ) -> None:
     monkeypatch.setenv(selection.ENV_PLUGINS, "cpu")
     selection.refresh()
-    assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == ["reference"]
+    assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == ["sdpa", "reference"]
     assert selection.discover().broken() == []

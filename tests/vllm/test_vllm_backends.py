@@ -25,6 +25,7 @@ from diffusion_kv.integrations.vllm import backend as vllm_backend
 from diffusion_kv.integrations.vllm.backend import ENV_ISA, VllmCpuAttnBackend, VllmFlashAttnBackend
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
 from diffusion_kv.platforms.interface import ENV_BACKEND, AttentionMode, Availability, Requirements
 from diffusion_kv.platforms.selection import discover, get_platform
 from tests.vllm.standins import VLLM_CPU, VLLM_CUDA, StandInMetadata, install_tier, vllm_environment
@@ -35,6 +36,7 @@ FP16_REQ = Requirements(
 )
 FP16_DESCRIBED = "dtype=float16, head_size=64, block_size=32, attention_modes=['causal', 'piecewise']"
 CPU_ATTN_LINE = "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables: "
+SDPA_LINE = f"  [120] sdpa — {CpuSdpaBackend.description}: "
 REFERENCE_LINE = f"  [100] reference — {CpuReferenceBackend.description}: "
 
 
@@ -63,6 +65,7 @@ def test_the_distribution_adds_both_vllm_backends_through_entry_points() -> None
     assert (VllmCpuAttnBackend.platform, VllmFlashAttnBackend.platform) == ("cpu", "cuda")
     assert [(b, b.priority) for b in CpuPlatform().candidate_backends()] == [
         (VllmCpuAttnBackend, 200),
+        (CpuSdpaBackend, 120),
         (CpuReferenceBackend, 100),
     ]
 
@@ -78,7 +81,7 @@ def test_importing_and_listing_the_backends_never_imports_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.splitlines() == [
-        "['vllm-cpu-attn', 'reference', 'vllm-flash-attn', 'paged', 'triton', 'sdpa']",
+        "['vllm-cpu-attn', 'sdpa', 'reference', 'vllm-flash-attn', 'paged', 'triton', 'sdpa']",
         "[]",
     ]
 
@@ -123,15 +126,16 @@ def test_availability_names_the_reason_or_the_installed_build(monkeypatch: pytes
 # -- selection on the cpu platform -----------------------------------------------------------------
 
 
-def test_without_vllm_the_reference_serves_and_explain_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_vllm_the_builtin_sdpa_serves_and_explain_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm_environment(monkeypatch)
     platform = CpuPlatform()
-    assert platform.select_backend(FP16_REQ) is CpuReferenceBackend
+    assert platform.select_backend(FP16_REQ) is CpuSdpaBackend
     assert platform.not_supported_reasons(FP16_REQ) == []
     assert platform.explain(FP16_REQ) == [
-        f"cpu: selects backend 'reference' for {FP16_DESCRIBED}",
+        f"cpu: selects backend 'sdpa' for {FP16_DESCRIBED}",
         CPU_ATTN_LINE + "unavailable: vLLM is not installed",
-        REFERENCE_LINE + "selected",
+        SDPA_LINE + "selected",
+        REFERENCE_LINE + "supported",
     ]
 
 
@@ -142,6 +146,7 @@ def test_usable_vllm_wins_by_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     assert platform.explain(FP16_REQ) == [
         f"cpu: selects backend 'vllm-cpu-attn' for {FP16_DESCRIBED}",
         CPU_ATTN_LINE + "selected",
+        SDPA_LINE + "supported",
         REFERENCE_LINE + "supported",
     ]
 
@@ -165,13 +170,13 @@ def test_usable_vllm_wins_by_priority(monkeypatch: pytest.MonkeyPatch) -> None:
         ),
     ],
 )
-def test_what_cpu_attn_does_not_declare_stays_on_the_reference(
+def test_what_cpu_attn_does_not_declare_falls_to_the_builtin_backends(
     monkeypatch: pytest.MonkeyPatch, requirements: Requirements, reasons: list[str]
 ) -> None:
     vllm_environment(monkeypatch, cpu=None)
     platform = CpuPlatform()
     assert platform.backend_reasons(VllmCpuAttnBackend, requirements) == reasons
-    expected = CpuReferenceBackend if reasons else VllmCpuAttnBackend
+    expected = CpuSdpaBackend if reasons else VllmCpuAttnBackend
     assert platform.select_backend(requirements) is expected
     if reasons:
         assert platform.explain(requirements)[1] == CPU_ATTN_LINE + "; ".join(reasons)
@@ -208,7 +213,8 @@ def test_forcing_vllm_cpu_attn_is_never_a_silent_fallback(monkeypatch: pytest.Mo
     with pytest.raises(ConfigurationError) as config_error:
         platform.select_backend(FP16_REQ)
     assert str(config_error.value) == (
-        "DIFFUSION_KV_BACKEND forces backend 'vllm' on platform 'cpu', which has ['vllm-cpu-attn', 'reference']"
+        "DIFFUSION_KV_BACKEND forces backend 'vllm' on platform 'cpu', which has "
+        "['vllm-cpu-attn', 'sdpa', 'reference']"
     )
 
 

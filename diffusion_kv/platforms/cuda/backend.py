@@ -266,6 +266,11 @@ class CudaPagedMetadata:
     cp_rank: int = 0
     cp_interleave: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per (layer cache address, row group): the K/V strided views of contiguous pages, made by
+    the batch's first layer and reused by the others (a layer's cache never moves)."""
 
 
 class _BatchPlan(NamedTuple):
@@ -397,6 +402,7 @@ class CudaPagedBackend(PagedBackend):
         if group.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
+        self._cudnn_answers: dict[tuple[Any, ...], bool] = {}
 
     def _plan(self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> _BatchPlan:
         """The plan of one batch shape, made once: a batch of a shape seen before reuses it, its
@@ -594,6 +600,31 @@ class CudaPagedBackend(PagedBackend):
         flat_k.index_copy_(0, idx, torch.where(keep[:, None, None], key.to(k_cache.dtype), old_k))
         flat_v.index_copy_(0, idx, torch.where(keep[:, None, None], value.to(v_cache.dtype), old_v))
 
+    def write_kv_valid(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Every slot is real: one indexed copy per cache (no launcher, no padding mask)."""
+        k_cache, v_cache = key_value_caches(kv_cache)
+        nb, page, hkv, d = k_cache.shape
+        if (
+            k_cache.dtype != key.dtype
+            or v_cache.dtype != value.dtype
+            or k_cache.stride(0) != page * k_cache.stride(1)
+            or v_cache.stride(0) != page * v_cache.stride(1)
+        ):
+            self.write_kv(layer, key, value, kv_cache, slot_mapping)
+            return
+        slots = slot_mapping[: key.shape[0]]
+        if slots.dtype != torch.long:
+            slots = slots.long()
+        k_cache.view(nb * page, hkv, d).index_copy_(0, slots, key)
+        v_cache.view(nb * page, hkv, d).index_copy_(0, slots, value)
+
     def forward(
         self,
         layer: LayerGeometry,
@@ -676,7 +707,14 @@ class CudaPagedBackend(PagedBackend):
         R = len(rows)
         k_cache, v_cache = key_value_caches(kv_cache)
         if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
-            k, v = (_row_view(c, grp.view, R, nblk * md.page)[:, :keys] for c in (k_cache, v_cache))
+            at = (k_cache.data_ptr(), id(grp))
+            cached = md.views.get(at)
+            if cached is None:
+                cached = md.views[at] = (
+                    _row_view(k_cache, grp.view, R, nblk * md.page)[:, :keys],
+                    _row_view(v_cache, grp.view, R, nblk * md.page)[:, :keys],
+                )
+            k, v = cached
         else:
             if grp.row_index is None:
                 table = md.block_table[rows[0] : rows[0] + R, :nblk]
@@ -728,6 +766,25 @@ class CudaPagedBackend(PagedBackend):
                     lse[qsl[r] : qsl[r] + ql] = lg[i]
         return out, lse
 
+    def _cudnn_serves(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, gqa: bool
+    ) -> bool:
+        """Whether SDPA's cuDNN kernel takes these inputs (asked once per input signature)."""
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, is_causal, gqa)
+        known = self._cudnn_answers.get(sig)
+        if known is None:
+            known = False
+            if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():  # type: ignore[no-untyped-call]
+                try:
+                    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, gqa)
+                    known = bool(torch.backends.cuda.can_use_cudnn_attention(params))
+                except (RuntimeError, TypeError):  # an older SDPAParams signature
+                    known = False
+            if len(self._cudnn_answers) >= 256:
+                self._cudnn_answers.clear()
+            self._cudnn_answers[sig] = known
+        return known
+
     def _gather_sdpa(
         self,
         layer: LayerGeometry,
@@ -762,16 +819,20 @@ class CudaPagedBackend(PagedBackend):
                 is_causal = True
             elif md.causal:
                 mask = causal_lower_right(ql, sl)
-            with sdpa_kernel(order, set_priority=True):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2),
-                    k.transpose(1, 2),
-                    v.transpose(1, 2),
-                    attn_mask=mask,
-                    is_causal=is_causal,
-                    scale=layer.scale,
-                    enable_gqa=layer.num_heads != layer.num_kv_heads,
-                )
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            gqa = layer.num_heads != layer.num_kv_heads
+            o: torch.Tensor
+            if mask is None and self._cudnn_serves(qt, kt, vt, is_causal, gqa):
+                # cuDNN's kernel called directly: the kernel SDPA's priority below would pick,
+                # without the dispatcher's per-call backend selection on the host
+                o = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    qt, kt, vt, None, False, 0.0, is_causal, False, scale=layer.scale
+                )[0]
+            else:
+                with sdpa_kernel(order, set_priority=True):
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
+                    )
             o = o.transpose(1, 2)
             if single and contiguous and R * ql == query.shape[0]:
                 return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]

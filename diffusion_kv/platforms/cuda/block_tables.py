@@ -4,11 +4,15 @@ Triton kernels and no host synchronisation.
 ``prepare_batch`` (the hook ``Translator.prepare`` calls) stages the batch's per-row integers
 through a persistent pinned buffer into a persistent device buffer (one host-to-device copy)
 and fills persistent positions / slot-mapping / block-table buffers with one fused launch per
-KV-cache group. ``gather_block_tables`` and ``compute_slot_mappings`` stay available for direct
-callers (one launch each per group)."""
+KV-cache group. A batch shape (rows, tokens, query chunks) seen a second time is captured once as
+a CUDA graph of that copy and those launches and replayed afterwards: the copy reads the pinned
+buffer's contents at replay, so only the host-side launch cost changes (one graph launch instead
+of a copy and a Triton launch per group). ``gather_block_tables`` and ``compute_slot_mappings``
+stay available for direct callers (one launch each per group)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -37,6 +41,8 @@ class _TokenViews(NamedTuple):
 
 TOKEN_VIEWS_CACHED = 64
 """Batch token counts whose output views a BlockTables keeps (the oldest is dropped first)."""
+PREPARE_GRAPHS_CACHED = 16
+"""Prepare graphs (one per batch shape) a BlockTables keeps (the oldest is dropped first)."""
 
 
 class _BatchBuffers:
@@ -80,6 +86,8 @@ class _BatchBuffers:
         self.counts = tuple(bt.num_blocks.gpu[g] for g in range(bt.num_kv_cache_groups))
         self.views: dict[int, _RowViews] = {}
         self.token_views: dict[int, _TokenViews] = {}
+        self.shapes_seen: set[tuple[int, int, int]] = set()
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
     def views_for(self, n: int) -> _RowViews:
         views = self.views.get(n)
@@ -101,6 +109,23 @@ class _BatchBuffers:
                 del self.token_views[next(iter(self.token_views))]
             self.token_views[num_tokens] = views
         return views
+
+
+def _may_capture(device: torch.device) -> bool:
+    """A prepare graph is captured on CUDA only, never inside someone else's capture."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``launch`` (a copy from pinned memory and kernels) captured on a side stream; nothing
+    runs during the capture itself, so the caller replays it once for this batch."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        launch()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph
 
 
 class TritonBlockTables(TorchBlockTables):
@@ -127,29 +152,45 @@ class TritonBlockTables(TorchBlockTables):
             assert buffers.copied is not None
             buffers.copied.synchronize()  # the previous copy out of the host buffer is done
         buffers.host_np[: 4 * n + 1] = host.packed.numpy()
-        views.meta.copy_(views.host, non_blocking=True)
+        out = buffers.token_views_for(num_tokens)
+        tables = views.tables
+
+        def stage_and_launch() -> None:
+            views.meta.copy_(views.host, non_blocking=True)
+            for g, table in enumerate(self.block_tables):
+                kernels.prepare_batch(
+                    buffers.meta,
+                    table.gpu,
+                    buffers.counts[g],
+                    tables[g],
+                    out.positions,
+                    out.group_slots[g],
+                    num_reqs=n,
+                    max_query_len=host.max_query_len,
+                    block_size=self.block_sizes[g],
+                    kernel_block_size=self.kernel_block_sizes[g],
+                    cp_size=self.cp_size,
+                    cp_rank=self.cp_rank,
+                    cp_interleave=self.cp_interleave,
+                    write_positions=g == 0,
+                )
+
+        shape = (n, num_tokens, kernels.prepare_chunks(host.max_query_len))
+        graph = buffers.graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+        elif shape in buffers.shapes_seen and _may_capture(buffers.device):
+            graph = _capture(stage_and_launch, buffers.device)
+            if len(buffers.graphs) >= PREPARE_GRAPHS_CACHED:
+                del buffers.graphs[next(iter(buffers.graphs))]
+            buffers.graphs[shape] = graph
+            graph.replay()
+        else:
+            buffers.shapes_seen.add(shape)
+            stage_and_launch()
         if buffers.copied is not None:
             buffers.copied.record(torch.cuda.current_stream(buffers.device))
             buffers.copy_pending = True
-        out = buffers.token_views_for(num_tokens)
-        tables = views.tables
-        for g, table in enumerate(self.block_tables):
-            kernels.prepare_batch(
-                buffers.meta,
-                table.gpu,
-                buffers.counts[g],
-                tables[g],
-                out.positions,
-                out.group_slots[g],
-                num_reqs=n,
-                max_query_len=host.max_query_len,
-                block_size=self.block_sizes[g],
-                kernel_block_size=self.kernel_block_sizes[g],
-                cp_size=self.cp_size,
-                cp_rank=self.cp_rank,
-                cp_interleave=self.cp_interleave,
-                write_positions=g == 0,
-            )
         return DeviceBatch(
             views.query_start_loc, views.seq_lens, views.row_indices, out.positions, tables, out.slots
         )

@@ -605,6 +605,11 @@ PREPARE_BLOCK_W = 128
 """Block-table columns per program and step of the fused prepare kernel."""
 
 
+def prepare_chunks(max_query_len: int) -> int:
+    """Query chunks (the launch grid's second axis) :func:`prepare_batch` uses."""
+    return max(1, -(-max_query_len // PREPARE_BLOCK))
+
+
 def prepare_batch(
     meta: torch.Tensor,
     table: torch.Tensor,
@@ -630,7 +635,7 @@ def prepare_batch(
     follows :class:`~diffusion_kv.core.block_tables.TorchBlockTables` (``-1`` for tokens of
     another DCP rank, past the row's blocks, or of a row index ``< 0``). ``tables_out`` and
     ``table`` are row-major with unit column stride."""
-    chunks = max(1, -(-max_query_len // PREPARE_BLOCK))
+    chunks = prepare_chunks(max_query_len)
     _prepare_batch_kernel[(num_reqs, chunks)](
         meta,
         table,

@@ -1,0 +1,102 @@
+"""The cpu platform's fast backend: gather (or view) each row's pages, then torch's SDPA.
+
+The reference backend (:mod:`.backend`) stays the oracle: obviously-correct per-row float32
+math. This one serves the same requests fast on the host, with the plan the ``cuda`` plugin's
+``sdpa`` way makes from host lengths alone (rows of one shape in one SDPA call; a row whose
+pages form one evenly spaced run read as a strided view of the cache, no gather), and torch's
+fused CPU attention kernel (FlashAttention for CPU) instead of materialising the score matrix.
+K/V are written by one indexed copy per cache. Decode context parallelism returns the partial
+with its log-sum-exp from the same CPU kernel.
+
+The planning code is the ``cuda`` plugin's (device-agnostic torch); nothing of Triton or CUDA is
+imported or run here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from diffusion_kv.core.batch import key_value_caches
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
+from diffusion_kv.platforms.cuda.backend import SdpaPagedBackend
+from diffusion_kv.platforms.interface import (
+    Availability,
+    Capabilities,
+    GroupContext,
+    KVCache,
+    LayerGeometry,
+)
+
+
+class CpuSdpaBackend(SdpaPagedBackend):
+    """Gather or view + torch SDPA on the host (the ``cpu`` platform's default)."""
+
+    name: ClassVar[str] = "sdpa"
+    platform: ClassVar[str] = "cpu"
+    priority: ClassVar[int] = 120
+    description: ClassVar[str] = "rows of one shape per SDPA call over their pages (views when contiguous)"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        head_sizes=SdpaPagedBackend.capabilities.head_sizes,
+        kernel_block_sizes=SdpaPagedBackend.capabilities.kernel_block_sizes,
+        slot_mapping_dtypes=SdpaPagedBackend.capabilities.slot_mapping_dtypes,
+        attention_modes=SdpaPagedBackend.capabilities.attention_modes,
+        supports_gqa=True,
+        supports_ulysses=True,
+        supports_dcp=True,
+        supports_graph_capture=False,
+    )
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        return Availability(True, f"torch {torch.__version__} SDPA on the host")
+
+    @classmethod
+    def block_tables_cls(cls) -> type[BlockTables]:
+        return TorchBlockTables
+
+    def __init__(self, group: GroupContext) -> None:
+        super().__init__(group)
+        self.triton_ok = False  # the host path: torch writes, never a Triton launch
+
+    def write_kv(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        slots = slot_mapping[: key.shape[0]].long()
+        keep = slots >= 0
+        if not bool(keep.all()):  # the host knows at once: drop the padding tokens
+            slots, key, value = slots[keep], key[keep], value[keep]
+        self.write_kv_valid(layer, key, value, kv_cache, slots)
+
+    def write_kv_valid(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        slots = slot_mapping[: key.shape[0]]
+        if slots.dtype != torch.long:
+            slots = slots.long()
+        key_cache, value_cache = key_value_caches(kv_cache)
+        _write_pages(key_cache, slots, key)
+        _write_pages(value_cache, slots, value)
+
+
+def _write_pages(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """``cache [blocks, page, Hkv, D]`` at flat slots ``b * page + o``: one indexed copy when the
+    pages flatten in place, else an indexed assignment by (block, offset)."""
+    nb, page = cache.shape[0], cache.shape[1]
+    src = src.to(cache.dtype)
+    if cache.stride(0) == page * cache.stride(1):
+        cache.view(nb * page, *cache.shape[2:]).index_copy_(0, slots, src)
+    else:
+        cache[slots // page, slots % page] = src
