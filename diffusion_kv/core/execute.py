@@ -38,6 +38,10 @@ def run_layer(
         backend.write_kv_valid(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
     else:
         backend.write_kv(layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    plan = ctx.plan
+    if merger is None and (plan is None or plan.single_call):  # one native call over every query
+        md = ctx.native_metadata if plan is None else ctx.segment_metadata[0]
+        return ctx.restore_output(backend.forward(layer, ctx.query, kv_cache, md, None))
 
     def runner(q: torch.Tensor, md: Any, out: torch.Tensor | None) -> torch.Tensor:
         if merger is None:
@@ -49,10 +53,8 @@ def run_layer(
         out.copy_(merged)
         return out
 
-    if ctx.plan is not None:
-        out = run_piecewise_plan(
-            ctx.query, ctx.plan, ctx.segment_metadata, runner, out_head_size=layer.head_size
-        )
+    if plan is not None:
+        out = run_piecewise_plan(ctx.query, plan, ctx.segment_metadata, runner, out_head_size=layer.head_size)
     else:
         out = runner(ctx.query, ctx.native_metadata, None)
     return ctx.restore_output(out)

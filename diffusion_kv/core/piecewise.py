@@ -96,6 +96,16 @@ class PiecewisePlan:
     homogeneous_batch_shape: tuple[int, int] | None
     """``(rows, L)`` when every row has ``L`` queries and every segment a shared local range."""
 
+    @property
+    def single_call(self) -> bool:
+        """One native call serves every query in packed order (e.g. CFG rows at denoise, target
+        span only): the query and the output need no slicing."""
+        return (
+            len(self.segments) == 1
+            and self.segments[0].all_rows
+            and self.segments[0].query_range == (0, self.num_query_tokens)
+        )
+
 
 def _bound(value: object) -> int:
     """A span bound: a Python or 0-d integer tensor/NumPy value, never a float or a bool."""

@@ -92,20 +92,34 @@ class Block(nn.Module):
             nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden),
         )
 
-    def forward(self, x: torch.Tensor, tables: RopeTables | None, attention: AttentionFn) -> torch.Tensor:
+    def pre(self, x: torch.Tensor, tables: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention: ``(q, k, v)`` of ``x [B, L, hidden]`` (views of one buffer).
+        Functional calls on the modules' own weights (the modules' call machinery costs host
+        time on every layer of every step)."""
         cfg = self.cfg
         B, L, _ = x.shape
         d = cfg.head_size
         H, Hkv = cfg.heads, cfg.kv_heads
-        qkv = self.qkv(self.norm1(x)).view(B, L, H + 2 * Hkv, d)
+        n1 = self.norm1
+        h = F.layer_norm(x, n1.normalized_shape, n1.weight, n1.bias, n1.eps)
+        qkv = F.linear(h, self.qkv.weight, self.qkv.bias).view(B, L, H + 2 * Hkv, d)
         qk = qkv[:, :, : H + Hkv]
         if tables is not None:  # queries and keys rotated together
             qk = apply_rope(qk, tables)
-        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
-        attn = attention(self.name, q, k, v).reshape(B, L, cfg.hidden)
-        x = x + self.out(attn)
-        out: torch.Tensor = x + self.mlp(self.norm2(x))
-        return out
+        return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
+
+    def post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: the residual stream from ``x`` and the attention output."""
+        x = x + F.linear(attn.reshape(x.shape), self.out.weight, self.out.bias)
+        n2 = self.norm2
+        up, _, down = self.mlp
+        assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
+        h = F.layer_norm(x, n2.normalized_shape, n2.weight, n2.bias, n2.eps)
+        return x + F.linear(F.gelu(F.linear(h, up.weight, up.bias)), down.weight, down.bias)
+
+    def forward(self, x: torch.Tensor, tables: RopeTables | None, attention: AttentionFn) -> torch.Tensor:
+        q, k, v = self.pre(x, tables)
+        return self.post(x, attention(self.name, q, k, v))
 
 
 class TinyDiT(nn.Module):
