@@ -32,7 +32,8 @@ class AttentionMetadata:
     """Per-forward attention metadata a model may pass to a paged layer.
 
     ``full_attn_spans``: per row, half-open ``[a, b)`` spans of bidirectional attention (the
-    rest is causal). ``attn_mask`` is accepted only together with spans, as a 4-D tensor that
+    rest is causal), on causal and full layers alike (vLLM-Omni's HunyuanImage3 passes them to a
+    layer declared non-causal). ``attn_mask`` is accepted only together with spans, as a 4-D tensor that
     the spans already describe. Objects with the same attribute names are accepted too.
     """
 
@@ -207,7 +208,9 @@ def build_layer_context(
         raise ValidationError(f"no paged metadata was built for layer {layer.layer_name!r}") from None
     plan = None
     segment_metadata: tuple[Any, ...] = ()
-    if spans is not None and causal:  # spans refine causal layers; a full layer sees all keys
+    # spans describe the row's mask whatever the layer declares (vLLM-Omni's semantics: causal
+    # outside the spans, full inside); without spans a full layer sees every key
+    if spans is not None:
         plan = translator.piecewise_plan(spans)
         try:
             segment_metadata = tuple(md[layer.layer_name] for md in translator.segment_metadata(plan))
