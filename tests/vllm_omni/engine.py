@@ -73,7 +73,10 @@ def od_config(
     ``paged_scheduler`` with ``rows_per_request`` CFG rows per request."""
     kwargs: dict[str, Any] = {}
     if paged:
-        kwargs = {"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": rows_per_request}
+        kwargs = {
+            "diffusion_kv_mode": "paged_scheduler",
+            "diffusion_kv_max_rows_per_request": rows_per_request,
+        }
     return OmniDiffusionConfig(
         model=MODEL_DIR,
         dtype=dtype,
@@ -87,7 +90,9 @@ def od_config(
 
 
 def request(request_id: str) -> OmniDiffusionRequest:
-    return OmniDiffusionRequest(prompt="lane", sampling_params=OmniDiffusionSamplingParams(), request_id=request_id)
+    return OmniDiffusionRequest(
+        prompt="lane", sampling_params=OmniDiffusionSamplingParams(), request_id=request_id
+    )
 
 
 @dataclass
@@ -145,7 +150,9 @@ def start_worker(
         _ensure_parallel_state(vllm_config, od)
     with set_current_diffusion_config(od), set_current_vllm_config(vllm_config):
         pipeline = build_pipeline(vllm_config)
-    current_omni_platform.init_diffusion_model_runner_runtime(vllm_config=vllm_config, od_config=od, device=device)
+    current_omni_platform.init_diffusion_model_runner_runtime(
+        vllm_config=vllm_config, od_config=od, device=device
+    )
     runner = DiffusionModelRunner(vllm_config, od, device)
     runner.pipeline = pipeline
     hooks: dict[str, Any] = {
@@ -157,7 +164,9 @@ def start_worker(
         with set_current_vllm_config(vllm_config):
             specs = runner.get_kv_cache_spec()
         hooks["specs"] = {name: dataclasses.asdict(spec) for name, spec in specs.items()}
-        worker_configs, scheduler_config = build_native_kv_cache_configs(vllm_config, [specs], [kv_cache_bytes])
+        worker_configs, scheduler_config = build_native_kv_cache_configs(
+            vllm_config, [specs], [kv_cache_bytes]
+        )
         block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
         runner.set_kv_cache_config(worker_configs[0])
         hooks["num_blocks"] = worker_configs[0].num_blocks
@@ -168,6 +177,7 @@ def start_worker(
             scheduler_block_size=block_size,
             hash_block_size=hash_block_size,
         )
+        hooks["free_blocks"] = manager.native_manager.block_pool.get_num_free_blocks()
     return Worker(od, vllm_config, runner, manager, hooks)
 
 
@@ -231,9 +241,14 @@ def _ensure_parallel_state(vllm_config: VllmConfig, od: OmniDiffusionConfig) -> 
         # the one-rank gloo group is created here, then its init adopts it
         store = Path(tempfile.mkdtemp(prefix="omni-lane-dist-")) / "store"
         atexit.register(shutil.rmtree, store.parent, True)
-        torch.distributed.init_process_group(backend="gloo", init_method=f"file://{store}", world_size=1, rank=0)
+        torch.distributed.init_process_group(
+            backend="gloo", init_method=f"file://{store}", world_size=1, rank=0
+        )
         _PARALLEL_STATE["process_group"] = True
-    with set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od), set_current_vllm_config(vllm_config):
+    with (
+        set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od),
+        set_current_vllm_config(vllm_config),
+    ):
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
         ps.initialize_model_parallel()
     _PARALLEL_STATE["initialized"] = True

@@ -20,8 +20,10 @@ Stand-ins, and why:
   image tokens, bidirectional among themselves (``full_attn_spans``), causal elsewhere. Step 0
   feeds prompt + image tokens; later steps feed only ``<timestep>`` + image tokens, with
   ``query_lens``/``seq_lens``, positions and the attention mask as the pipeline's
-  ``_update_model_kwargs_for_generation`` builds them; two CFG rows (cond, uncond prompts) share
-  the latents, combined with guidance after each step. Inputs are random embeddings.
+  ``_update_model_kwargs_for_generation`` builds them, each step under the pipeline's bfloat16
+  autocast; two CFG rows (cond, uncond prompts) share the latents, combined with guidance after
+  each step. Inputs are random embeddings; a run may be fed another run's latents at every step
+  (``forced_latents``), so both run every step on the same inputs.
 * ``torchvision`` (imported by the model file for its image preprocessor only; vLLM-Omni's CPU lane
   has no torchvision, whose CUDA builds break every vLLM-Omni import) is a stub while the model
   module is imported, where torchvision is missing.
@@ -33,13 +35,15 @@ plugins to load without ``diffusion_kv``, see :func:`native_env`).
 
 ``python tests/vllm_omni/hunyuan_image3.py --json [--device cuda] [--dtype bf16] ...`` runs the
 three modes, each in its own process, and prints one JSON object: per mode, per-step wall-clock
-times (prefill, denoise steps; synchronised on CUDA), the backend that ran, and the largest
-difference from dense (per step and final), or the error that stopped it.
+times of the last of ``--requests`` (prefill, denoise steps; synchronised on CUDA), the backend
+that ran, and the largest difference from dense (per step and final), or the error that stopped
+it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import math
@@ -50,6 +54,7 @@ import tempfile
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -117,8 +122,10 @@ class Shape:
 class RunResult:
     output: torch.Tensor
     """The final latents, float32 ``[image_tokens, hidden]``."""
+    step_latents: list[torch.Tensor]
+    """The latents fed at each step, float32 ``[image_tokens, hidden]``."""
     step_outputs: list[torch.Tensor]
-    """Each step's guided prediction for the image tokens, float32."""
+    """Each step's model output for the image tokens, float32 ``[cfg, image_tokens, hidden]``."""
     step_seconds: list[float]
     """Wall clock of each step's model forward (step 0: prefill), synchronised on CUDA."""
     tokens_per_step: list[int]
@@ -167,22 +174,24 @@ def model_module() -> types.ModuleType:
 def build_model(shape: Shape, od: Any, device: torch.device) -> nn.Module:
     """``HunyuanImage3Model`` with seeded random weights, built and post-processed as vLLM-Omni's
     loader does (call under the diffusion and vLLM configs)."""
+    from vllm.config import LoadConfig
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-    from vllm.config import LoadConfig
 
     hunyuan = model_module()
-    config = hunyuan.HunyuanImage3Config(
-        vocab_size=64,
-        hidden_size=shape.hidden,
-        intermediate_size=2 * shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_model_len,
-        use_qk_norm=True,
-        rms_norm_eps=1e-5,
-    )
+    with warnings.catch_warnings():  # the config passes transformers its deprecated rope_scaling=None
+        warnings.filterwarnings("ignore", "`rope_scaling` is deprecated", FutureWarning)
+        config = hunyuan.HunyuanImage3Config(
+            vocab_size=64,
+            hidden_size=shape.hidden,
+            intermediate_size=2 * shape.hidden,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            max_position_embeddings=shape.max_model_len,
+            use_qk_norm=True,
+            rms_norm_eps=1e-5,
+        )
     with set_default_torch_dtype(shape.dtype), torch.device(device):
         model = hunyuan.HunyuanImage3Model(config)
     gen = torch.Generator().manual_seed(shape.seed)
@@ -227,12 +236,18 @@ class Denoiser(nn.Module):
         self.spans = [[(s.prompt_len + 1, s.seq_len)] for _ in range(s.cfg)]
         self.after_step: Callable[[int], None] | None = None
         """Called after each step with its index (the negative control corrupts pages here)."""
+        self.forced_latents: list[torch.Tensor] | None = None
+        """The latents to feed at each step instead of the loop's own (another run's
+        ``step_latents``): every step then runs on the same inputs as that run."""
         self.last: RunResult | None = None
 
     def forward(self, batch: Any) -> Any:
         from vllm.forward_context import set_forward_context as set_vllm_forward_context
         from vllm_omni.diffusion.data import DiffusionOutput
-        from vllm_omni.diffusion.forward_context import set_forward_context_denoise_step_idx
+        from vllm_omni.diffusion.forward_context import (
+            get_forward_context,
+            set_forward_context_denoise_step_idx,
+        )
 
         s, dev = self.shape, self.device
         dtype = s.dtype
@@ -240,10 +255,14 @@ class Denoiser(nn.Module):
         latents = self.latents.clone().to(dev)
         prompt = self.prompt.to(dev, dtype)
         gen_timestep = torch.full((s.cfg, 1), s.prompt_len, dtype=torch.long, device=dev)
-        result = RunResult(torch.empty(0), [], [], [], [])
+        result = RunResult(torch.empty(0), [], [], [], [], [])
+        result.hooks["runtime"] = get_forward_context().paged_kv_runtime  # the runner's, in paged mode
         for step in range(s.steps):
             # the runtime activates the prefill rows at step 0, the denoise rows afterwards
             set_forward_context_denoise_step_idx(step)
+            if self.forced_latents is not None:
+                latents = self.forced_latents[step].to(dev)
+            result.step_latents.append(latents.cpu())
             image = torch.cat([self.timestep_tokens[step].to(dev)[None], latents]).to(dtype)
             image = image.expand(s.cfg, *image.shape)
             first = step == 0
@@ -280,9 +299,9 @@ class Denoiser(nn.Module):
             result.step_seconds.append(time.perf_counter() - began)
             result.tokens_per_step.append(int(embeds.shape[1]))
             pred = hidden[:, -s.image_tokens :].float()
+            result.step_outputs.append(pred.cpu())
             cond, uncond = pred[0], pred[-1]
             guided = uncond + s.guidance * (cond - uncond)
-            result.step_outputs.append(guided.cpu())
             latents = latents - guided / s.steps
             if self.after_step is not None:
                 self.after_step(step)
@@ -325,29 +344,27 @@ def kv_requests(shape: Shape, request_id: str) -> list[Any]:
     ]
 
 
-def run(
-    shape: Shape,
-    mode: Mode,
-    device: torch.device | str = "cpu",
-    *,
-    corrupt_after: int | None = None,
-    requests: int = 1,
-) -> RunResult:
-    """``HunyuanImage3Model`` at ``shape`` through vLLM-Omni's worker in ``mode``, ``requests``
-    times (same inputs); the last request's result. ``corrupt_after``: zero every KV-cache page
-    after that step (a paged mode's negative control). Call inside
+def start(shape: Shape, mode: Mode, device: torch.device | str = "cpu") -> Any:
+    """A vLLM-Omni worker (:class:`engine.Worker`) whose pipeline is a :class:`Denoiser` around
+    ``HunyuanImage3Model`` at ``shape``, in ``mode``. Call inside
     :func:`engine.single_rank_parallel_state` (the model's parallel layers need the groups)."""
     from tests.vllm_omni import engine
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     if mode == "diffusion_kv" and not platform_is_diffusion_kv():
-        raise RuntimeError("mode 'diffusion_kv' needs diffusion-kv's vLLM-Omni platform (installed, not opted out)")
+        raise RuntimeError(
+            "mode 'diffusion_kv' needs diffusion-kv's vLLM-Omni platform (installed, not opted out)"
+        )
     if mode == "native" and platform_is_diffusion_kv():
-        raise RuntimeError("mode 'native' needs vLLM-Omni's own platform: start the process with native_env()")
+        raise RuntimeError(
+            "mode 'native' needs vLLM-Omni's own platform: start the process with native_env()"
+        )
+    # vLLM's CPU GEMM handlers free themselves with ``.item()``, which fails inside dynamo's
+    # fake-tensor tracing (vLLM compiles ``SiluAndMul.forward_native`` at a new model's first
+    # forward): dead models are collected here, at a safe point, not during that tracing
+    gc.collect()
     paged = mode != "dense"
-    if corrupt_after is not None and not paged:
-        raise ValueError("corrupt_after needs a paged mode (dense keeps no pages)")
     device = torch.device(device)
     od = engine.od_config(
         dtype=shape.dtype,
@@ -360,9 +377,34 @@ def run(
     def build(vllm_config: Any) -> nn.Module:
         return Denoiser(shape, build_model(shape, od, device), vllm_config, device)
 
-    worker = engine.start_worker(
-        od, build, device=device, block_size=shape.block_size if paged else None, parallel_state=True
+    # room for two requests' rows at max_model_len in bf16 pages (K and V), at least the default
+    kv_bytes = 2 * shape.cfg * shape.max_model_len * shape.layers * shape.kv_heads * shape.head_size * 2 * 2
+    return engine.start_worker(
+        od,
+        build,
+        device=device,
+        block_size=shape.block_size if paged else None,
+        parallel_state=True,
+        kv_cache_bytes=max(engine.KV_CACHE_BYTES, kv_bytes),
     )
+
+
+def run(
+    shape: Shape,
+    mode: Mode,
+    device: torch.device | str = "cpu",
+    *,
+    corrupt_after: int | None = None,
+    forced_latents: list[torch.Tensor] | None = None,
+    requests: int = 1,
+) -> RunResult:
+    """``HunyuanImage3Model`` at ``shape`` through vLLM-Omni's worker in ``mode`` (:func:`start`),
+    ``requests`` times (same inputs); the last request's result. ``corrupt_after``: zero every
+    KV-cache page after that step (a paged mode's negative control); ``forced_latents``: the
+    latents each step feeds (another run's ``step_latents``; default: the loop's own)."""
+    if corrupt_after is not None and mode == "dense":
+        raise ValueError("corrupt_after needs a paged mode (dense keeps no pages)")
+    worker = start(shape, mode, device)
     denoiser = worker.pipeline
     assert isinstance(denoiser, Denoiser)
     backend = worker.runner.diffusion_kv_backend
@@ -374,8 +416,9 @@ def run(
                     cache.zero_()
 
         denoiser.after_step = corrupt
+    denoiser.forced_latents = forced_latents
     for r in range(requests):
-        worker.execute(f"req-{r}", kv_requests(shape, f"req-{r}") if paged else ())
+        worker.execute(f"req-{r}", kv_requests(shape, f"req-{r}") if mode != "dense" else ())
     result = denoiser.last
     assert result is not None
     result.hooks.update(worker.hooks, backend=backend, worker=worker)
@@ -390,7 +433,12 @@ def native_env(env: dict[str, str]) -> dict[str, str]:
     vLLM and vLLM-Omni plugin except ``diffusion_kv`` (vLLM-Omni's opt-out for any plugin)."""
     groups = ("vllm.general_plugins", "vllm.platform_plugins", "vllm_omni.platform_plugins")
     names = sorted(
-        {ep.name for g in groups for ep in importlib.metadata.entry_points(group=g) if ep.name != "diffusion_kv"}
+        {
+            ep.name
+            for g in groups
+            for ep in importlib.metadata.entry_points(group=g)
+            if ep.name != "diffusion_kv"
+        }
     )
     return dict(env, VLLM_PLUGINS=",".join(names) or "none")
 
@@ -418,9 +466,18 @@ def _child(args: argparse.Namespace, shape: Shape) -> None:
     try:
         with engine.single_rank_parallel_state():
             result = run(shape, args.mode, args.device, requests=args.requests)
-        record = {"ok": True, "summary": _summary(result), "step_outputs": result.step_outputs, "output": result.output}
+        record = {
+            "ok": True,
+            "summary": _summary(result),
+            "step_outputs": result.step_outputs,
+            "output": result.output,
+        }
     except Exception as exc:  # the parent reports what stopped this mode
-        record = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        record = {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
     torch.save(record, args.out)
 
 
@@ -448,7 +505,8 @@ def _parent(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
             entry.update(record["summary"])
             if dense is not None and dense["ok"] and mode != "dense":
                 entry["max_abs_diff_per_step"] = [
-                    float((a - b).abs().max()) for a, b in zip(record["step_outputs"], dense["step_outputs"])
+                    float((a - b).abs().max())
+                    for a, b in zip(record["step_outputs"], dense["step_outputs"], strict=True)
                 ]
                 entry["max_abs_diff_final"] = float((record["output"] - dense["output"]).abs().max())
                 entry["dense_final_abs_max"] = float(dense["output"].abs().max())
@@ -460,11 +518,15 @@ def _parent(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the only output form)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the platform's)")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="KV block size (default: the platform's)"
+    )
     parser.add_argument("--heads", type=int, default=Shape.heads)
     parser.add_argument("--kv-heads", type=int, default=Shape.kv_heads)
     parser.add_argument("--layers", type=int, default=Shape.layers)
@@ -472,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=Shape.prompt_len)
     parser.add_argument("--image-tokens", type=int, default=Shape.image_tokens)
     parser.add_argument("--steps", type=int, default=Shape.steps)
-    parser.add_argument("--requests", type=int, default=1, help="requests per mode (the last is reported)")
+    parser.add_argument(
+        "--requests", type=int, default=2, help="requests per mode (the last is reported: warm)"
+    )
     parser.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # a child process
