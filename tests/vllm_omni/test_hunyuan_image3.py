@@ -105,12 +105,12 @@ def scaled_errors(result: hy.RunResult, reference: hy.RunResult) -> list[float]:
 
 
 def test_the_dense_path_is_the_models_own() -> None:
-    result = dense(4, 2, 2)
-    s = shape(4, 2, 2)
+    result = dense(4, 2, 3)
+    s = shape(4, 2, 3)
     assert (s.seq_len, s.target_len, s.grid) == (77, 37, (6, 6))
     assert result.tokens_per_step == [77, 37, 37]  # later steps: <timestep> + image tokens
     assert result.paged_per_step == [False, False, False]
-    assert result.hooks["dense_prompt_kv"] == [True, True]  # ImageKVCacheManager's own prompt KV
+    assert result.hooks["dense_prompt_kv"] == [True] * 3  # ImageKVCacheManager's own prompt KV
     assert result.hooks["runtime"] is None and "specs" not in result.hooks
     assert all(bool(torch.isfinite(o).all()) for o in [*result.step_outputs, result.output])
     # the steps differ (a step that ignored its prefix or inputs would not)
