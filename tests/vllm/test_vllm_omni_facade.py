@@ -536,7 +536,11 @@ def test_paged_batch_from_upstream_keywords() -> None:
     )
     assert paged_batch(0, AttentionMode.CAUSAL, causal={0: False}, **kwargs).mode is AttentionMode.FULL
     assert paged_batch(0, AttentionMode.CAUSAL, causal={1: False}, **kwargs).mode is AttentionMode.CAUSAL
-    assert paged_batch(0, AttentionMode.FULL, causal=True, **kwargs).mode is AttentionMode.FULL
+    # upstream's flag holds for a full group too (a piecewise segment of HunyuanImage3's image
+    # attention, declared non-causal, runs causal); a mapping without the group keeps its mode
+    assert paged_batch(0, AttentionMode.FULL, causal=True, **kwargs).mode is AttentionMode.CAUSAL
+    assert paged_batch(0, AttentionMode.FULL, causal=False, **kwargs).mode is AttentionMode.FULL
+    assert paged_batch(0, AttentionMode.FULL, causal={1: True}, **kwargs).mode is AttentionMode.FULL
     with pytest.raises(ValueError, match="needs positions"):
         paged_batch(0, AttentionMode.CAUSAL, **{**kwargs, "positions": None})
 

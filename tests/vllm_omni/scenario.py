@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def run_scenario(name: str) -> dict[str, Any]:
-    import tiny_dit
+    from tests.vllm_omni import tiny_dit
 
     dtype, backend = name.split(":", 1)
     previous = os.environ.pop("DIFFUSION_KV_BACKEND", None)

@@ -8,9 +8,10 @@ scheduler's two calls this file makes in the engine's place:
   span) built from vLLM-Omni's ``Attention`` layers with ``paged_kv_cache_role`` set, as a paged
   DiT declares them; in paged mode, steps after the first feed only the target tokens (the
   prefix is read from the pages), which is what paging is for;
-* the engine's steps around the worker (:func:`run`): ``create_diffusion_vllm_config``'s two
-  steps (which call the platform's ``configure_diffusion_vllm_config``; a ``Shape.block_size``
-  is put on the cache config between them), the worker's
+* the engine's steps around the worker (:func:`run`, through :mod:`engine`, shared with the
+  real-model harness :mod:`hunyuan_image3`): ``create_diffusion_vllm_config`` (which calls the
+  platform's ``configure_diffusion_vllm_config``; a ``Shape.block_size`` is put on the cache
+  config before the hook sees it), the worker's
   ``init_diffusion_worker_vllm_config``, vLLM-Omni's ``DiffusionModelRunner`` with this model
   as its pipeline (``load_model`` is skipped: it would load weights from disk; the platform hook
   it calls, ``init_diffusion_model_runner_runtime``, is called here), then in paged mode
@@ -29,10 +30,6 @@ Runs in a process whose ``vllm_omni`` is the one under test (installed, or the p
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,25 +37,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from vllm.config import set_current_vllm_config
 from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 from vllm_omni.diffusion.attention.layer import Attention
-from vllm_omni.diffusion.config import set_current_diffusion_config
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig, TransformerConfig
-from vllm_omni.diffusion.diffusion_kv.initialization import build_native_kv_cache_configs
-from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVCacheManager
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVRequest
 from vllm_omni.diffusion.forward_context import get_forward_context, set_forward_context_denoise_step_idx
-from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.vllm_config import configure_diffusion_vllm_config, create_base_diffusion_vllm_config
-from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.platforms import current_omni_platform
 
-MODEL_DIR = tempfile.mkdtemp(prefix="tiny-dit-")
-"""An empty local model folder: vLLM-Omni resolves a model id through the Hub when
-``HF_HUB_OFFLINE`` is set, a local path as it is (nothing is loaded from it)."""
-atexit.register(shutil.rmtree, MODEL_DIR, True)
+from tests.vllm_omni import engine
 
 
 @dataclass(frozen=True)
@@ -205,25 +192,27 @@ class RunResult:
 
 
 def od_config(shape: Shape, paged: bool) -> OmniDiffusionConfig:
-    kwargs: dict[str, Any] = {}
-    if paged:
-        kwargs = {"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": shape.cfg}
-    return OmniDiffusionConfig(
-        model=MODEL_DIR,
+    return engine.od_config(
         dtype=shape.dtype,
-        max_num_seqs=1,
+        paged=paged,
         max_model_len=shape.max_model_len,
-        enforce_eager=True,
-        # vLLM's init_kv_cache reads hf_config.model_type (a real model's transformer config has one)
-        tf_model_config=TransformerConfig.from_dict({"model_type": "tiny_dit"}),
-        **kwargs,
+        rows_per_request=shape.cfg,
+        model_type="tiny_dit",
     )
 
 
-def request(shape: Shape, request_id: str) -> OmniDiffusionRequest:
-    return OmniDiffusionRequest(
-        prompt="tiny", sampling_params=OmniDiffusionSamplingParams(), request_id=request_id
-    )
+def kv_requests(shape: Shape, request_id: str) -> list[DiffusionKVRequest]:
+    """The scheduler's rows of one request: one per CFG row, prefix then target."""
+    return [
+        DiffusionKVRequest(
+            f"{request_id}-cfg{i}",
+            sequence_id=i,
+            prefix_len=shape.prefix,
+            target_len=shape.target,
+            seq_len=shape.prefix + shape.target,
+        )
+        for i in range(shape.cfg)
+    ]
 
 
 def diffusion_vllm_config(device: torch.device, od: OmniDiffusionConfig, block_size: int | None) -> Any:
@@ -249,63 +238,19 @@ def run(shape: Shape, *, paged: bool, requests: int = 1) -> RunResult:
 
 def _run(shape: Shape, *, paged: bool, requests: int) -> RunResult:
     torch.manual_seed(shape.seed)
-    device = torch.device("cpu")
-    od = od_config(shape, paged)
-    vllm_config = diffusion_vllm_config(device, od, shape.block_size)
-    current_omni_platform.init_diffusion_worker_vllm_config(vllm_config)
-    with set_current_diffusion_config(od), set_current_vllm_config(vllm_config):
-        pipeline = TinyPipeline(shape).to(shape.dtype).eval()
-    current_omni_platform.init_diffusion_model_runner_runtime(
-        vllm_config=vllm_config, od_config=od, device=device
-    )
-    runner = DiffusionModelRunner(vllm_config, od, device)
-    runner.pipeline = pipeline
-    hooks: dict[str, Any] = {
-        "block_size": vllm_config.cache_config.block_size,
-        "kv_cache_layout": getattr(vllm_config.cache_config, "kv_cache_layout", None),
-    }
-    manager = None
-    if paged:
-        with set_current_vllm_config(vllm_config):
-            specs = runner.get_kv_cache_spec()
-        hooks["specs"] = {name: dataclasses.asdict(spec) for name, spec in specs.items()}
-        worker_configs, scheduler_config = build_native_kv_cache_configs(vllm_config, [specs], [64 << 20])
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-        block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
-        runner.set_kv_cache_config(worker_configs[0])
-        hooks["num_blocks"] = worker_configs[0].num_blocks
-        hooks["kv_cache_layout"] = getattr(vllm_config.cache_config, "kv_cache_layout", None)
-        manager = DiffusionKVCacheManager(
-            scheduler_config,
-            max_model_len=vllm_config.model_config.max_model_len,
-            scheduler_block_size=block_size,
-            hash_block_size=hash_block_size,
-        )
+    def build(_: Any) -> nn.Module:
+        return TinyPipeline(shape).to(shape.dtype).eval()
+
+    worker = engine.start_worker(
+        od_config(shape, paged), build, device=torch.device("cpu"), block_size=shape.block_size
+    )
     output: torch.Tensor | None = None
     for r in range(requests):
-        req = request(shape, f"req-{r}")
-        metadata = None
-        if manager is not None:
-            kv_requests = [
-                DiffusionKVRequest(
-                    f"req-{r}-cfg{i}",
-                    sequence_id=i,
-                    prefix_len=shape.prefix,
-                    target_len=shape.target,
-                    seq_len=shape.prefix + shape.target,
-                )
-                for i in range(shape.cfg)
-            ]
-            metadata = manager.reserve_request(req.request_id, kv_requests)
-            assert metadata is not None, "the scheduler could not admit the request"
-            hooks.setdefault("block_ids", []).append([s.block_ids for s in metadata.sequences])
-        result = runner.execute_model(req, diffusion_kv_metadata=metadata)
-        if manager is not None:
-            manager.free_request(req.request_id)
+        result = worker.execute(f"req-{r}", kv_requests(shape, f"req-{r}") if paged else ())
         assert isinstance(result.output, torch.Tensor)
         output = result.output
-    hooks["backend"] = runner.diffusion_kv_backend
-    hooks["pipeline"] = pipeline
-    assert output is not None
+    pipeline = worker.pipeline
+    assert isinstance(pipeline, TinyPipeline) and output is not None
+    hooks = dict(worker.hooks, backend=worker.runner.diffusion_kv_backend, pipeline=pipeline)
     return RunResult(output, list(pipeline.target_inputs), hooks)

@@ -184,10 +184,12 @@ def latest_block_tables(cls: type) -> Any:
 
 
 def group_causal(causal: bool | Mapping[int, bool], group: int, mode: AttentionMode) -> AttentionMode:
-    """The mode of group ``group`` for one build: a causal group may be built full (a piecewise
-    full segment), a full group stays full."""
-    wanted = causal.get(group, True) if isinstance(causal, Mapping) else causal
-    return AttentionMode.CAUSAL if mode is AttentionMode.CAUSAL and bool(wanted) else AttentionMode.FULL
+    """The mode of group ``group`` for one build, as upstream's ``causal`` asks (a mapping that
+    omits the group: the group's own ``mode``): a piecewise segment's flag holds for every group,
+    a full one included (HunyuanImage3's image attention declares itself non-causal and passes
+    spans: its causal segments must run causal)."""
+    wanted = causal.get(group, mode is AttentionMode.CAUSAL) if isinstance(causal, Mapping) else causal
+    return AttentionMode.CAUSAL if bool(wanted) else AttentionMode.FULL
 
 
 def paged_batch(
