@@ -48,7 +48,7 @@ def test_vllms_default_block_size_here_is_128(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("block_size", "forced", "expected", "layout"),
     [
-        (16, None, "cpu:reference", "LBNHC"),  # CPU_ATTN takes multiples of 32 only
+        (16, None, "cpu:sdpa", "LBNHC"),  # CPU_ATTN takes multiples of 32 only
         (32, None, "cpu:vllm-cpu-attn", "LBHNC"),
         (128, None, "cpu:vllm-cpu-attn", "LBHNC"),
         (16, "cpu:reference", "cpu:reference", "LBNHC"),
@@ -78,7 +78,7 @@ def test_a_forced_cpu_attn_is_refused_for_block_size_16(monkeypatch: pytest.Monk
     assert "vLLM-Omni's configured block size 16: it takes block sizes multiple of 32" in message
     assert "diffusion-kv does not change the block size" in message
     assert "(e.g. 32)" in message
-    assert "here cpu:reference serves block size 16 for dtype=float16, block_size=16" in message
+    assert "here cpu:sdpa, cpu:reference serve block size 16 for dtype=float16, block_size=16" in message
 
 
 def test_block_size_16_pages_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +87,7 @@ def test_block_size_16_pages_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None
     dense = tiny_dit.run(shape, paged=False)
     result = tiny_dit.run(shape, paged=True)
     backend: Any = result.hooks["backend"]
-    assert backend.vllm_config.additional_config[CONFIG_KEY] == "cpu:reference"
+    assert backend.vllm_config.additional_config[CONFIG_KEY] == "cpu:sdpa"
     assert (result.hooks["block_size"], result.hooks["kv_cache_layout"]) == (16, "LBNHC")
     assert {spec["block_size"] for spec in result.hooks["specs"].values()} == {16}
     assert list(backend.block_tables.kernel_block_sizes) == [16]

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not patched(), reason="vLLM-Omni is not patched 
 SCENARIOS = {
     "fp16:auto": (torch.float16, None, "VllmCpuAttnBackend"),
     "fp16:cpu:reference": (torch.float16, "cpu:reference", "CpuReferenceBackend"),
-    "fp32:auto": (torch.float32, None, "CpuReferenceBackend"),
+    "fp32:auto": (torch.float32, None, "CpuSdpaBackend"),
 }
 TOLERANCE = {torch.float16: 2e-3, torch.float32: 1e-5}
 

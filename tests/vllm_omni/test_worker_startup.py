@@ -49,7 +49,7 @@ from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunn
 from vllm_omni.platforms import current_omni_platform
 
 from diffusion_kv.core.errors import ValidationError
-from tests.vllm_omni import tiny_dit
+from tests.vllm_omni import engine, tiny_dit
 
 SHAPE = tiny_dit.Shape()
 WORKER_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")
@@ -130,7 +130,7 @@ def dense_request_through_worker(worker: Any) -> torch.Tensor:
     with set_current_diffusion_config(worker.od_config), set_current_vllm_config(worker.vllm_config):
         pipeline = tiny_dit.TinyPipeline(SHAPE).to(SHAPE.dtype).eval()
     worker.model_runner.pipeline = pipeline
-    result = worker.execute_model(tiny_dit.request(SHAPE, "worker-req"), worker.od_config)
+    result = worker.execute_model(engine.request("worker-req"), worker.od_config)
     assert pipeline.target_inputs == [160, 160, 160]  # dense: prefix + target at every step
     assert isinstance(result.output, torch.Tensor)
     return result.output

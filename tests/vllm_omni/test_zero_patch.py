@@ -9,7 +9,7 @@ run a tiny DiT (:mod:`tests.vllm_omni.tiny_dit`), dense and paged, on:
 * ``cpu:vllm-cpu-attn`` (float16, chosen by priority): vLLM's own ``CPU_ATTN`` kernel, the one
   upstream's module would page with on CPU; diffusion-kv supplies BlockTables, layout, block
   size and ISA;
-* ``cpu:reference`` (float16 forced, and float32 where it is the only one): diffusion-kv's
+* ``cpu:sdpa`` (float32, where CPU_ATTN does not serve) and ``cpu:reference`` (float16 forced): diffusion-kv's
   reference backend behind the vLLM-shaped wrapper, reading the same ``KVCacheConfig`` tensors.
 
 Each paged run is compared with the dense run of the same model, and the reference backend's
@@ -99,7 +99,7 @@ def test_dense_mode_never_touches_the_kv_hooks(dense: dict[torch.dtype, tiny_dit
     [
         (torch.float16, None, ("cpu:vllm-cpu-attn", "CPU_ATTN", "LBHNC")),
         (torch.float16, "cpu:reference", ("cpu:reference", "DIFFUSION_KV", "LBNHC")),
-        (torch.float32, None, ("cpu:reference", "DIFFUSION_KV", "LBNHC")),
+        (torch.float32, None, ("cpu:sdpa", "DIFFUSION_KV", "LBNHC")),
     ],
 )
 def test_upstream_module_pages_through_the_platform(
