@@ -33,12 +33,12 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
-from diffusion_kv.models.tiny_dit import AttentionFn, TinyDiT, rope_tables
+from diffusion_kv.models.tiny_dit import AttentionFn, Block, TinyDiT, rope_tables
 
 
 def default_buckets(max_tokens: int, smallest: int = 256) -> tuple[int, ...]:
@@ -108,7 +108,7 @@ class BucketGraphs:
         bucket.x[:, n:].zero_()
         bucket.positions[:n].copy_(positions)
         bucket.positions[n:].zero_()
-        blocks = self.model.blocks
+        blocks = cast(list[Block], list(self.model.blocks))
         for i, graph in enumerate(bucket.graphs):
             graph.replay()
             if i < len(blocks):
@@ -123,7 +123,7 @@ class BucketGraphs:
 
     def _pieces(self, bucket: _Bucket) -> list[Callable[[], Any]]:
         model = self.model
-        blocks = list(model.blocks)
+        blocks = cast(list[Block], list(model.blocks))
         state: dict[str, Any] = {}
 
         def first() -> None:
@@ -140,7 +140,7 @@ class BucketGraphs:
 
         def last() -> None:
             x = blocks[-1].post(state["x"], bucket.attn[-1])
-            bucket.out = model.final(model.final_norm(x))
+            bucket.out = cast(torch.Tensor, model.final(model.final_norm(x)))
 
         return [first, *(middle(i) for i in range(1, len(blocks))), last]
 

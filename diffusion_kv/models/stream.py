@@ -8,11 +8,13 @@ its own dense run, and the stream's throughput against the same requests served 
 another through the same scheduler, runner and cache (``max_running=1``).
 
 CUDA graphs: a captured step bakes in its batch (shapes, metadata addresses), so it can only be
-replayed while the composition stays the same. With ``graphs`` on, a step is captured once its
-composition has been active for two steps and is known to last at least ``GRAPH_MIN_STABLE``
-steps (no request changes phase or finishes before); otherwise steps run eagerly. Under
-staggered arrivals the composition changes often, so most stream steps are eager; the
-sequential baseline, whose composition is steady, replays most of its steps.
+replayed while the composition stays the same. With ``graphs`` on, a step is captured whole once
+its composition has been active for two steps and is known to last at least ``GRAPH_MIN_STABLE``
+steps (no request changes phase or finishes before); every other step runs the model's pieces
+between paged layers from per-token-bucket graphs, with paged attention eager between them
+(:mod:`diffusion_kv.models.buckets`), so a batch that changes every step still replays most of
+its work. Both the stream and its one-after-another baseline follow this one policy; capture
+time is counted apart (``capture_ms``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from diffusion_kv.core.scheduler import (
     StepBatch,
     StepReport,
 )
+from diffusion_kv.models.buckets import BucketGraphs, default_buckets
 from diffusion_kv.models.demo import TOLERANCE, _sync, build_model, combine_guidance, max_difference
 from diffusion_kv.models.demo import DemoConfig as _DemoConfig
 from diffusion_kv.models.tiny_dit import TinyDiT
@@ -180,6 +183,14 @@ class StreamModel:
         self.eager_steps = 0
         self.capture_ms = 0.0
         """Wall time spent capturing graphs (warm-up run and capture, synchronised)."""
+        self.buckets: BucketGraphs | None = None
+        """Per token bucket, the model's pieces between paged layers as CUDA graphs (the steps
+        whose composition changes too soon for a whole-step capture)."""
+        if graphs and self.device.type == "cuda":
+            self.buckets = BucketGraphs(
+                model, default_buckets(runner.config.max_num_batched_tokens), self.device
+            )
+        self.bucket_steps = 0
 
     def _layout(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Absolute positions of the packed tokens and where the target tokens sit (cached per
@@ -238,6 +249,11 @@ class StreamModel:
                 _sync(self.device)
                 self.capture_ms += (time.perf_counter() - began) * 1e3
                 self.graph_captures += 1
+            elif self.buckets is not None and self.buckets.bucket_for(x.shape[1]) is not None:
+                before = self.buckets.capture_ms
+                velocity = self.buckets.run(x, positions, attention, out_index)
+                self.capture_ms += self.buckets.capture_ms - before
+                self.bucket_steps += 1
             else:
                 velocity = forward(x)
                 self.eager_steps += 1
@@ -265,7 +281,11 @@ class ServeRun:
     graph_replays: int
     eager_steps: int
     capture_ms: float
-    """Of ``wall_ms``, the time spent capturing CUDA graphs (a one-off per composition)."""
+    """Of ``wall_ms``, the time spent capturing CUDA graphs (a one-off per composition or bucket)."""
+    bucket_steps: int
+    """Steps replayed from the per-bucket piecewise graphs (paged attention eager between them)."""
+    buckets_captured: tuple[int, ...]
+    bucket_graph_bytes: int
     latents: dict[str, torch.Tensor] = field(repr=False)
     records: dict[str, Any] = field(repr=False)
 
@@ -345,6 +365,9 @@ def serve(
         graph_replays=stream.graph_replays,
         eager_steps=stream.eager_steps,
         capture_ms=stream.capture_ms,
+        bucket_steps=stream.bucket_steps,
+        buckets_captured=stream.buckets.captured_buckets if stream.buckets is not None else (),
+        bucket_graph_bytes=stream.buckets.graph_bytes if stream.buckets is not None else 0,
         latents=dict(stream.latents),
         records={rid: rec.status.value for rid, rec in records.items()},
     )
@@ -550,5 +573,11 @@ def format_stream(r: StreamResult) -> str:
             f"{s['eager_steps']} eager steps; one after another {q['graph_captures']} / {q['graph_replays']} / "
             f"{q['eager_steps']}; capture time: stream {s['capture_ms']:.0f} ms, one after another "
             f"{q['capture_ms']:.0f} ms"
+        )
+    if s["bucket_steps"] or q["bucket_steps"]:
+        lines.append(
+            f"bucketed piecewise graphs (paged attention eager between them): stream {s['bucket_steps']} steps, "
+            f"one after another {q['bucket_steps']}; buckets {list(s['buckets_captured'])} tokens, graph memory "
+            f"{s['bucket_graph_bytes'] / 2**20:.0f} MiB"
         )
     return "\n".join(lines)

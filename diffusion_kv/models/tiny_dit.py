@@ -92,7 +92,9 @@ class Block(nn.Module):
             nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden),
         )
 
-    def pre(self, x: torch.Tensor, tables: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(
+        self, x: torch.Tensor, tables: RopeTables | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer up to attention: ``(q, k, v)`` of ``x [B, L, hidden]`` (views of one buffer).
         Functional calls on the modules' own weights (the modules' call machinery costs host
         time on every layer of every step)."""
