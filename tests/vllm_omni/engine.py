@@ -68,9 +68,11 @@ def od_config(
     max_model_len: int,
     rows_per_request: int,
     model_type: str,
+    max_num_batched_tokens: int | None = None,
 ) -> OmniDiffusionConfig:
     """The diffusion config of one worker: one request at a time, eager, dense or
-    ``paged_scheduler`` with ``rows_per_request`` CFG rows per request."""
+    ``paged_scheduler`` with ``rows_per_request`` CFG rows per request; ``max_num_batched_tokens``
+    (vLLM's default otherwise) must hold a request-level forward's rows at their longest step."""
     kwargs: dict[str, Any] = {}
     if paged:
         kwargs = {
@@ -82,6 +84,7 @@ def od_config(
         dtype=dtype,
         max_num_seqs=1,
         max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=True,
         # vLLM's init_kv_cache reads hf_config.model_type (a real model's transformer config has one)
         tf_model_config=TransformerConfig.from_dict({"model_type": model_type}),

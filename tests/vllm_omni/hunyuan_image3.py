@@ -366,12 +366,16 @@ def start(shape: Shape, mode: Mode, device: torch.device | str = "cpu") -> Any:
     gc.collect()
     paged = mode != "dense"
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the worker's device names its index
+        device = torch.device("cuda", torch.cuda.current_device())
     od = engine.od_config(
         dtype=shape.dtype,
         paged=paged,
         max_model_len=shape.max_model_len,
         rows_per_request=shape.cfg,
         model_type="Hunyuan",  # HunyuanImage3Config.model_type
+        # one request-level forward carries both CFG rows' whole sequences at the prefill
+        max_num_batched_tokens=max(2048, shape.cfg * shape.seq_len),
     )
 
     def build(vllm_config: Any) -> nn.Module:
@@ -488,6 +492,8 @@ def _parent(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         for mode in args.modes:
             out = Path(tmp) / f"{mode}.pt"
             env = native_env(dict(os.environ)) if mode == "native" else dict(os.environ)
+            if mode == "dense" and args.dense_attention_backend:
+                env["DIFFUSION_ATTENTION_BACKEND"] = args.dense_attention_backend
             command = [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--out", str(out)]
             began = time.perf_counter()
             proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -539,6 +545,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode")
+    parser.add_argument(
+        "--dense-attention-backend",
+        default=None,
+        help="vLLM-Omni's DIFFUSION_ATTENTION_BACKEND for the dense mode only (e.g. TORCH_SDPA)",
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # a child process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
