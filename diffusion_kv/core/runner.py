@@ -51,6 +51,7 @@ from diffusion_kv.core.errors import (
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.graphs import CapturedStep
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
+from diffusion_kv.core.memory import footprint, shared_memory
 from diffusion_kv.core.parallel import (
     DCPMerger,
     PartialMerger,
@@ -121,6 +122,66 @@ def _positive(value: object, what: str) -> int:
     if type(value) is not int or value <= 0:
         raise ValidationError(f"{what} must be a positive integer; got {value!r}")
     return value
+
+
+def _check_given_caches(kv_caches: object) -> None:
+    """The host's caches: a mapping of layer name to a tensor or a tuple of tensors, none of
+    which requires grad (the cache never joins autograd)."""
+    if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, Mapping):
+        raise ValidationError(
+            f"kv_caches must map each paged layer name to its cache; got {type(kv_caches).__name__}"
+        )
+    for name, cache in kv_caches.items():
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValidationError(
+                f"kv_caches[{name!r}] must be a tensor or a tuple of tensors; got "
+                f"{[type(t).__name__ for t in tensors] if isinstance(cache, tuple) else type(cache).__name__}"
+            )
+        if any(t.requires_grad for t in tensors):
+            raise ValidationError(
+                f"kv_caches[{name!r}] requires grad; the KV cache never joins autograd: bind a tensor "
+                "created under torch.no_grad() or detached (tensor.detach())"
+            )
+
+
+def _check_cache_memory(caches: Mapping[str, KVCache], *, bound: bool, platform: str) -> None:
+    """Refuse caches that share memory: two layers (or a layer's key and value) writing one
+    page would corrupt each other silently."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, cache in caches.items():
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        parts = ("key", "value") if len(tensors) == 2 else tuple(f"part {i}" for i in range(len(tensors)))
+        named.extend(
+            (f"layer {name!r}" + (f" ({part})" if len(tensors) > 1 else ""), t)
+            for part, t in zip(parts, tensors, strict=True)
+            if isinstance(t, torch.Tensor)
+        )
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise (ValidationError if bound else NativeBackendError)(
+                f"the KV cache of layer {name!r} requires grad; the KV cache never joins autograd"
+            )
+    found = shared_memory(named)
+    if found is None:
+        return
+    first, second, verdict = found
+    by_name = dict(named)
+
+    def where(name: str) -> str:
+        fp = footprint(by_name[name])
+        return f"{name} (bytes [{fp.start:#x}, {fp.end:#x}))" if fp is not None else name
+
+    if second is None:
+        what = f"{where(first)} {'may address' if verdict is None else 'addresses'} some bytes twice"
+    else:
+        what = f"{where(first)} and {where(second)} {'may share' if verdict is None else 'share'} memory"
+    if verdict is None:
+        what += " (their strides are too irregular to prove otherwise)"
+    source = "the given kv_caches" if bound else f"the caches platform {platform!r} allocated"
+    raise (ValidationError if bound else NativeBackendError)(
+        f"{source}: {what}; one layer's K/V writes would overwrite another's pages. Give every layer "
+        "(and its key and value) memory of its own: separate tensors or disjoint views"
+    )
 
 
 class RunnerBackend:
@@ -345,6 +406,8 @@ class RunnerBackend:
                 max_num_batched_tokens=c.max_num_batched_tokens,
             )
         configured = set(layout.layer_names)
+        if kv_caches is not None:
+            _check_given_caches(kv_caches)
         if kv_caches is not None and set(kv_caches) != set(self.layers):
             raise ValidationError(
                 f"kv_caches must name every paged layer: missing {sorted(set(self.layers) - set(kv_caches))}, "
@@ -495,6 +558,7 @@ class RunnerBackend:
                     caches[name] = part(
                         "KV-cache allocation", name, partial(backend.allocate_kv_cache, self.layers[name])
                     )
+        _check_cache_memory(caches, bound=given is not None, platform=platform.name)
         executor = PagedExecutor(translator, self.layers, by_layer, caches, merger, platform.name)
         return block_tables, registry, translator, executor, caches, tuple(backends)
 
