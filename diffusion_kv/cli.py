@@ -184,13 +184,29 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             "error": error,
             "platforms": [s.as_dict() for s in statuses],
             "skipped_entry_points": [
-                {
-                    "name": r.name,
-                    "entry_point": r.entry_point,
-                    "distribution": " | ".join(r.distributions),
-                    "error": str(r.error),
-                }
-                for r in plugins.shadowed
+                *(
+                    {
+                        "kind": "platform",
+                        "name": r.name,
+                        "entry_point": r.entry_point,
+                        "group": plugins.namespace,
+                        "distribution": " | ".join(r.distributions),
+                        "error": str(r.error),
+                    }
+                    for r in plugins.shadowed
+                ),
+                *(
+                    {
+                        "kind": "backend",
+                        "name": r.name,
+                        "platform": r.platform,
+                        "entry_point": r.entry_point,
+                        "group": plugins.backend_namespace,
+                        "distribution": r.distribution,
+                        "error": str(r.error),
+                    }
+                    for r in plugins.broken_backends()
+                ),
             ],
         }
         print(json.dumps(payload, indent=2, sort_keys=True))
@@ -216,13 +232,16 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         for s in statuses:
             print(f"{s.name}: {_caps_line(s)}")
         broken = [s for s in statuses if s.error is not None]
-        if broken or plugins.shadowed:
+        broken_backends = plugins.broken_backends()
+        if broken or plugins.shadowed or broken_backends:
             print()
             print("plugins that failed to load:")
             for s in broken:
                 print(f"  {s.name}: {s.error}")
             for r in plugins.shadowed:
                 print(f"  {r.name} (skipped entry point): {r.error}")
+            for b in broken_backends:
+                print(f"  {b.name} (backend, skipped): {b.error}")
         noted = [s for s in statuses if s.notes]
         if noted:
             print()

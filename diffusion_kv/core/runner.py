@@ -568,7 +568,7 @@ class RunnerBackend:
             return build()
         except DiffusionKVError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() is a plugin failure
             where = f" for layer {layer!r}" if layer is not None else ""
             raise NativeBackendError(
                 f"platform {self.platform.name!r} failed to build its {what}{where} "

@@ -78,6 +78,15 @@ def forced_backend(platform: str) -> str | None:
     return backend.strip() if name.strip() == platform else None
 
 
+def _block_tables_of(backend: type[PagedBackend]) -> type:
+    """``backend.block_tables_cls()``, guarded like every call on a plugin's backend."""
+    from diffusion_kv.platforms.selection import backend_call  # lazy: discovery
+
+    return backend_call(
+        backend, "block_tables_cls()", backend.block_tables_cls, lambda r: isinstance(r, type), "a class"
+    )
+
+
 class Platform(abc.ABC):
     """Base class of every platform plugin.
 
@@ -136,11 +145,33 @@ class Platform(abc.ABC):
 
     def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
         """Every reason ``backend`` cannot serve ``requirements`` here; extend for checks only
-        the platform can make (a bound runtime, an emulator)."""
-        found = backend.is_available()
-        if not found:
-            return [f"unavailable: {found.reason}"]
-        return backend.not_supported_reasons(requirements)
+        the platform can make (a bound runtime, an emulator). A backend whose ``is_available``
+        or ``not_supported_reasons`` raises (``SystemExit`` included) or answers with the wrong
+        type is not served: that is its reason (an entry-point backend is also reported as
+        broken and skipped from then on)."""
+        from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
+
+        try:
+            found = backend_call(
+                backend,
+                "is_available()",
+                backend.is_available,
+                lambda r: isinstance(r, Availability),
+                "an Availability",
+            )
+            if not found:
+                return [f"unavailable: {found.reason}"]
+            return list(
+                backend_call(
+                    backend,
+                    "not_supported_reasons()",
+                    lambda: backend.not_supported_reasons(requirements),
+                    lambda r: isinstance(r, list) and all(type(x) is str for x in r),
+                    "a list of strings",
+                )
+            )
+        except BackendCallError as exc:
+            return [f"broken: its {exc.what} {exc.problem}"]
 
     def not_supported_reasons(self, requirements: Requirements) -> list[str]:
         """Empty when some backend serves ``requirements``; else every backend's reasons."""
@@ -162,15 +193,23 @@ class Platform(abc.ABC):
                     f"{[b.name for b in candidates]}"
                 )
             candidates = tuple(named)
+        from diffusion_kv.platforms.selection import BackendCallError  # lazy: discovery
+
         out = []
         for backend in candidates:
             reasons = self.backend_reasons(backend, requirements)
+            if not reasons or compatible_with:  # its BlockTables class is what a worker builds next
+                try:
+                    tables = _block_tables_of(backend)
+                except BackendCallError as exc:
+                    out.append((backend, [*reasons, f"broken: its {exc.what} {exc.problem}"]))
+                    continue
             if compatible_with:
                 other = compatible_with[0]
-                if backend.block_tables_cls() is not other.block_tables_cls():
+                if tables is not _block_tables_of(other):
                     reasons.append(
-                        f"its BlockTables ({backend.block_tables_cls().__name__}) differs from the one "
-                        f"KV-cache group 0's backend {other.name!r} uses ({other.block_tables_cls().__name__})"
+                        f"its BlockTables ({tables.__name__}) differs from the one "
+                        f"KV-cache group 0's backend {other.name!r} uses ({_block_tables_of(other).__name__})"
                     )
                 common = frozenset.intersection(
                     backend.capabilities.slot_mapping_dtypes,
