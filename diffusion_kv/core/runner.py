@@ -595,6 +595,19 @@ class RunnerBackend:
             return 0
         return self.registry.remove(requests)
 
+    def retire(self, request_id: str, through_generation: int) -> int:
+        """Remove a request's rows for good: every snapshot of it up to ``through_generation``
+        is refused from now on, even one still in flight (see
+        :meth:`~diffusion_kv.core.registry.RowRegistry.retire`)."""
+        if self.registry is None:
+            raise StateError("the paged KV cache is not initialised")
+        return self.registry.retire(request_id, through_generation)
+
+    @property
+    def generation_high_water(self) -> int:
+        """The highest allocation generation this worker has seen (-1: none, or uninitialised)."""
+        return self.registry.generation_high_water if self.registry is not None else -1
+
     def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
         if self.registry is None:
             raise StateError("the paged KV cache is not initialised")

@@ -199,6 +199,52 @@ def test_generation_memory_is_bounded() -> None:
         make_registry(generation_memory=-1)
 
 
+def test_retirement_refuses_every_snapshot_up_to_its_generation() -> None:
+    reg, _ = make_registry()
+    reg.install(request("a", 5))
+    assert reg.install(request("a", 6)) is False  # a re-sent snapshot: recorded, rows kept
+    assert reg.generation_high_water == 6
+    assert reg.retire("a", 8) == 1  # the scheduler freed the blocks at its generation 8
+    assert reg.removed_generation("a") == 8 and reg.generation_high_water == 8
+    before = state_of(reg)
+    for gen in (6, 7, 8):  # in flight when the request ended: never installed again
+        with pytest.raises(
+            GenerationError,
+            match=f"stale allocation generation {gen} for request 'a': the request was removed at generation 8",
+        ):
+            reg.install(request("a", gen))
+        assert state_of(reg) == before
+    assert reg.install(request("a", 9)) is True  # a later reservation of the id
+    with pytest.raises(
+        GenerationError,
+        match="request 'a' is installed at generation 9, newer than the retirement through generation 8",
+    ):
+        reg.retire("a", 8)
+    assert reg.generation_of("a") == 9
+    assert reg.retire("never-installed", 3) == 0  # a tombstone only
+    with pytest.raises(GenerationError):
+        reg.install(request("never-installed", 3, (seq(0, 4, [30]),)))
+    for bad_id, bad_gen, fact in (
+        ("", 1, "retire takes a non-empty request id string"),
+        (["a"], 1, "retire takes a non-empty request id string"),
+        ("a", -1, "through_generation must be an int >= 0; got -1"),
+        ("a", 1.0, "through_generation must be an int >= 0; got 1.0"),
+    ):
+        before = state_of(reg)
+        with pytest.raises(ValidationError, match=fact):
+            reg.retire(bad_id, bad_gen)  # type: ignore[arg-type]
+        assert state_of(reg) == before
+
+
+def test_plain_removal_still_lets_a_newer_snapshot_install() -> None:
+    """``remove`` is not for good (a preempted request may come back under a newer generation);
+    ``retire`` is: the difference a late snapshot of a finished request makes."""
+    reg, _ = make_registry()
+    reg.install(request("a", 5))
+    reg.remove("a")
+    assert reg.install(request("a", 6)) is True
+
+
 # --- 3. page provenance ---------------------------------------------------------------------------
 
 
