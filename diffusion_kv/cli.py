@@ -275,7 +275,21 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     print(f"conformance kit on platform {platform.name!r}", flush=True)
     argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
     argv += ["-q"] if not args.verbose else ["-v"]
-    return EXIT_OK if int(pytest.main([*argv, *args.pytest_args])) == 0 else EXIT_ERROR
+
+    class _Interrupts:
+        """pytest turns Ctrl-C into its exit code 2, which it also uses for collection errors."""
+
+        seen = False
+
+        def pytest_keyboard_interrupt(self) -> None:
+            _Interrupts.seen = True
+
+    code = int(pytest.main([*argv, *args.pytest_args], plugins=[_Interrupts()]))
+    if _Interrupts.seen:
+        raise KeyboardInterrupt
+    if code == int(pytest.ExitCode.USAGE_ERROR):
+        raise UsageError(f"pytest refused the arguments {args.pytest_args} (its message is above)")
+    return EXIT_OK if code == 0 else EXIT_ERROR
 
 
 DTYPES = {
@@ -390,6 +404,23 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
 
     if "WORLD_SIZE" not in os.environ:
         raise UsageError("--ulysses N, --cfg-parallel and --dcp N run under torchrun (WORLD_SIZE is not set)")
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise UsageError(
+            f"--ulysses N, --cfg-parallel and --dcp N run under torchrun ({', '.join(missing)} not set); "
+            "launch with torchrun --nproc-per-node N"
+        )
+    world = args.dcp if args.dcp > 1 else args.ulysses * (2 if args.cfg_parallel else 1)
+    if os.environ["WORLD_SIZE"].strip() != str(world):
+        split = (
+            f"--dcp {args.dcp}"
+            if args.dcp > 1
+            else f"--ulysses {args.ulysses}" + (" x 2 (--cfg-parallel)" if args.cfg_parallel else "")
+        )
+        raise UsageError(
+            f"{split} needs a world of {world} ranks; torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            f"(use torchrun --nproc-per-node {world})"
+        )
     try:
         check_parallel_config(cfg, args.ulysses, args.cfg_parallel, args.dcp, args.dcp_interleave)
         device = platform.device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
@@ -562,6 +593,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         problems.append(
             f"--dtype {args.dtype} (supported: {sorted(str(d).removeprefix('torch.') for d in platform.capabilities.dtypes)})"
         )
+    if dtype is None:  # the bench's default, as run_bench picks it: refused here, before any work
+        default = torch.bfloat16 if platform.device().type == "cuda" else torch.float32
+        if default not in platform.capabilities.dtypes:
+            supported = sorted(str(d).removeprefix("torch.") for d in platform.capabilities.dtypes)
+            problems.append(
+                f"the default dtype {str(default).removeprefix('torch.')} (supported: {supported}; choose --dtype)"
+            )
     bad_blocks = [b for b in args.block_sizes if not platform.capabilities.supports_block_size(b)]
     if bad_blocks:
         rules = ", ".join(str(r) for r in platform.capabilities.kernel_block_sizes)

@@ -49,7 +49,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.execute import PagedExecutor
-from diffusion_kv.core.graphs import CapturedStep
+from diffusion_kv.core.graphs import CapturedStep, check_capture_args
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
 from diffusion_kv.core.memory import footprint, shared_memory
 from diffusion_kv.core.parallel import (
@@ -116,6 +116,17 @@ class PagedLayerSpec:
     scale: float | None = None
     skip_sequence_parallel: bool = False
     cache_role: str | None = None
+
+
+def _check_parallel(parallel: object) -> None:
+    if not isinstance(parallel, ParallelConfig):
+        raise ValidationError(
+            f"RunnerConfig.parallel must be a ParallelConfig; got {type(parallel).__name__}"
+        )
+    for name in ("ulysses_degree", "ring_degree", "allgather_degree"):
+        _positive(getattr(parallel, name), f"ParallelConfig.{name}")
+    if type(parallel.ulysses_mode) is not str:
+        raise ValidationError(f"ParallelConfig.ulysses_mode must be a string; got {parallel.ulysses_mode!r}")
 
 
 def _positive(value: object, what: str) -> int:
@@ -193,6 +204,28 @@ class RunnerBackend:
         """``dcp_merger`` merges partial attention across the DCP group when ``cp_size > 1``;
         by default a :class:`~diffusion_kv.core.parallel.DCPMerger` over the default
         ``torch.distributed`` group is built at KV-cache initialisation."""
+        missing = [
+            m for m in ("name", "default_block_size", "device", "select_backend") if not hasattr(platform, m)
+        ]
+        if missing:
+            raise ValidationError(
+                f"RunnerBackend needs a platform (get_platform()); {type(platform).__name__} lacks {missing}"
+            )
+        if not isinstance(config, RunnerConfig):
+            raise ValidationError(f"RunnerBackend needs a RunnerConfig; got {type(config).__name__}")
+        if not isinstance(config.mode, KVCacheMode):
+            raise ValidationError(
+                f"RunnerConfig.mode must be KVCacheMode.PAGED or KVCacheMode.DENSE; got {config.mode!r}"
+            )
+        _check_parallel(config.parallel)
+        if config.slot_mapping_dtype is not None and config.slot_mapping_dtype not in (
+            torch.int32,
+            torch.int64,
+        ):
+            raise ValidationError(
+                f"RunnerConfig.slot_mapping_dtype must be torch.int32, torch.int64 or None; got "
+                f"{config.slot_mapping_dtype!r}"
+            )
         for name in (
             "max_model_len",
             "max_rows_per_request",
@@ -209,10 +242,17 @@ class RunnerBackend:
                 raise ValidationError(
                     f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
                 )
+        wanted = config.device if config.device is not None else platform.device()
+        try:
+            device = resolve_device(wanted)
+        except Exception as exc:  # a malformed name, a device type torch does not have here
+            raise ValidationError(
+                f"RunnerConfig.device={wanted!r} cannot be used here ({type(exc).__name__}: {exc})"
+            ) from exc
         self.dcp_merger = dcp_merger
         self.platform = platform
         self.config = config
-        self.device = resolve_device(config.device if config.device is not None else platform.device())
+        self.device = device
         self.layers: dict[str, LayerGeometry] = {}
         self.cache_roles: frozenset[str] = frozenset()
         self.layout: CacheLayout | None = None
@@ -256,6 +296,10 @@ class RunnerBackend:
         """
         if self.initialized:
             raise StateError("paged KV-cache layers cannot change after the KV cache is initialised")
+        if not isinstance(layers, Mapping):
+            raise ValidationError(
+                f"register_kv_cache_layers takes a mapping of layer name to PagedLayerSpec; got {type(layers).__name__}"
+            )
         if not layers:
             raise ValidationError("register at least one paged attention layer")
         geometry: dict[str, LayerGeometry] = {}
@@ -609,6 +653,14 @@ class RunnerBackend:
         return self.registry.generation_high_water if self.registry is not None else -1
 
     def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
+        if type(request_id) is not str or not request_id:
+            raise ValidationError(f"resolve takes a non-empty request id string; got {request_id!r}")
+        if sequence_id is not None and (type(sequence_id) is not int or sequence_id < 0):
+            raise ValidationError(f"resolve: sequence_id must be an int >= 0 or None; got {sequence_id!r}")
+        if context_id is not None and (type(context_id) is not str or not context_id):
+            raise ValidationError(
+                f"resolve: context_id must be a non-empty string or None; got {context_id!r}"
+            )
         if self.registry is None:
             raise StateError("the paged KV cache is not initialised")
         return self.registry.resolve(request_id, sequence_id, context_id)
@@ -620,6 +672,8 @@ class RunnerBackend:
     @contextmanager
     def activate(self, phases: PhaseRows) -> Iterator[PagedRuntime]:
         """A runtime for one denoise loop; closed (and deactivated) on exit."""
+        if not isinstance(phases, PhaseRows):
+            raise ValidationError(f"activate takes PhaseRows; got {type(phases).__name__}")
         registry, translator, _ = self._require()
         if self.config.cfg_parallel_size > 1:
             installed = {r.request_id for r in (*phases.prefill, *phases.denoise)}
@@ -665,6 +719,7 @@ class RunnerBackend:
     def capture(self, fn: Callable[..., Any], *inputs: torch.Tensor, warmups: int = 1) -> CapturedStep:
         """Record ``fn(*inputs)`` — one step of the model over the active batch — as a CUDA graph
         (see :mod:`diffusion_kv.core.graphs`); ``replay(*new_inputs)`` re-runs it."""
+        check_capture_args(fn, inputs, warmups)
         _, translator, _ = self._require()
         lacking = [b.name for b in self.backends if not b.capabilities.supports_graph_capture]
         if lacking:
@@ -686,6 +741,9 @@ class RunnerBackend:
         return total
 
     def blocks_for(self, num_tokens: int) -> list[int]:
+        """Blocks a row of ``num_tokens`` tokens occupies in each KV-cache group."""
+        if type(num_tokens) is not int or num_tokens < 0:
+            raise ValidationError(f"blocks_for takes a token count, an int >= 0; got {num_tokens!r}")
         if self.layout is None:
             raise StateError("the paged KV cache is not initialised")
         return [cdiv(num_tokens, g.block_size * self.config.cp_size) for g in self.layout.groups]

@@ -168,6 +168,8 @@ class DiffusionRequest:
             object.__setattr__(self, "full_attn_spans", ((self.prefix_len, self.seq_len),))
         else:
             try:
+                if any(not isinstance(pair, (tuple, list)) for pair in self.full_attn_spans):
+                    raise TypeError
                 spans = tuple((a, b) for a, b in self.full_attn_spans)
             except (TypeError, ValueError):
                 raise ValidationError(
@@ -194,9 +196,16 @@ class DiffusionRequest:
             tuple(SequenceRequest(i, self.prefix_len, self.target_len) for i in range(self.cfg_rows)),
         )
 
+    def _check_step(self, step: object) -> int:
+        if type(step) is not int or not 0 <= step < self.steps:
+            raise ValidationError(
+                f"request {self.request_id!r} step must be an int in [0, {self.steps}); got {step!r}"
+            )
+        return step
+
     def phase(self, step: int) -> Phase:
         """Prefill at the first step, and at every step of a request without prefix."""
-        return Phase.PREFILL if step == 0 or self.prefix_len == 0 else Phase.DENOISE
+        return Phase.PREFILL if self._check_step(step) == 0 or self.prefix_len == 0 else Phase.DENOISE
 
     def rows(self, step: int) -> tuple[PagedRow, ...]:
         """The request's paged rows at ``step`` (one per CFG row)."""

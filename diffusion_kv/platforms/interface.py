@@ -41,7 +41,7 @@ from diffusion_kv.core.capabilities import (
     Requirements,
     capability_reasons,
 )
-from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError
+from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
 
 __all__ = [
     "ENV_BACKEND",
@@ -68,14 +68,55 @@ ENV_BACKEND = "DIFFUSION_KV_BACKEND"
 
 def forced_backend(platform: str) -> str | None:
     """The backend ``DIFFUSION_KV_BACKEND`` forces on ``platform`` (None: not set, or it names
-    another platform); a malformed value is a :class:`ConfigurationError`."""
+    another installed platform); a malformed value, or one naming a platform that is not
+    installed, is a :class:`ConfigurationError`."""
+    forced = forced_setting()
+    if forced is None:
+        return None
+    name, backend = forced
+    if name == platform:
+        return backend
+    from diffusion_kv.platforms.selection import discover  # lazy: discovery
+
+    plugins = discover()
+    if name not in plugins.records:
+        raise ConfigurationError(
+            f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {name!r}, which is not "
+            f"installed in group {plugins.namespace!r} (installed: {', '.join(plugins.names) or 'none'}); "
+            "expected <platform>:<backend>, e.g. cuda:triton"
+        )
+    return None
+
+
+def forced_setting() -> tuple[str, str] | None:
+    """``DIFFUSION_KV_BACKEND`` as ``(platform, backend)`` (None: not set); a malformed value is a
+    :class:`ConfigurationError`."""
     raw = os.environ.get(ENV_BACKEND, "").strip()
     if not raw:
         return None
     name, sep, backend = raw.partition(":")
     if not sep or not name.strip() or not backend.strip():
         raise ConfigurationError(f"{ENV_BACKEND}={raw!r}; expected <platform>:<backend>, e.g. cuda:triton")
-    return backend.strip() if name.strip() == platform else None
+    return name.strip(), backend.strip()
+
+
+def _check_requirements(requirements: object) -> Requirements:
+    if not isinstance(requirements, Requirements):
+        raise ValidationError(
+            f"requirements must be a Requirements record; got {type(requirements).__name__}"
+        )
+    return requirements
+
+
+def _check_backends(backends: object) -> tuple[type[PagedBackend], ...]:
+    if isinstance(backends, (str, bytes)) or not isinstance(backends, (tuple, list)):
+        raise ValidationError(
+            f"compatible_with must be a sequence of PagedBackend classes; got {type(backends).__name__}"
+        )
+    bad = [b for b in backends if not (isinstance(b, type) and issubclass(b, PagedBackend))]
+    if bad:
+        raise ValidationError(f"compatible_with must hold PagedBackend classes; got {bad!r}")
+    return tuple(backends)
 
 
 def _block_tables_of(backend: type[PagedBackend]) -> type:
@@ -175,7 +216,7 @@ class Platform(abc.ABC):
 
     def not_supported_reasons(self, requirements: Requirements) -> list[str]:
         """Empty when some backend serves ``requirements``; else every backend's reasons."""
-        candidates = self._candidates(requirements)
+        candidates = self._candidates(_check_requirements(requirements))
         if any(not reasons for _, reasons in candidates):
             return []
         return [f"{b.name}: {r}" for b, reasons in candidates for r in reasons] or ["no paged backend"]
@@ -183,6 +224,8 @@ class Platform(abc.ABC):
     def _candidates(
         self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
     ) -> list[tuple[type[PagedBackend], list[str]]]:
+        requirements = _check_requirements(requirements)
+        compatible_with = _check_backends(compatible_with)
         forced = forced_backend(self.name)
         candidates = self.candidate_backends()
         if forced is not None:
@@ -244,7 +287,7 @@ class Platform(abc.ABC):
 
     def explain(self, requirements: Requirements | None = None) -> list[str]:
         """Every backend in priority order, with whether it would be chosen and why not."""
-        req = requirements or Requirements()
+        req = _check_requirements(requirements) if requirements is not None else Requirements()
         try:
             candidates = self._candidates(req)
         except ConfigurationError as exc:

@@ -42,14 +42,23 @@ from stevedore import ExtensionManager, NamedExtensionManager
 from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
+    ConfigurationError,
     DuplicatePlatformError,
     PlatformError,
     PlatformNotFoundError,
     PlatformUnavailableError,
     PluginLoadError,
     UnsupportedRequirementsError,
+    ValidationError,
 )
-from diffusion_kv.platforms.interface import Availability, Capabilities, Platform, Requirements
+from diffusion_kv.platforms.interface import (
+    ENV_BACKEND,
+    Availability,
+    Capabilities,
+    Platform,
+    Requirements,
+    forced_setting,
+)
 
 ENTRY_POINT_GROUP = "diffusion_kv.platforms"
 BACKEND_GROUP_SUFFIX = ".backends"
@@ -703,6 +712,14 @@ _CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}
 
 def discover(namespace: str | None = None, allowlist: Iterable[str] | None = None) -> PluginSet:
     """Load (once) the plugins of ``namespace`` limited by ``allowlist`` or the env allowlist."""
+    if namespace is not None and (type(namespace) is not str or not namespace):
+        raise ValidationError(f"an entry-point group must be a non-empty string or None; got {namespace!r}")
+    if allowlist is not None:
+        if isinstance(allowlist, (str, bytes)) or not isinstance(allowlist, Iterable):
+            raise ValidationError(f"an allowlist must be an iterable of plugin names; got {allowlist!r}")
+        allowlist = tuple(allowlist)
+        if any(type(n) is not str or not n for n in allowlist):
+            raise ValidationError(f"an allowlist must hold non-empty plugin names; got {list(allowlist)!r}")
     ns = namespace or os.environ.get(ENV_GROUP) or ENTRY_POINT_GROUP
     allow = frozenset(allowlist) if allowlist is not None else _allowlist_from_env()
     key = (ns, allow)
@@ -761,7 +778,20 @@ def select_platform(
     warn: Callable[[str], None] | None = None,
 ) -> Selection:
     """Apply the selection rules (module docstring) and explain the choice."""
+    if name is not None and (type(name) is not str or not name):
+        raise ValidationError(f"a platform name must be a non-empty string or None; got {name!r}")
+    if requirements is not None and not isinstance(requirements, Requirements):
+        raise ValidationError(
+            f"requirements must be a Requirements record or None; got {type(requirements).__name__}"
+        )
     plugins = discover(namespace)
+    forced = forced_setting()
+    if forced is not None and forced[0] not in plugins.records:
+        raise ConfigurationError(
+            f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {forced[0]!r}, which is not "
+            f"installed in group {plugins.namespace!r} (installed: {', '.join(plugins.names) or 'none'}); "
+            "expected <platform>:<backend>, e.g. cuda:triton"
+        )
     requested = name if name is not None else (os.environ.get(ENV_PLATFORM) or None)
     skipped = tuple(f"{r.name}: {r.error}" for r in plugins.broken())
 

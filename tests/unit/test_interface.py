@@ -234,8 +234,15 @@ def test_the_environment_forces_one_backend(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(ENV_BACKEND, "toy:fast")
     with pytest.raises(UnsupportedRequirementsError, match="limits the candidates to one"):
         toy.select_backend(Requirements(dtype=torch.float32))  # no silent fallback
+    monkeypatch.setenv(ENV_BACKEND, "cuda:triton")
+    assert toy.select_backend(Requirements(dtype=torch.float32)).name == "broad"  # another installed platform's
     monkeypatch.setenv(ENV_BACKEND, "other:whatever")
-    assert toy.select_backend(Requirements(dtype=torch.float32)).name == "broad"  # names another platform
+    with pytest.raises(
+        ConfigurationError,
+        match=r"DIFFUSION_KV_BACKEND='other:whatever' names platform 'other', which is not installed in group "
+        r"'diffusion_kv.platforms' \(installed: cpu, cuda, npu\)",
+    ):
+        toy.select_backend(Requirements(dtype=torch.float32))  # never silently ignored
     monkeypatch.setenv(ENV_BACKEND, "toy:nope")
     with pytest.raises(
         ConfigurationError,
