@@ -119,6 +119,11 @@ def reap_unreserved(
     installed after its request ended, rows a previous scheduler left). ``before`` runs first
     when there is something to reap (a runtime deactivating its batch). Returns the request
     ids reaped; one the worker fails to remove stays for the next call."""
+    if not isinstance(runner, RunnerBackend) or not isinstance(allocator, DiffusionKVAllocator):
+        raise ValidationError(
+            "reap_unreserved takes a RunnerBackend and a DiffusionKVAllocator; got "
+            f"{type(runner).__name__} and {type(allocator).__name__}"
+        )
     registry = runner.registry
     if registry is None:
         return ()

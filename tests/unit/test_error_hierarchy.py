@@ -122,6 +122,11 @@ CASES: dict[str, tuple[Callable[[], object], type[DiffusionKVError], str]] = {
     "DiffusionRequest.rows(2)": (lambda: request().rows(2), V, "step must be an int in [0, 2); got 2"),
     "DiffusionRequest.phase(None)": (lambda: request().phase(None), V, "got None"),  # type: ignore[arg-type]
     "DiffusionRequest.step_tokens('0')": (lambda: request().step_tokens("0"), V, "got '0'"),  # type: ignore[arg-type]
+    "reap_unreserved(None, allocator)": (
+        lambda: diffusion_kv.reap_unreserved(None, allocator()),  # type: ignore[arg-type]
+        V,
+        "reap_unreserved takes a RunnerBackend and a DiffusionKVAllocator; got NoneType and DiffusionKVAllocator",
+    ),
     # -- the allocator and its pool --------------------------------------------------------------
     "FreeListPool.allocate(-1)": (lambda: FreeListPool(4).allocate(-1), V, "an int >= 0; got -1"),
     "FreeListPool.allocate(1.5)": (lambda: FreeListPool(4).allocate(1.5), V, "an int >= 0; got 1.5"),  # type: ignore[arg-type]
