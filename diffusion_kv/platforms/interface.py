@@ -80,12 +80,17 @@ def forced_backend(platform: str) -> str | None:
 
     plugins = discover()
     if name not in plugins.records:
-        raise ConfigurationError(
-            f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {name!r}, which is not "
-            f"installed in group {plugins.namespace!r} (installed: {', '.join(plugins.names) or 'none'}); "
-            "expected <platform>:<backend>, e.g. cuda:triton"
-        )
+        raise forced_platform_missing(name, plugins.namespace, plugins.names)
     return None
+
+
+def forced_platform_missing(name: str, group: str, installed: Sequence[str]) -> ConfigurationError:
+    """The error for ``DIFFUSION_KV_BACKEND`` naming platform ``name``, which is not installed."""
+    return ConfigurationError(
+        f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {name!r}, which is not "
+        f"installed in group {group!r} (installed: {', '.join(installed) or 'none'}); expected "
+        "<platform>:<backend>, e.g. cuda:triton"
+    )
 
 
 def forced_setting() -> tuple[str, str] | None:

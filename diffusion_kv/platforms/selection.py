@@ -42,7 +42,6 @@ from stevedore import ExtensionManager, NamedExtensionManager
 from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
-    ConfigurationError,
     DuplicatePlatformError,
     PlatformError,
     PlatformNotFoundError,
@@ -52,11 +51,11 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.platforms.interface import (
-    ENV_BACKEND,
     Availability,
     Capabilities,
     Platform,
     Requirements,
+    forced_platform_missing,
     forced_setting,
 )
 
@@ -787,11 +786,7 @@ def select_platform(
     plugins = discover(namespace)
     forced = forced_setting()
     if forced is not None and forced[0] not in plugins.records:
-        raise ConfigurationError(
-            f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {forced[0]!r}, which is not "
-            f"installed in group {plugins.namespace!r} (installed: {', '.join(plugins.names) or 'none'}); "
-            "expected <platform>:<backend>, e.g. cuda:triton"
-        )
+        raise forced_platform_missing(forced[0], plugins.namespace, plugins.names)
     requested = name if name is not None else (os.environ.get(ENV_PLATFORM) or None)
     skipped = tuple(f"{r.name}: {r.error}" for r in plugins.broken())
 
