@@ -479,7 +479,12 @@ class RunnerBackend:
         kernels = []
         for g, (group, backend_cls) in enumerate(zip(layout.groups, chosen, strict=True)):
             kernel = backend_cls.capabilities.kernel_block_size_for(group.block_size)
-            assert kernel is not None  # selection checked the block size
+            if kernel is None:  # its not_supported_reasons accepted a block size its capabilities do not
+                raise NativeBackendError(
+                    f"platform {self.platform.name!r} chose backend {backend_cls.name!r} for KV-cache group {g}, "
+                    f"but its capabilities declare no kernel block size for block size {group.block_size} "
+                    f"({', '.join(map(str, backend_cls.capabilities.kernel_block_sizes))}); nothing was initialised"
+                )
             if c_cp > 1 and kernel % self.config.cp_interleave:
                 raise ValidationError(
                     f"cp_interleave={self.config.cp_interleave} must divide the kernel block size {kernel} "

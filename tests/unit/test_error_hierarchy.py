@@ -10,6 +10,7 @@ its message names, and that the refusal changed nothing. Each case raised a buil
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from diffusion_kv import (
     KVCacheGroup,
     KVCacheMode,
     KVRequest,
+    NativeBackendError,
     PagedLayerSpec,
     ParallelConfig,
     PhaseRows,
@@ -401,3 +403,28 @@ def test_a_backend_forced_on_a_platform_that_is_not_installed_is_an_error(
     runner = registered()
     runner.initialize_kv_cache(num_blocks=16, block_size=BS)
     assert type(runner.backends[0]) is CpuReferenceBackend
+
+
+def test_a_backend_accepting_a_block_size_its_kernels_lack_is_a_native_error() -> None:
+    """Its ``not_supported_reasons`` said yes, its capabilities say no: an error, not an assert."""
+
+    class Inconsistent(CpuReferenceBackend):
+        name = "inconsistent"
+        capabilities = dataclasses.replace(CpuReferenceBackend.capabilities, kernel_block_sizes=(16,))
+
+        @classmethod
+        def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+            return []
+
+    class InconsistentCpu(CpuPlatform):
+        backends = (Inconsistent,)
+
+    runner = RunnerBackend(InconsistentCpu(), config())
+    runner.register_kv_cache_layers({"l0": PagedLayerSpec(2, 1, 8, torch.float32)})
+    with pytest.raises(
+        NativeBackendError,
+        match=r"chose backend 'inconsistent' for KV-cache group 0, but its capabilities declare no kernel "
+        r"block size for block size 4 \(16\)",
+    ):
+        runner.initialize_kv_cache(num_blocks=16, block_size=BS)
+    assert not runner.initialized
