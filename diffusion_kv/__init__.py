@@ -59,6 +59,7 @@ from diffusion_kv.core.scheduler import (
     RequestStatus,
     StepBatch,
     StepReport,
+    reap_unreserved,
 )
 from diffusion_kv.platforms.interface import Platform
 from diffusion_kv.platforms.selection import PlatformStatus, available_platforms, get_platform
@@ -127,5 +128,6 @@ __all__ = [
     "__version__",
     "available_platforms",
     "get_platform",
+    "reap_unreserved",
     "refresh_platforms",
 ]

@@ -184,13 +184,29 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             "error": error,
             "platforms": [s.as_dict() for s in statuses],
             "skipped_entry_points": [
-                {
-                    "name": r.name,
-                    "entry_point": r.entry_point,
-                    "distribution": " | ".join(r.distributions),
-                    "error": str(r.error),
-                }
-                for r in plugins.shadowed
+                *(
+                    {
+                        "kind": "platform",
+                        "name": r.name,
+                        "entry_point": r.entry_point,
+                        "group": plugins.namespace,
+                        "distribution": " | ".join(r.distributions),
+                        "error": str(r.error),
+                    }
+                    for r in plugins.shadowed
+                ),
+                *(
+                    {
+                        "kind": "backend",
+                        "name": r.name,
+                        "platform": r.platform,
+                        "entry_point": r.entry_point,
+                        "group": plugins.backend_namespace,
+                        "distribution": r.distribution,
+                        "error": str(r.error),
+                    }
+                    for r in plugins.broken_backends()
+                ),
             ],
         }
         print(json.dumps(payload, indent=2, sort_keys=True))
@@ -216,13 +232,16 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         for s in statuses:
             print(f"{s.name}: {_caps_line(s)}")
         broken = [s for s in statuses if s.error is not None]
-        if broken or plugins.shadowed:
+        broken_backends = plugins.broken_backends()
+        if broken or plugins.shadowed or broken_backends:
             print()
             print("plugins that failed to load:")
             for s in broken:
                 print(f"  {s.name}: {s.error}")
             for r in plugins.shadowed:
                 print(f"  {r.name} (skipped entry point): {r.error}")
+            for b in broken_backends:
+                print(f"  {b.name} (backend, skipped): {b.error}")
         noted = [s for s in statuses if s.notes]
         if noted:
             print()
@@ -256,7 +275,21 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     print(f"conformance kit on platform {platform.name!r}", flush=True)
     argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
     argv += ["-q"] if not args.verbose else ["-v"]
-    return EXIT_OK if int(pytest.main([*argv, *args.pytest_args])) == 0 else EXIT_ERROR
+
+    class _Interrupts:
+        """pytest turns Ctrl-C into its exit code 2, which it also uses for collection errors."""
+
+        seen = False
+
+        def pytest_keyboard_interrupt(self) -> None:
+            _Interrupts.seen = True
+
+    code = int(pytest.main([*argv, *args.pytest_args], plugins=[_Interrupts()]))
+    if _Interrupts.seen:
+        raise KeyboardInterrupt
+    if code == int(pytest.ExitCode.USAGE_ERROR):
+        raise UsageError(f"pytest refused the arguments {args.pytest_args} (its message is above)")
+    return EXIT_OK if code == 0 else EXIT_ERROR
 
 
 DTYPES = {
@@ -371,6 +404,23 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
 
     if "WORLD_SIZE" not in os.environ:
         raise UsageError("--ulysses N, --cfg-parallel and --dcp N run under torchrun (WORLD_SIZE is not set)")
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise UsageError(
+            f"--ulysses N, --cfg-parallel and --dcp N run under torchrun ({', '.join(missing)} not set); "
+            "launch with torchrun --nproc-per-node N"
+        )
+    world = args.dcp if args.dcp > 1 else args.ulysses * (2 if args.cfg_parallel else 1)
+    if os.environ["WORLD_SIZE"].strip() != str(world):
+        split = (
+            f"--dcp {args.dcp}"
+            if args.dcp > 1
+            else f"--ulysses {args.ulysses}" + (" x 2 (--cfg-parallel)" if args.cfg_parallel else "")
+        )
+        raise UsageError(
+            f"{split} needs a world of {world} ranks; torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            f"(use torchrun --nproc-per-node {world})"
+        )
     try:
         check_parallel_config(cfg, args.ulysses, args.cfg_parallel, args.dcp, args.dcp_interleave)
         device = platform.device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
@@ -577,6 +627,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         problems.append(
             f"--dtype {args.dtype} (supported: {sorted(str(d).removeprefix('torch.') for d in platform.capabilities.dtypes)})"
         )
+    if dtype is None:  # the bench's default, as run_bench picks it: refused here, before any work
+        default = torch.bfloat16 if platform.device().type == "cuda" else torch.float32
+        if default not in platform.capabilities.dtypes:
+            supported = sorted(str(d).removeprefix("torch.") for d in platform.capabilities.dtypes)
+            problems.append(
+                f"the default dtype {str(default).removeprefix('torch.')} (supported: {supported}; choose --dtype)"
+            )
     bad_blocks = [b for b in args.block_sizes if not platform.capabilities.supports_block_size(b)]
     if bad_blocks:
         rules = ", ".join(str(r) for r in platform.capabilities.kernel_block_sizes)

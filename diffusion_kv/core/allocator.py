@@ -17,7 +17,14 @@ blocks with a new generation; a different request under a reserved id is an
 lengths and contexts (non-empty string ids, integer ``sequence_id >= 0``, integer lengths
 ``>= 0``, never a bool or a float), so nothing the worker would refuse is ever reserved.
 ``free`` is idempotent per request; :meth:`FreeListPool.free` refuses a block listed twice and
-any double free, atomically. Generations increase monotonically across all requests.
+any double free, atomically. Generations increase monotonically across all requests, and
+:meth:`DiffusionKVAllocator.advance_generation` moves them past what a worker has already seen
+(a scheduler starting over on a live worker continues above its high-water mark).
+
+A worker with several KV-cache groups (causal and full layers, say) needs blocks in every
+group: ``num_groups`` gives each row the same block ids in each of them (one block id is one
+block of every layer, as :meth:`~diffusion_kv.core.runner.RunnerBackend.kv_bytes_per_block`
+counts it).
 
 The block source is a :class:`BlockPool`; vLLM's own ``KVCacheManager`` can take the
 allocator's place in vLLM-Omni, since the worker only sees snapshots.
@@ -89,6 +96,8 @@ class FreeListPool:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
+        if type(n) is not int or n < 0:
+            raise ValidationError(f"allocate takes a block count, an int >= 0; got {n!r}")
         if n > len(self._free):
             return None
         runs = free_runs(self._free)
@@ -171,6 +180,11 @@ class _Reservation:
     block_ids: list[int] = field(default_factory=list)
 
 
+def _check_id(request_id: object, call: str) -> None:
+    if type(request_id) is not str or not request_id:
+        raise ValidationError(f"{call} takes a non-empty request id string; got {request_id!r}")
+
+
 def _count(value: object) -> bool:
     return type(value) is int and value >= 0
 
@@ -186,19 +200,28 @@ class DiffusionKVAllocator:
         max_rows_per_request: int,
         worker_rows: int,
         pool: BlockPool,
+        num_groups: int = 1,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
             ("max_model_len", max_model_len),
             ("max_rows_per_request", max_rows_per_request),
             ("worker_rows", worker_rows),
+            ("num_groups", num_groups),
         ):
             if type(value) is not int or value <= 0:
                 raise ValidationError(f"{name} must be a positive integer; got {value!r}")
+        missing = [m for m in ("num_total", "num_free", "allocate", "free") if not hasattr(pool, m)]
+        if missing:
+            raise ValidationError(
+                f"pool must be a BlockPool (num_total, num_free, allocate, free); {type(pool).__name__} "
+                f"lacks {missing}"
+            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_rows_per_request = max_rows_per_request
         self.worker_rows = worker_rows
+        self.num_groups = num_groups
         self.pool = pool
         self._reserved: dict[str, _Reservation] = {}
         self._generation = 0
@@ -217,8 +240,23 @@ class DiffusionKVAllocator:
         return tuple(self._reserved)
 
     def blocks_of(self, request_id: str) -> list[int]:
+        _check_id(request_id, "blocks_of")
         res = self._reserved.get(request_id)
         return list(res.block_ids) if res is not None else []
+
+    @property
+    def generation(self) -> int:
+        """The last generation handed out (0: none yet): every snapshot issued so far has a
+        generation up to it, and every later one a higher one."""
+        return self._generation
+
+    def advance_generation(self, at_least: int) -> None:
+        """Hand out generations above ``at_least`` from now on (never lowers them): a scheduler
+        starting over on a live worker continues above the worker's high-water mark, so its
+        snapshots are not mistaken for late deliveries of the requests it had before."""
+        if type(at_least) is not int or at_least < -1:
+            raise ValidationError(f"advance_generation takes an int >= -1; got {at_least!r}")
+        self._generation = max(self._generation, at_least)
 
     # -- reservation --------------------------------------------------------------------------
 
@@ -315,7 +353,11 @@ class DiffusionKVAllocator:
 
     def reserve(self, request: KVRequest) -> RequestAllocation | None:
         """Reserve every row of ``request`` (see module docstring for the three outcomes)."""
-        existing = self._reserved.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
+        if not isinstance(request, KVRequest):
+            raise AdmissionError(f"reserve takes a KVRequest; got {type(request).__name__}")
+        if type(request.request_id) is not str or not request.request_id:
+            raise AdmissionError(f"request_id must be a non-empty string; got {request.request_id!r}")
+        existing = self._reserved.get(request.request_id)
         if existing is not None:
             if request != existing.request:
                 raise AdmissionError(
@@ -345,14 +387,16 @@ class DiffusionKVAllocator:
                 prefix_len=s.prefix_len,
                 target_len=s.target_len,
                 seq_len=s.prefix_len + s.target_len,
-                block_ids=(per_row[i],),
+                block_ids=(per_row[i],) * self.num_groups,
                 context_ids=s.context_ids,
             )
             for i, s in enumerate(request.sequences)
         )
         offset = len(request.sequences)
         contexts = tuple(
-            ContextAllocation(c.context_id, c.cache_role, c.num_tokens, (per_row[offset + i],))
+            ContextAllocation(
+                c.context_id, c.cache_role, c.num_tokens, (per_row[offset + i],) * self.num_groups
+            )
             for i, c in enumerate(request.contexts)
         )
         self._generation += 1
@@ -362,8 +406,7 @@ class DiffusionKVAllocator:
 
     def free(self, request_id: str) -> int:
         """Release a request's blocks (idempotent); returns how many were released."""
-        if type(request_id) is not str or not request_id:
-            raise ValidationError(f"free takes a non-empty request id string; got {request_id!r}")
+        _check_id(request_id, "free")
         res = self._reserved.pop(request_id, None)
         if res is None:
             return 0

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.errors import ValidationError
+
 
 class AttentionMode(enum.Enum):
     """The one representation of an attention mode (layers, segments, batches, capabilities)."""
@@ -221,6 +223,30 @@ class Requirements:
     dcp_size: int = 1
     num_rows: int | None = None
     graph_capture: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise ValidationError(f"Requirements.dtype must be a torch.dtype or None; got {self.dtype!r}")
+        for name in ("head_size", "num_heads", "num_kv_heads", "block_size", "num_rows"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValidationError(f"Requirements.{name} must be a positive int or None; got {value!r}")
+        for name in ("ulysses_degree", "dcp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValidationError(f"Requirements.{name} must be a positive int; got {value!r}")
+        modes = self.attention_modes
+        if isinstance(modes, (str, bytes)) or not isinstance(modes, (set, frozenset, tuple, list)):
+            raise ValidationError(
+                f"Requirements.attention_modes must be a set of AttentionMode; got {type(modes).__name__} {modes!r}"
+            )
+        if any(not isinstance(m, AttentionMode) for m in modes):
+            raise ValidationError(
+                f"Requirements.attention_modes must hold AttentionMode values; got {modes!r}"
+            )
+        object.__setattr__(self, "attention_modes", frozenset(modes))
+        if type(self.graph_capture) is not bool:
+            raise ValidationError(f"Requirements.graph_capture must be a bool; got {self.graph_capture!r}")
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``dtype=float16, head_size=128``."""

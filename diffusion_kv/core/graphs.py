@@ -44,6 +44,15 @@ def _tensors(values: Sequence[Any], what: str) -> tuple[torch.Tensor, ...]:
     return tuple(values)
 
 
+def check_capture_args(fn: object, inputs: Sequence[object], warmups: object) -> None:
+    """What capture takes: a callable step, tensors, and ``warmups`` an int >= 1."""
+    if not callable(fn):
+        raise ValidationError(f"capture takes the step function fn(*inputs); got {type(fn).__name__} {fn!r}")
+    if type(warmups) is not int or warmups < 1:
+        raise ValidationError(f"capture warmups must be an int >= 1; got {warmups!r}")
+    _tensors(inputs, "inputs")
+
+
 class CapturedStep:
     """One step function recorded as a CUDA graph over the translator's active batch."""
 
@@ -55,6 +64,7 @@ class CapturedStep:
         *,
         warmups: int = 1,
     ) -> None:
+        check_capture_args(fn, inputs, warmups)
         state = translator.require_active()
         device = translator.device
         if device.type != "cuda":
@@ -66,7 +76,7 @@ class CapturedStep:
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(max(1, warmups)):
+            for _ in range(warmups):
                 self.warmup_output = fn(*self.static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()

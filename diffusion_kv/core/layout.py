@@ -65,6 +65,15 @@ class KVCacheGroup:
 
     def __post_init__(self) -> None:
         _positive_int(self.block_size, "KVCacheGroup.block_size")
+        if isinstance(self.layer_names, (str, bytes)) or not isinstance(self.layer_names, (tuple, list)):
+            raise ValidationError(
+                f"KVCacheGroup.layer_names must be a tuple of layer names; got {type(self.layer_names).__name__} "
+                f"{self.layer_names!r}"
+            )
+        if not isinstance(self.spec, AttentionSpec):
+            raise ValidationError(
+                f"KVCacheGroup.spec must be an AttentionSpec; got {type(self.spec).__name__}"
+            )
         names = tuple(self.layer_names)
         if not names:
             raise ValidationError("KVCacheGroup.layer_names must name at least one layer")
@@ -96,6 +105,10 @@ class CacheLayout:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.groups, (tuple, list)):
+            raise ValidationError(
+                f"CacheLayout.groups must be a tuple of KVCacheGroup; got {type(self.groups).__name__}"
+            )
         groups = tuple(self.groups)
         if not groups:
             raise ValidationError("CacheLayout requires at least one KV-cache group")

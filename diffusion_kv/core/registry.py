@@ -17,6 +17,12 @@ Rules (each has a test):
   the one a removed request had is refused (late or duplicated delivery). The registry
   remembers the last generation of at most ``generation_memory`` removed request ids (least
   recently removed forgotten first; about 200 bytes each);
+* retirement is removal for good: ``retire(request_id, through)`` removes the rows and leaves
+  a tombstone, so every snapshot of that request up to generation ``through`` (the scheduler's
+  generation when it freed the blocks: every snapshot it ever sent for them) is refused, even
+  one newer than the installed generation that was still in flight. Tombstones share the
+  removed-generation memory; ``generation_high_water`` is the highest generation the worker
+  has seen, where a scheduler that starts over continues;
 * block ownership, per KV-cache group: a block that backs a token a row will write (anything
   outside its declared cached prefix) belongs to that row alone. A block lying wholly inside
   a row's cached prefix is read-only for it and may be held by several rows, provided none of
@@ -187,6 +193,7 @@ class RowRegistry:
         self._bindings: dict[Identity, RowBinding] = {}
         self._serial = 0
         self._removed: OrderedDict[str, int] = OrderedDict()  # request id -> last generation
+        self._high_water = -1  # the highest generation installed, recorded or retired
 
     # -- views --------------------------------------------------------------------------------
 
@@ -215,8 +222,15 @@ class RowRegistry:
         return state.snapshot if state is not None else None
 
     def removed_generation(self, request_id: str) -> int | None:
-        """The last generation of a removed request, while the registry remembers it."""
+        """The last generation of a removed request (for a retired one, the generation it was
+        retired through), while the registry remembers it."""
         return self._removed.get(request_id)
+
+    @property
+    def generation_high_water(self) -> int:
+        """The highest allocation generation this worker has installed, recorded or retired
+        (-1: none). A scheduler that starts over hands out generations above it."""
+        return self._high_water
 
     def holders_of(self, group: int, block_id: int) -> dict[Identity, bool]:
         """The live rows holding ``block_id`` in KV-cache ``group``, each with whether it writes it."""
@@ -457,6 +471,7 @@ class RowRegistry:
             if gen > state.generation:
                 self._states[rid] = _RequestState(gen, snapshot, state.installs)
                 self._bindings.clear()
+                self._high_water = max(self._high_water, gen)
             return False
         orphans = [i.identity for i in installs if i.identity in self._rows]
         if orphans:
@@ -479,6 +494,7 @@ class RowRegistry:
             self._hold(install)
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
         self._removed.pop(rid, None)
+        self._high_water = max(self._high_water, gen)
         return True
 
     def _hold(self, install: RowInstall, release: bool = False) -> None:
@@ -551,6 +567,33 @@ class RowRegistry:
         self._free.extend(rows)
         self._free.sort(reverse=True)
         return len(rows)
+
+    def retire(self, request_id: str, through_generation: int) -> int:
+        """Remove ``request_id`` for good: its rows are cleared (as :meth:`remove` does) and every
+        snapshot of it with a generation up to ``through_generation`` is refused from now on
+        (see module rules). Retiring a request that is not installed only leaves the tombstone.
+        A request installed at a generation newer than ``through_generation`` belongs to a later
+        reservation: :class:`GenerationError`, nothing changes. Returns the rows cleared."""
+        if type(request_id) is not str or not request_id:
+            raise ValidationError(f"retire takes a non-empty request id string; got {request_id!r}")
+        if type(through_generation) is not int or through_generation < 0:
+            raise ValidationError(
+                f"retire of request {request_id!r}: through_generation must be an int >= 0; "
+                f"got {through_generation!r}"
+            )
+        if self.mode is not KVCacheMode.PAGED:
+            return 0
+        state = self._states.get(request_id)
+        if state is not None and state.generation > through_generation:
+            raise GenerationError(
+                f"request {request_id!r} is installed at generation {state.generation}, newer than the "
+                f"retirement through generation {through_generation}: a later reservation owns it"
+            )
+        cleared = self.remove(request_id) if state is not None else 0
+        last = max(through_generation, self._removed.get(request_id, -1))
+        self._remember_removed(request_id, last)
+        self._high_water = max(self._high_water, through_generation)
+        return cleared
 
     def _remember_removed(self, request_id: str, generation: int) -> None:
         if self.generation_memory == 0:

@@ -66,6 +66,10 @@ class PhaseRows:
     denoise: tuple[PagedRow, ...]
 
     def __post_init__(self) -> None:
+        for name in ("prefill", "denoise"):
+            rows = getattr(self, name)
+            if not isinstance(rows, (tuple, list)) or not all(isinstance(r, PagedRow) for r in rows):
+                raise ValidationError(f"PhaseRows.{name} must be a sequence of PagedRow; got {rows!r}")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "denoise", tuple(self.denoise))
         if not self.prefill or not self.denoise:

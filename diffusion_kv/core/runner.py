@@ -49,8 +49,9 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.execute import PagedExecutor
-from diffusion_kv.core.graphs import CapturedStep
+from diffusion_kv.core.graphs import CapturedStep, check_capture_args
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
+from diffusion_kv.core.memory import footprint, shared_memory
 from diffusion_kv.core.parallel import (
     DCPMerger,
     PartialMerger,
@@ -117,10 +118,81 @@ class PagedLayerSpec:
     cache_role: str | None = None
 
 
+def _check_parallel(parallel: object) -> None:
+    if not isinstance(parallel, ParallelConfig):
+        raise ValidationError(
+            f"RunnerConfig.parallel must be a ParallelConfig; got {type(parallel).__name__}"
+        )
+    for name in ("ulysses_degree", "ring_degree", "allgather_degree"):
+        _positive(getattr(parallel, name), f"ParallelConfig.{name}")
+    if type(parallel.ulysses_mode) is not str:
+        raise ValidationError(f"ParallelConfig.ulysses_mode must be a string; got {parallel.ulysses_mode!r}")
+
+
 def _positive(value: object, what: str) -> int:
     if type(value) is not int or value <= 0:
         raise ValidationError(f"{what} must be a positive integer; got {value!r}")
     return value
+
+
+def _check_given_caches(kv_caches: object) -> None:
+    """The host's caches: a mapping of layer name to a tensor or a tuple of tensors, none of
+    which requires grad (the cache never joins autograd)."""
+    if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, Mapping):
+        raise ValidationError(
+            f"kv_caches must map each paged layer name to its cache; got {type(kv_caches).__name__}"
+        )
+    for name, cache in kv_caches.items():
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValidationError(
+                f"kv_caches[{name!r}] must be a tensor or a tuple of tensors; got "
+                f"{[type(t).__name__ for t in tensors] if isinstance(cache, tuple) else type(cache).__name__}"
+            )
+        if any(t.requires_grad for t in tensors):
+            raise ValidationError(
+                f"kv_caches[{name!r}] requires grad; the KV cache never joins autograd: bind a tensor "
+                "created under torch.no_grad() or detached (tensor.detach())"
+            )
+
+
+def _check_cache_memory(caches: Mapping[str, KVCache], *, bound: bool, platform: str) -> None:
+    """Refuse caches that share memory: two layers (or a layer's key and value) writing one
+    page would corrupt each other silently."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, cache in caches.items():
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        parts = ("key", "value") if len(tensors) == 2 else tuple(f"part {i}" for i in range(len(tensors)))
+        named.extend(
+            (f"layer {name!r}" + (f" ({part})" if len(tensors) > 1 else ""), t)
+            for part, t in zip(parts, tensors, strict=True)
+            if isinstance(t, torch.Tensor)
+        )
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise (ValidationError if bound else NativeBackendError)(
+                f"the KV cache of layer {name!r} requires grad; the KV cache never joins autograd"
+            )
+    found = shared_memory(named)
+    if found is None:
+        return
+    first, second, verdict = found
+    by_name = dict(named)
+
+    def where(name: str) -> str:
+        fp = footprint(by_name[name])
+        return f"{name} (bytes [{fp.start:#x}, {fp.end:#x}))" if fp is not None else name
+
+    if second is None:
+        what = f"{where(first)} {'may address' if verdict is None else 'addresses'} some bytes twice"
+    else:
+        what = f"{where(first)} and {where(second)} {'may share' if verdict is None else 'share'} memory"
+    if verdict is None:
+        what += " (their strides are too irregular to prove otherwise)"
+    source = "the given kv_caches" if bound else f"the caches platform {platform!r} allocated"
+    raise (ValidationError if bound else NativeBackendError)(
+        f"{source}: {what}; one layer's K/V writes would overwrite another's pages. Give every layer "
+        "(and its key and value) memory of its own: separate tensors or disjoint views"
+    )
 
 
 class RunnerBackend:
@@ -132,6 +204,28 @@ class RunnerBackend:
         """``dcp_merger`` merges partial attention across the DCP group when ``cp_size > 1``;
         by default a :class:`~diffusion_kv.core.parallel.DCPMerger` over the default
         ``torch.distributed`` group is built at KV-cache initialisation."""
+        missing = [
+            m for m in ("name", "default_block_size", "device", "select_backend") if not hasattr(platform, m)
+        ]
+        if missing:
+            raise ValidationError(
+                f"RunnerBackend needs a platform (get_platform()); {type(platform).__name__} lacks {missing}"
+            )
+        if not isinstance(config, RunnerConfig):
+            raise ValidationError(f"RunnerBackend needs a RunnerConfig; got {type(config).__name__}")
+        if not isinstance(config.mode, KVCacheMode):
+            raise ValidationError(
+                f"RunnerConfig.mode must be KVCacheMode.PAGED or KVCacheMode.DENSE; got {config.mode!r}"
+            )
+        _check_parallel(config.parallel)
+        if config.slot_mapping_dtype is not None and config.slot_mapping_dtype not in (
+            torch.int32,
+            torch.int64,
+        ):
+            raise ValidationError(
+                f"RunnerConfig.slot_mapping_dtype must be torch.int32, torch.int64 or None; got "
+                f"{config.slot_mapping_dtype!r}"
+            )
         for name in (
             "max_model_len",
             "max_rows_per_request",
@@ -148,10 +242,17 @@ class RunnerBackend:
                 raise ValidationError(
                     f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
                 )
+        wanted = config.device if config.device is not None else platform.device()
+        try:
+            device = resolve_device(wanted)
+        except Exception as exc:  # a malformed name, a device type torch does not have here
+            raise ValidationError(
+                f"RunnerConfig.device={wanted!r} cannot be used here ({type(exc).__name__}: {exc})"
+            ) from exc
         self.dcp_merger = dcp_merger
         self.platform = platform
         self.config = config
-        self.device = resolve_device(config.device if config.device is not None else platform.device())
+        self.device = device
         self.layers: dict[str, LayerGeometry] = {}
         self.cache_roles: frozenset[str] = frozenset()
         self.layout: CacheLayout | None = None
@@ -195,6 +296,10 @@ class RunnerBackend:
         """
         if self.initialized:
             raise StateError("paged KV-cache layers cannot change after the KV cache is initialised")
+        if not isinstance(layers, Mapping):
+            raise ValidationError(
+                f"register_kv_cache_layers takes a mapping of layer name to PagedLayerSpec; got {type(layers).__name__}"
+            )
         if not layers:
             raise ValidationError("register at least one paged attention layer")
         geometry: dict[str, LayerGeometry] = {}
@@ -345,6 +450,8 @@ class RunnerBackend:
                 max_num_batched_tokens=c.max_num_batched_tokens,
             )
         configured = set(layout.layer_names)
+        if kv_caches is not None:
+            _check_given_caches(kv_caches)
         if kv_caches is not None and set(kv_caches) != set(self.layers):
             raise ValidationError(
                 f"kv_caches must name every paged layer: missing {sorted(set(self.layers) - set(kv_caches))}, "
@@ -372,7 +479,12 @@ class RunnerBackend:
         kernels = []
         for g, (group, backend_cls) in enumerate(zip(layout.groups, chosen, strict=True)):
             kernel = backend_cls.capabilities.kernel_block_size_for(group.block_size)
-            assert kernel is not None  # selection checked the block size
+            if kernel is None:  # its not_supported_reasons accepted a block size its capabilities do not
+                raise NativeBackendError(
+                    f"platform {self.platform.name!r} chose backend {backend_cls.name!r} for KV-cache group {g}, "
+                    f"but its capabilities declare no kernel block size for block size {group.block_size} "
+                    f"({', '.join(map(str, backend_cls.capabilities.kernel_block_sizes))}); nothing was initialised"
+                )
             if c_cp > 1 and kernel % self.config.cp_interleave:
                 raise ValidationError(
                     f"cp_interleave={self.config.cp_interleave} must divide the kernel block size {kernel} "
@@ -495,6 +607,7 @@ class RunnerBackend:
                     caches[name] = part(
                         "KV-cache allocation", name, partial(backend.allocate_kv_cache, self.layers[name])
                     )
+        _check_cache_memory(caches, bound=given is not None, platform=platform.name)
         executor = PagedExecutor(translator, self.layers, by_layer, caches, merger, platform.name)
         return block_tables, registry, translator, executor, caches, tuple(backends)
 
@@ -504,7 +617,7 @@ class RunnerBackend:
             return build()
         except DiffusionKVError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() is a plugin failure
             where = f" for layer {layer!r}" if layer is not None else ""
             raise NativeBackendError(
                 f"platform {self.platform.name!r} failed to build its {what}{where} "
@@ -531,7 +644,28 @@ class RunnerBackend:
             return 0
         return self.registry.remove(requests)
 
+    def retire(self, request_id: str, through_generation: int) -> int:
+        """Remove a request's rows for good: every snapshot of it up to ``through_generation``
+        is refused from now on, even one still in flight (see
+        :meth:`~diffusion_kv.core.registry.RowRegistry.retire`)."""
+        if self.registry is None:
+            raise StateError("the paged KV cache is not initialised")
+        return self.registry.retire(request_id, through_generation)
+
+    @property
+    def generation_high_water(self) -> int:
+        """The highest allocation generation this worker has seen (-1: none, or uninitialised)."""
+        return self.registry.generation_high_water if self.registry is not None else -1
+
     def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
+        if type(request_id) is not str or not request_id:
+            raise ValidationError(f"resolve takes a non-empty request id string; got {request_id!r}")
+        if sequence_id is not None and (type(sequence_id) is not int or sequence_id < 0):
+            raise ValidationError(f"resolve: sequence_id must be an int >= 0 or None; got {sequence_id!r}")
+        if context_id is not None and (type(context_id) is not str or not context_id):
+            raise ValidationError(
+                f"resolve: context_id must be a non-empty string or None; got {context_id!r}"
+            )
         if self.registry is None:
             raise StateError("the paged KV cache is not initialised")
         return self.registry.resolve(request_id, sequence_id, context_id)
@@ -543,6 +677,8 @@ class RunnerBackend:
     @contextmanager
     def activate(self, phases: PhaseRows) -> Iterator[PagedRuntime]:
         """A runtime for one denoise loop; closed (and deactivated) on exit."""
+        if not isinstance(phases, PhaseRows):
+            raise ValidationError(f"activate takes PhaseRows; got {type(phases).__name__}")
         registry, translator, _ = self._require()
         if self.config.cfg_parallel_size > 1:
             installed = {r.request_id for r in (*phases.prefill, *phases.denoise)}
@@ -588,6 +724,7 @@ class RunnerBackend:
     def capture(self, fn: Callable[..., Any], *inputs: torch.Tensor, warmups: int = 1) -> CapturedStep:
         """Record ``fn(*inputs)`` — one step of the model over the active batch — as a CUDA graph
         (see :mod:`diffusion_kv.core.graphs`); ``replay(*new_inputs)`` re-runs it."""
+        check_capture_args(fn, inputs, warmups)
         _, translator, _ = self._require()
         lacking = [b.name for b in self.backends if not b.capabilities.supports_graph_capture]
         if lacking:
@@ -609,6 +746,9 @@ class RunnerBackend:
         return total
 
     def blocks_for(self, num_tokens: int) -> list[int]:
+        """Blocks a row of ``num_tokens`` tokens occupies in each KV-cache group."""
+        if type(num_tokens) is not int or num_tokens < 0:
+            raise ValidationError(f"blocks_for takes a token count, an int >= 0; got {num_tokens!r}")
         if self.layout is None:
             raise StateError("the paged KV cache is not initialised")
         return [cdiv(num_tokens, g.block_size * self.config.cp_size) for g in self.layout.groups]

@@ -13,8 +13,17 @@ its own step:
   (its rows write the target and attend over the cached prefix pages); a request without
   prefix is at prefill every step. Each row carries its own ``full_attn_spans``. The batch is
   prepared again only when its composition changes (an arrival, a phase change, a retirement);
-* **retirement** of finished, failed and cancelled requests: their rows are removed from the
-  worker and their blocks returned to the pool on every terminal path.
+* **retirement** of finished, failed and cancelled requests: their rows are retired from the
+  worker for good (a tombstone refuses any snapshot of them still in flight) and their blocks
+  returned to the pool on every terminal path;
+* **reaping**: rows the worker holds for a request the allocator does not reserve (a late
+  snapshot installed behind the scheduler's back, rows left by a scheduler that went away) are
+  retired at the start of every step, so their blocks can serve the next owner.
+
+The scheduler and its allocator must describe the worker: every KV-cache group (``num_groups``),
+its block size, the pool, row and length limits are checked at construction, and the
+allocator's generations continue above the worker's high-water mark, so a scheduler started
+again on a live worker is not taken for a late delivery.
 
 The model runs through a callback that receives the :class:`StepBatch` (rows, spans, where each
 request's tokens sit in the packed batch) and calls the runner's paged layers; an exception in
@@ -33,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
-from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.errors import DiffusionKVError, StateError, ValidationError
+from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import RunnerBackend
 from diffusion_kv.core.runtime import PagedRuntime
@@ -66,6 +76,74 @@ def _positive(value: object, what: str, *, zero: bool = False) -> None:
         raise ValidationError(f"{what} must be an int >= {0 if zero else 1}; got {value!r}")
 
 
+def _check_callable(fn: object, what: str) -> None:
+    if not callable(fn):
+        raise ValidationError(f"{what}; got {type(fn).__name__} {fn!r}")
+
+
+def _check_sizes(runner: RunnerBackend, allocator: DiffusionKVAllocator) -> None:
+    """Everything the allocator reserves must be installable on the worker."""
+    layout = runner.layout
+    assert layout is not None
+    cp = runner.config.cp_size
+    groups = [f"{g.spec.mode.value} layers, block size {g.block_size}" for g in layout.groups]
+    problems = []
+    if allocator.num_groups != len(layout.groups):
+        problems.append(
+            f"the worker has {len(layout.groups)} KV-cache group(s) ({'; '.join(groups)}) but the allocator "
+            f"reserves blocks for {allocator.num_groups}: build it with num_groups={len(layout.groups)}"
+        )
+    tokens_per_block = {g.block_size * cp for g in layout.groups}
+    if tokens_per_block != {allocator.block_size}:
+        problems.append(
+            f"allocator block size {allocator.block_size} does not match the worker's "
+            f"{sorted(tokens_per_block)}" + (f" (block size x cp_size {cp})" if cp > 1 else "")
+        )
+    for what, mine, worker in (
+        ("pool blocks", allocator.pool.num_total, layout.num_blocks),
+        ("max_model_len", allocator.max_model_len, layout.max_model_len),
+        ("max_rows_per_request", allocator.max_rows_per_request, layout.max_rows_per_request),
+        ("worker_rows", allocator.worker_rows, layout.max_num_reqs),
+    ):
+        if mine > worker:
+            problems.append(f"allocator {what} {mine} exceeds the worker's {worker}")
+    if problems:
+        raise ValidationError("the allocator does not describe this worker: " + "; ".join(problems))
+
+
+def reap_unreserved(
+    runner: RunnerBackend, allocator: DiffusionKVAllocator, before: Callable[[], None] | None = None
+) -> tuple[str, ...]:
+    """Retire, for good, the worker rows of every request ``allocator`` does not reserve:
+    nobody owns their blocks, so the allocator may hand them to someone else (a late snapshot
+    installed after its request ended, rows a previous scheduler left). ``before`` runs first
+    when there is something to reap (a runtime deactivating its batch). Returns the request
+    ids reaped; one the worker fails to remove stays for the next call."""
+    if not isinstance(runner, RunnerBackend) or not isinstance(allocator, DiffusionKVAllocator):
+        raise ValidationError(
+            "reap_unreserved takes a RunnerBackend and a DiffusionKVAllocator; got "
+            f"{type(runner).__name__} and {type(allocator).__name__}"
+        )
+    registry = runner.registry
+    if registry is None:
+        return ()
+    reserved = set(allocator.reserved())
+    zombies = [rid for rid in registry.installed_requests() if rid not in reserved]
+    if not zombies:
+        return ()
+    if before is not None:
+        before()
+    reaped = []
+    for rid in zombies:
+        through = max(allocator.generation, registry.generation_of(rid) or 0)
+        try:
+            runner.retire(rid, through)
+        except DiffusionKVError:
+            continue
+        reaped.append(rid)
+    return tuple(reaped)
+
+
 @dataclass(frozen=True)
 class DiffusionRequest:
     """One request: ``cfg_rows`` sequences of ``prefix_len`` condition tokens (cached after the
@@ -95,6 +173,8 @@ class DiffusionRequest:
             object.__setattr__(self, "full_attn_spans", ((self.prefix_len, self.seq_len),))
         else:
             try:
+                if any(not isinstance(pair, (tuple, list)) for pair in self.full_attn_spans):
+                    raise TypeError
                 spans = tuple((a, b) for a, b in self.full_attn_spans)
             except (TypeError, ValueError):
                 raise ValidationError(
@@ -121,9 +201,16 @@ class DiffusionRequest:
             tuple(SequenceRequest(i, self.prefix_len, self.target_len) for i in range(self.cfg_rows)),
         )
 
+    def _check_step(self, step: object) -> int:
+        if type(step) is not int or not 0 <= step < self.steps:
+            raise ValidationError(
+                f"request {self.request_id!r} step must be an int in [0, {self.steps}); got {step!r}"
+            )
+        return step
+
     def phase(self, step: int) -> Phase:
         """Prefill at the first step, and at every step of a request without prefix."""
-        return Phase.PREFILL if step == 0 or self.prefix_len == 0 else Phase.DENOISE
+        return Phase.PREFILL if self._check_step(step) == 0 or self.prefix_len == 0 else Phase.DENOISE
 
     def rows(self, step: int) -> tuple[PagedRow, ...]:
         """The request's paged rows at ``step`` (one per CFG row)."""
@@ -209,6 +296,8 @@ class StepReport:
     """The batch was prepared at this step (its composition changed)."""
     blocks_in_use: int
     blocks_total: int
+    reaped: tuple[str, ...] = ()
+    """Requests whose rows the worker held without an allocator reservation: retired."""
 
 
 StepFn = Callable[[StepBatch], None]
@@ -226,19 +315,28 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         max_batch_tokens: int | None = None,
         max_running: int | None = None,
     ) -> None:
-        if runner.layout is None:
-            raise StateError("the scheduler needs an initialised runner (initialize_kv_cache first)")
-        block_sizes = {g.block_size for g in runner.layout.groups}
-        if block_sizes != {allocator.block_size}:
+        if not isinstance(runner, RunnerBackend):
+            raise ValidationError(f"the scheduler needs a RunnerBackend; got {type(runner).__name__}")
+        if not isinstance(allocator, DiffusionKVAllocator):
             raise ValidationError(
-                f"allocator block size {allocator.block_size} does not match the worker's {sorted(block_sizes)}"
+                f"the scheduler needs a DiffusionKVAllocator; got {type(allocator).__name__}"
             )
+        layout = runner.layout
+        if layout is None or runner.registry is None:
+            raise StateError("the scheduler needs an initialised runner (initialize_kv_cache first)")
+        if runner.config.mode is not KVCacheMode.PAGED:
+            raise ValidationError(f"the scheduler needs a paged runner; this one runs {runner.config.mode}")
+        _check_sizes(runner, allocator)
         budget = runner.config.max_num_batched_tokens
         if max_batch_tokens is not None:
             _positive(max_batch_tokens, "max_batch_tokens")
             budget = min(budget, max_batch_tokens)
         if max_running is not None:
             _positive(max_running, "max_running")
+        self._stepper = runner.stepper()
+        self._runtime: PagedRuntime = self._stepper.__enter__()
+        # Nothing was refused: from here on the scheduler owns its side of the protocol.
+        allocator.advance_generation(runner.generation_high_water)
         self.runner = runner
         self.allocator = allocator
         self.max_batch_tokens = budget
@@ -252,11 +350,10 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._last_rows: tuple[PagedRow, ...] | None = None
         self._same_steps = 0
         self._in_step = False
+        self._close_pending = False
         self._closed = False
         self.peak_blocks_in_use = 0
         self.preparations = 0
-        self._stepper = runner.stepper()
-        self._runtime: PagedRuntime = self._stepper.__enter__()
 
     # -- views --------------------------------------------------------------------------------
 
@@ -304,6 +401,11 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             raise ValidationError(f"request {rid!r} is already {known.status.value}")
         if rid in self._quarantined:
             raise ValidationError(f"request {rid!r} is quarantined ({self._quarantined[rid]})")
+        if rid in self.allocator.reserved():
+            raise ValidationError(
+                f"request id {rid!r} is already reserved in the allocator by another owner (blocks "
+                f"{self.allocator.blocks_of(rid)}); submit under another id, or free it first"
+            )
         self.allocator.check(request.kv_request())
         prefill_tokens = request.step_tokens(0)
         if prefill_tokens > self.max_batch_tokens:
@@ -317,6 +419,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
     def cancel(self, request_id: str) -> bool:
         """Cancel a waiting or running request (its blocks are freed; inside a step, once the
         step ends). False when it is unknown or already over."""
+        if type(request_id) is not str or not request_id:
+            raise ValidationError(f"cancel takes a non-empty request id string; got {request_id!r}")
         rec = self._records.get(request_id)
         if rec is None or rec.status.terminal:
             return False
@@ -338,10 +442,15 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._check_open()
         if self._in_step:
             raise StateError("scheduler.step was called from inside a step")
+        _check_callable(fn, "step takes the model callback fn(batch)")
         tick = self._tick
-        admitted = self._admit()
+        reaped = self._reap()
+        admitted, refused = self._admit()
         if not self._running:
-            return None
+            if not refused and not reaped:
+                return None
+            self._tick += 1
+            return self._report(tick, admitted, (), refused, (), (), False, reaped)
         entries = self._compose()
         rows = tuple(r for e in entries for r in e.rows)
         spans = tuple(e.request.full_attn_spans or () for e in entries for _ in e.rows)
@@ -356,7 +465,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 failed, RequestStatus.FAILED, f"preparing the batch failed: {type(exc).__name__}: {exc}"
             )
             self._tick += 1
-            return self._report(tick, admitted, (), failed, (), rows, False)
+            return self._report(tick, admitted, (), (*refused, *failed), (), rows, False, reaped)
         prepared_now = self._runtime.preparations != before
         self.preparations += int(prepared_now)
         self._same_steps = 1 if prepared_now or rows != self._last_rows else self._same_steps + 1
@@ -398,20 +507,27 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             status: tuple(rid for rid in ended if self._records[rid].status is status)
             for status in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
         }
-        return self._report(
+        report = self._report(
             tick,
             admitted,
             by_status[RequestStatus.FINISHED],
-            by_status[RequestStatus.FAILED],
+            (*refused, *by_status[RequestStatus.FAILED]),
             by_status[RequestStatus.CANCELLED],
             rows,
             prepared_now,
+            reaped,
         )
+        if self._close_pending:  # close() was called inside this step: it takes effect now
+            self.close()
+        return report
 
     def run(
         self, fn: StepFn, on_step: Callable[[StepReport], None] | None = None
     ) -> dict[str, RequestRecord]:
         """Step until nothing is waiting or running; returns every request's record."""
+        _check_callable(fn, "run takes the model callback fn(batch)")
+        if on_step is not None:
+            _check_callable(on_step, "run's on_step takes a callback on_step(report) or None")
         while not self.idle:
             report = self.step(fn)
             if report is None:
@@ -424,8 +540,17 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         return dict(self._records)
 
     def close(self) -> None:
-        """Cancel every waiting and running request and release the runtime (idempotent)."""
+        """Cancel every waiting and running request and release the runtime (idempotent).
+        Inside a step (from the model callback) it takes effect when the step ends: the batch's
+        requests end as the step decides (finished, failed) or cancelled, never both."""
         if self._closed:
+            return
+        if self._in_step:
+            self._close_pending = True
+            self._cancel_pending.update(self._running)
+            for rid in list(self._waiting):
+                self._end(self._records[rid], RequestStatus.CANCELLED)
+            self._waiting.clear()
             return
         for rid in list(self._waiting):
             self._end(self._records[rid], RequestStatus.CANCELLED)
@@ -442,8 +567,10 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise StateError("the scheduler is closed")
+        if self._closed or self._close_pending:
+            raise StateError(
+                "the scheduler is closed" + (" (closing at the end of this step)" if not self._closed else "")
+            )
 
     def _lasts(self, entry: BatchEntry) -> int:
         req = entry.request
@@ -451,8 +578,12 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             return 1  # its rows change to the denoise phase next step
         return req.steps - entry.step
 
-    def _admit(self) -> tuple[str, ...]:
+    def _admit(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Admit waiting requests in order while they fit; ``(admitted, failed)``. A request the
+        allocator refuses (another owner took its id meanwhile) or the worker refuses fails; the
+        ones behind it go on."""
         admitted: list[str] = []
+        failed: list[str] = []
         tokens = sum(
             self._records[rid].request.step_tokens(self._records[rid].steps_done) for rid in self._running
         )
@@ -464,7 +595,22 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             need = rec.request.step_tokens(0)
             if tokens + need > self.max_batch_tokens:
                 break
-            snapshot = self.allocator.reserve(rec.request.kv_request())
+            if rid in self.allocator.reserved():  # taken by another owner after submission
+                self._waiting.popleft()
+                self._end(
+                    rec,
+                    RequestStatus.FAILED,
+                    f"request id {rid!r} was reserved in the allocator by another owner before admission",
+                )
+                failed.append(rid)
+                continue
+            try:
+                snapshot = self.allocator.reserve(rec.request.kv_request())
+            except DiffusionKVError as exc:
+                self._waiting.popleft()
+                self._end(rec, RequestStatus.FAILED, f"reservation failed: {type(exc).__name__}: {exc}")
+                failed.append(rid)
+                continue
             if snapshot is None:
                 break  # back-pressure: the pool or the worker rows are full for now
             self._waiting.popleft()
@@ -474,6 +620,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             except Exception as exc:
                 self.allocator.free(rid)
                 self._end(rec, RequestStatus.FAILED, f"install failed: {type(exc).__name__}: {exc}")
+                failed.append(rid)
                 continue
             rec.status = RequestStatus.RUNNING
             rec.admitted_tick = self._tick
@@ -481,7 +628,11 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             admitted.append(rid)
             tokens += need
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
-        return tuple(admitted)
+        return tuple(admitted), tuple(failed)
+
+    def _reap(self) -> tuple[str, ...]:
+        """Retire the rows of requests the allocator does not reserve (see module docstring)."""
+        return reap_unreserved(self.runner, self.allocator, before=self._runtime.deactivate)
 
     def _compose(self) -> tuple[BatchEntry, ...]:
         # Short queries first (denoise rows before prefill rows), stable in admission order:
@@ -512,8 +663,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             rec = self._records[rid]
             if rid in self._running:
                 self._running.remove(rid)
-            try:
-                self.runner.remove(rid)
+            try:  # for good: a snapshot of it still in flight is refused, not installed again
+                self.runner.retire(rid, self.allocator.generation)
             except Exception as exc:  # the worker may still map the blocks: never reuse them
                 self._quarantined[rid] = f"{type(exc).__name__}: {exc}"
                 self._end(rec, RequestStatus.FAILED, f"removing its rows failed: {self._quarantined[rid]}")
@@ -536,6 +687,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         cancelled: list[str] | tuple[str, ...],
         rows: tuple[PagedRow, ...],
         prepared: bool,
+        reaped: tuple[str, ...] = (),
     ) -> StepReport:
         return StepReport(
             tick=tick,
@@ -548,6 +700,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             prepared=prepared,
             blocks_in_use=self.blocks_in_use,
             blocks_total=self.allocator.pool.num_total,
+            reaped=reaped,
         )
 
 
@@ -567,4 +720,5 @@ __all__ = [
     "StepBatch",
     "StepReport",
     "iter_entries",
+    "reap_unreserved",
 ]

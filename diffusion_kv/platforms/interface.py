@@ -41,7 +41,7 @@ from diffusion_kv.core.capabilities import (
     Requirements,
     capability_reasons,
 )
-from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError
+from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
 
 __all__ = [
     "ENV_BACKEND",
@@ -68,14 +68,69 @@ ENV_BACKEND = "DIFFUSION_KV_BACKEND"
 
 def forced_backend(platform: str) -> str | None:
     """The backend ``DIFFUSION_KV_BACKEND`` forces on ``platform`` (None: not set, or it names
-    another platform); a malformed value is a :class:`ConfigurationError`."""
+    another installed platform); a malformed value, or one naming a platform that is not
+    installed, is a :class:`ConfigurationError`."""
+    forced = forced_setting()
+    if forced is None:
+        return None
+    name, backend = forced
+    if name == platform:
+        return backend
+    from diffusion_kv.platforms.selection import discover  # lazy: discovery
+
+    plugins = discover()
+    if name not in plugins.records:
+        raise forced_platform_missing(name, plugins.namespace, plugins.names)
+    return None
+
+
+def forced_platform_missing(name: str, group: str, installed: Sequence[str]) -> ConfigurationError:
+    """The error for ``DIFFUSION_KV_BACKEND`` naming platform ``name``, which is not installed."""
+    return ConfigurationError(
+        f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '').strip()!r} names platform {name!r}, which is not "
+        f"installed in group {group!r} (installed: {', '.join(installed) or 'none'}); expected "
+        "<platform>:<backend>, e.g. cuda:triton"
+    )
+
+
+def forced_setting() -> tuple[str, str] | None:
+    """``DIFFUSION_KV_BACKEND`` as ``(platform, backend)`` (None: not set); a malformed value is a
+    :class:`ConfigurationError`."""
     raw = os.environ.get(ENV_BACKEND, "").strip()
     if not raw:
         return None
     name, sep, backend = raw.partition(":")
     if not sep or not name.strip() or not backend.strip():
         raise ConfigurationError(f"{ENV_BACKEND}={raw!r}; expected <platform>:<backend>, e.g. cuda:triton")
-    return backend.strip() if name.strip() == platform else None
+    return name.strip(), backend.strip()
+
+
+def _check_requirements(requirements: object) -> Requirements:
+    if not isinstance(requirements, Requirements):
+        raise ValidationError(
+            f"requirements must be a Requirements record; got {type(requirements).__name__}"
+        )
+    return requirements
+
+
+def _check_backends(backends: object) -> tuple[type[PagedBackend], ...]:
+    if isinstance(backends, (str, bytes)) or not isinstance(backends, (tuple, list)):
+        raise ValidationError(
+            f"compatible_with must be a sequence of PagedBackend classes; got {type(backends).__name__}"
+        )
+    bad = [b for b in backends if not (isinstance(b, type) and issubclass(b, PagedBackend))]
+    if bad:
+        raise ValidationError(f"compatible_with must hold PagedBackend classes; got {bad!r}")
+    return tuple(backends)
+
+
+def _block_tables_of(backend: type[PagedBackend]) -> type:
+    """``backend.block_tables_cls()``, guarded like every call on a plugin's backend."""
+    from diffusion_kv.platforms.selection import backend_call  # lazy: discovery
+
+    return backend_call(
+        backend, "block_tables_cls()", backend.block_tables_cls, lambda r: isinstance(r, type), "a class"
+    )
 
 
 class Platform(abc.ABC):
@@ -136,15 +191,37 @@ class Platform(abc.ABC):
 
     def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
         """Every reason ``backend`` cannot serve ``requirements`` here; extend for checks only
-        the platform can make (a bound runtime, an emulator)."""
-        found = backend.is_available()
-        if not found:
-            return [f"unavailable: {found.reason}"]
-        return backend.not_supported_reasons(requirements)
+        the platform can make (a bound runtime, an emulator). A backend whose ``is_available``
+        or ``not_supported_reasons`` raises (``SystemExit`` included) or answers with the wrong
+        type is not served: that is its reason (an entry-point backend is also reported as
+        broken and skipped from then on)."""
+        from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
+
+        try:
+            found = backend_call(
+                backend,
+                "is_available()",
+                backend.is_available,
+                lambda r: isinstance(r, Availability),
+                "an Availability",
+            )
+            if not found:
+                return [f"unavailable: {found.reason}"]
+            return list(
+                backend_call(
+                    backend,
+                    "not_supported_reasons()",
+                    lambda: backend.not_supported_reasons(requirements),
+                    lambda r: isinstance(r, list) and all(type(x) is str for x in r),
+                    "a list of strings",
+                )
+            )
+        except BackendCallError as exc:
+            return [f"broken: its {exc.what} {exc.problem}"]
 
     def not_supported_reasons(self, requirements: Requirements) -> list[str]:
         """Empty when some backend serves ``requirements``; else every backend's reasons."""
-        candidates = self._candidates(requirements)
+        candidates = self._candidates(_check_requirements(requirements))
         if any(not reasons for _, reasons in candidates):
             return []
         return [f"{b.name}: {r}" for b, reasons in candidates for r in reasons] or ["no paged backend"]
@@ -152,6 +229,8 @@ class Platform(abc.ABC):
     def _candidates(
         self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
     ) -> list[tuple[type[PagedBackend], list[str]]]:
+        requirements = _check_requirements(requirements)
+        compatible_with = _check_backends(compatible_with)
         forced = forced_backend(self.name)
         candidates = self.candidate_backends()
         if forced is not None:
@@ -162,15 +241,23 @@ class Platform(abc.ABC):
                     f"{[b.name for b in candidates]}"
                 )
             candidates = tuple(named)
+        from diffusion_kv.platforms.selection import BackendCallError  # lazy: discovery
+
         out = []
         for backend in candidates:
             reasons = self.backend_reasons(backend, requirements)
+            if not reasons or compatible_with:  # its BlockTables class is what a worker builds next
+                try:
+                    tables = _block_tables_of(backend)
+                except BackendCallError as exc:
+                    out.append((backend, [*reasons, f"broken: its {exc.what} {exc.problem}"]))
+                    continue
             if compatible_with:
                 other = compatible_with[0]
-                if backend.block_tables_cls() is not other.block_tables_cls():
+                if tables is not _block_tables_of(other):
                     reasons.append(
-                        f"its BlockTables ({backend.block_tables_cls().__name__}) differs from the one "
-                        f"KV-cache group 0's backend {other.name!r} uses ({other.block_tables_cls().__name__})"
+                        f"its BlockTables ({tables.__name__}) differs from the one "
+                        f"KV-cache group 0's backend {other.name!r} uses ({_block_tables_of(other).__name__})"
                     )
                 common = frozenset.intersection(
                     backend.capabilities.slot_mapping_dtypes,
@@ -205,7 +292,7 @@ class Platform(abc.ABC):
 
     def explain(self, requirements: Requirements | None = None) -> list[str]:
         """Every backend in priority order, with whether it would be chosen and why not."""
-        req = requirements or Requirements()
+        req = _check_requirements(requirements) if requirements is not None else Requirements()
         try:
             candidates = self._candidates(req)
         except ConfigurationError as exc:

@@ -48,8 +48,16 @@ from diffusion_kv.core.errors import (
     PlatformUnavailableError,
     PluginLoadError,
     UnsupportedRequirementsError,
+    ValidationError,
 )
-from diffusion_kv.platforms.interface import Availability, Capabilities, Platform, Requirements
+from diffusion_kv.platforms.interface import (
+    Availability,
+    Capabilities,
+    Platform,
+    Requirements,
+    forced_platform_missing,
+    forced_setting,
+)
 
 ENTRY_POINT_GROUP = "diffusion_kv.platforms"
 BACKEND_GROUP_SUFFIX = ".backends"
@@ -346,10 +354,62 @@ class BackendRecord:
     backend_cls: type[PagedBackend] | None
     error: PlatformError | None
     notes: tuple[str, ...] = ()
+    serves: str | None = None
+    """The platform it names (also once it failed: its class is then dropped)."""
 
     @property
     def platform(self) -> str | None:
-        return self.backend_cls.platform if self.backend_cls is not None else None
+        return self.backend_cls.platform if self.backend_cls is not None else self.serves
+
+
+class BackendCallError(PlatformError):
+    """A call on a paged backend class raised (``SystemExit`` included) or answered with the
+    wrong type; the backend is skipped, and an entry-point one is reported as broken."""
+
+    def __init__(self, backend: str, what: str, problem: str) -> None:
+        super().__init__(f"backend {backend!r}: its {what} {problem}")
+        self.what = what
+        self.problem = problem
+
+
+def backend_call(
+    backend: type[PagedBackend],
+    what: str,
+    call: Callable[[], T],
+    expect: Callable[[object], bool],
+    expected: str,
+) -> T:
+    """Run plugin code on a backend class (``what`` names it, ``is_available()`` say) and check
+    its answer. Whatever it raises (``SystemExit`` included; ``KeyboardInterrupt`` propagates)
+    or a wrong answer is a :class:`BackendCallError`; for a backend another distribution added
+    through an entry point the failure is also recorded (``diffusion-kv platforms`` lists it
+    with the fix, a :class:`PluginLoadWarning` says so once, and the backend is skipped from
+    then on). What it prints to stdout is captured."""
+    name = safe_repr(backend, lambda b: str(getattr(b, "name", b)))
+    try:
+        result, printed = guarded(call)
+    except PluginFailure as failure:
+        error = BackendCallError(name, what, f"raised {failure}")
+        error.__cause__ = failure.original
+        _record_backend_failure(backend, error, failure.printed)
+        raise error from failure.original
+    if not expect(result):
+        error = BackendCallError(name, what, f"returned {safe_repr(result)}, not {expected}")
+        _record_backend_failure(backend, error, printed)
+        raise error
+    if printed:
+        _record_backend_note(backend, _printed_note(printed, f"in its {what}"))
+    return result
+
+
+def _record_backend_failure(backend: type[PagedBackend], error: BackendCallError, printed: str) -> None:
+    for plugins in list(_CACHE.values()):
+        plugins.backend_failed(backend, error, printed)
+
+
+def _record_backend_note(backend: type[PagedBackend], note: str | None) -> None:
+    for plugins in list(_CACHE.values()):
+        plugins.backend_note(backend, note)
 
 
 class PluginSet:
@@ -483,7 +543,56 @@ class PluginSet:
                 )
                 self.backend_records.append(BackendRecord(ep.name, text, dist, None, error, notes))
             else:
-                self.backend_records.append(BackendRecord(ep.name, text, dist, obj, None, notes))
+                self.backend_records.append(
+                    BackendRecord(ep.name, text, dist, obj, None, notes, obj.platform)
+                )
+
+    def backend_failed(self, backend: type[PagedBackend], error: BackendCallError, printed: str = "") -> None:
+        """Record that a call on an entry-point backend failed: from now on it is reported (with
+        its entry point and the fix) and skipped. Built-in backends have no record: the caller
+        only turns their failure into a reason."""
+        for index, record in enumerate(self.backend_records):
+            if record.backend_cls is not backend:
+                continue
+            where = (
+                f"paged backend {record.name!r} of platform {record.serves!r} (entry point "
+                f"'{record.entry_point}' in {self.backend_namespace!r}, {record.distribution})"
+            )
+            fix = {
+                "is_available()": "return Availability(False, reason) instead of raising or exiting",
+                "not_supported_reasons()": "return a list of reason strings instead of raising or exiting",
+                "block_tables_cls()": "return the BlockTables class without raising or exiting",
+            }.get(error.what, "answer without raising or exiting")
+            failure = PluginLoadError(
+                f"{where} was skipped: its {error.what} {error.problem}. Fix: make {error.what} {fix}, "
+                f"or leave the backend out with {ENV_PLUGINS}=<names to load>"
+            )
+            failure.__cause__ = error.__cause__
+            note = _printed_note(printed, f"in its {error.what}")
+            notes = record.notes + ((note,) if note else ())
+            self.backend_records[index] = BackendRecord(
+                record.name, record.entry_point, record.distribution, None, failure, notes, record.serves
+            )
+            warnings.warn(str(failure), PluginLoadWarning, stacklevel=4)
+
+    def backend_note(self, backend: type[PagedBackend], note: str | None) -> None:
+        if not note:
+            return
+        for index, record in enumerate(self.backend_records):
+            if record.backend_cls is backend and note not in record.notes:
+                self.backend_records[index] = BackendRecord(
+                    record.name,
+                    record.entry_point,
+                    record.distribution,
+                    record.backend_cls,
+                    record.error,
+                    (*record.notes, note),
+                    record.serves,
+                )
+
+    def broken_backends(self) -> list[BackendRecord]:
+        """Entry-point backends that failed to load, to validate, or in a later call."""
+        return [r for r in self.backend_records if r.error is not None]
 
     def backends_for(self, platform: str) -> list[type[PagedBackend]]:
         """The valid entry-point backends serving ``platform``."""
@@ -602,6 +711,14 @@ _CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}
 
 def discover(namespace: str | None = None, allowlist: Iterable[str] | None = None) -> PluginSet:
     """Load (once) the plugins of ``namespace`` limited by ``allowlist`` or the env allowlist."""
+    if namespace is not None and (type(namespace) is not str or not namespace):
+        raise ValidationError(f"an entry-point group must be a non-empty string or None; got {namespace!r}")
+    if allowlist is not None:
+        if isinstance(allowlist, (str, bytes)) or not isinstance(allowlist, Iterable):
+            raise ValidationError(f"an allowlist must be an iterable of plugin names; got {allowlist!r}")
+        allowlist = tuple(allowlist)
+        if any(type(n) is not str or not n for n in allowlist):
+            raise ValidationError(f"an allowlist must hold non-empty plugin names; got {list(allowlist)!r}")
     ns = namespace or os.environ.get(ENV_GROUP) or ENTRY_POINT_GROUP
     allow = frozenset(allowlist) if allowlist is not None else _allowlist_from_env()
     key = (ns, allow)
@@ -660,7 +777,16 @@ def select_platform(
     warn: Callable[[str], None] | None = None,
 ) -> Selection:
     """Apply the selection rules (module docstring) and explain the choice."""
+    if name is not None and (type(name) is not str or not name):
+        raise ValidationError(f"a platform name must be a non-empty string or None; got {name!r}")
+    if requirements is not None and not isinstance(requirements, Requirements):
+        raise ValidationError(
+            f"requirements must be a Requirements record or None; got {type(requirements).__name__}"
+        )
     plugins = discover(namespace)
+    forced = forced_setting()
+    if forced is not None and forced[0] not in plugins.records:
+        raise forced_platform_missing(forced[0], plugins.namespace, plugins.names)
     requested = name if name is not None else (os.environ.get(ENV_PLATFORM) or None)
     skipped = tuple(f"{r.name}: {r.error}" for r in plugins.broken())
 
@@ -765,7 +891,31 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                 capabilities = platform.capabilities.summary()
                 builtin = set(type(platform).backends)
                 for b in platform.candidate_backends():
-                    found = b.is_available()
+                    try:  # a backend that raises is listed with why, and reported as broken
+                        found = backend_call(
+                            b,
+                            "is_available()",
+                            b.is_available,
+                            lambda r: isinstance(r, Availability),
+                            "an Availability",
+                        )
+                        if found:  # what selection asks next: a backend raising there is broken too
+                            backend_call(
+                                b,
+                                "not_supported_reasons()",
+                                lambda b=b: b.not_supported_reasons(Requirements()),  # type: ignore[misc]
+                                lambda r: isinstance(r, list) and all(type(x) is str for x in r),
+                                "a list of strings",
+                            )
+                            backend_call(
+                                b,
+                                "block_tables_cls()",
+                                b.block_tables_cls,
+                                lambda r: isinstance(r, type),
+                                "a class",
+                            )
+                    except BackendCallError as exc:
+                        found = Availability(False, f"broken: its {exc.what} {exc.problem}")
                     backends.append(
                         {
                             "name": b.name,

@@ -148,6 +148,7 @@ def test_best_fit_keeps_requests_contiguous_and_reports_fragmentation() -> None:
     }
     a, b, c = pool.allocate(4), pool.allocate(3), pool.allocate(5)
     assert (a, b, c) == ([0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11])
+    assert a is not None and b is not None
     pool.free(b)  # free runs: 4..6 (3 blocks) and 12..15 (4 blocks)
     assert pool.allocate(3) == [4, 5, 6]  # the run that fits best, not the first free ids
     pool.free([4, 5, 6])
@@ -159,3 +160,80 @@ def test_best_fit_keeps_requests_contiguous_and_reports_fragmentation() -> None:
     assert pool.fragmentation()["fragmentation"] == 1 - 7 / 8
     assert pool.allocate(8) == [0, 1, 2, 3, 4, 5, 6, 13]  # fragmented: longest runs first
     assert pool.allocate(1) is None and pool.num_free == 0
+
+
+def test_every_kv_cache_group_gets_the_rows_blocks() -> None:
+    a = DiffusionKVAllocator(
+        block_size=4,
+        max_model_len=32,
+        max_rows_per_request=3,
+        worker_rows=6,
+        pool=FreeListPool(16),
+        num_groups=2,
+    )
+    snap = a.reserve(req("r", 5, 3, ctx=6))
+    assert snap is not None
+    assert [s.block_ids for s in snap.sequences] == [((0, 1), (0, 1)), ((2,), (2,))]
+    assert [c.block_ids for c in snap.contexts] == [((3, 4), (3, 4))]
+    assert a.free("r") == 5 and a.pool.num_free == 16
+
+
+def test_generations_continue_above_what_a_worker_has_seen() -> None:
+    a = alloc()
+    assert a.generation == 0
+    a.advance_generation(41)
+    snap = a.reserve(req("r", 4))
+    assert snap is not None and snap.allocation_generation == 42 and a.generation == 42
+    a.advance_generation(7)  # never lowers them
+    assert a.generation == 42
+    for bad in (-2, 1.5, None, True):
+        with pytest.raises(ValidationError, match="advance_generation takes an int >= -1"):
+            a.advance_generation(bad)  # type: ignore[arg-type]
+    assert a.generation == 42
+
+
+@pytest.mark.parametrize(
+    ("call", "fact"),
+    [
+        (lambda: FreeListPool(4).allocate(-1), "allocate takes a block count, an int >= 0; got -1"),
+        (lambda: FreeListPool(4).allocate(1.5), "allocate takes a block count, an int >= 0; got 1.5"),  # type: ignore[arg-type]
+        (lambda: FreeListPool(4).allocate("2"), "allocate takes a block count, an int >= 0; got '2'"),  # type: ignore[arg-type]
+        (lambda: alloc().blocks_of(["r"]), r"blocks_of takes a non-empty request id string; got \['r'\]"),  # type: ignore[arg-type]
+        (
+            lambda: alloc().reserve(KVRequest(["r"], ())),  # type: ignore[arg-type]
+            r"request_id must be a non-empty string; got \['r'\]",
+        ),
+        (
+            lambda: DiffusionKVAllocator(
+                block_size=4,
+                max_model_len=32,
+                max_rows_per_request=1,
+                worker_rows=1,
+                pool=None,  # type: ignore[arg-type]
+            ),
+            r"pool must be a BlockPool \(num_total, num_free, allocate, free\); NoneType lacks",
+        ),
+        (
+            lambda: DiffusionKVAllocator(
+                block_size=4,
+                max_model_len=32,
+                max_rows_per_request=1,
+                worker_rows=1,
+                pool=FreeListPool(4),
+                num_groups=0,
+            ),
+            "num_groups must be a positive integer; got 0",
+        ),
+    ],
+)
+def test_bad_allocator_input_is_a_validation_error(call: object, fact: str) -> None:
+    with pytest.raises(ValidationError, match=fact):
+        call()  # type: ignore[operator]
+
+
+def test_a_refused_allocate_takes_nothing() -> None:
+    pool = FreeListPool(4)
+    for bad in (-1, 1.5):
+        with pytest.raises(ValidationError):
+            pool.allocate(bad)  # type: ignore[arg-type]
+    assert pool.num_free == 4 and pool.allocate(4) == [0, 1, 2, 3]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,125 @@ def test_interrupt_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
 def test_section_names_match_the_bench() -> None:
     assert tuple(bench_pkg.SECTIONS) == SECTION_NAMES
+
+
+# --- exit codes the README's table promised and the commands did not keep ------------------------
+
+
+def test_the_benchs_default_dtype_the_platform_cannot_serve_is_a_usage_error(
+    test_group: str, monkeypatch: pytest.MonkeyPatch, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found by run_bench after the command started (exit 1)."""
+    monkeypatch.setenv("DKV_TEST_LIMITED", "1")
+    assert main(["bench", "--platform", "limited", "--block-sizes", "16", "--json"]) == 2
+    out, err = capsys.readouterr()
+    fact = (
+        "platform 'limited' cannot serve the default dtype float32 (supported: ['float16']; choose --dtype)"
+    )
+    assert err == f"diffusion-kv: error: {fact}\n"
+    assert json.loads(out)["error"] == {"kind": "usage", "message": fact, "exit_code": 2}
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "fact"),
+    [
+        (
+            {"WORLD_SIZE": "2"},
+            ["demo", "--ulysses", "2"],
+            "--ulysses N, --cfg-parallel and --dcp N run under torchrun (RANK, MASTER_ADDR, MASTER_PORT not set); "
+            "launch with torchrun --nproc-per-node N",
+        ),
+        (
+            {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            ["demo", "--ulysses", "2", "--cfg-parallel"],
+            "--ulysses 2 x 2 (--cfg-parallel) needs a world of 4 ranks; torchrun started WORLD_SIZE=2 "
+            "(use torchrun --nproc-per-node 4)",
+        ),
+        (
+            {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            ["demo", "--dcp", "2"],
+            "--dcp 2 needs a world of 2 ranks; torchrun started WORLD_SIZE=4 (use torchrun --nproc-per-node 2)",
+        ),
+    ],
+)
+def test_a_launch_that_does_not_match_the_split_is_a_usage_error(
+    env: dict[str, str],
+    argv: list[str],
+    fact: str,
+    monkeypatch: pytest.MonkeyPatch,
+    no_work: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found before any process group is touched (it was a run error, exit 1)."""
+    from diffusion_kv.core import parallel
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("a process group was initialised before the launch was checked")
+
+    monkeypatch.setattr(parallel, "init_distributed_from_env", refuse)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in {"RANK", "MASTER_ADDR", "MASTER_PORT"} - set(env):
+        monkeypatch.delenv(name, raising=False)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"diffusion-kv: error: {fact}\n"
+
+
+@pytest.mark.parametrize(
+    ("pytest_code", "interrupted", "exit_code", "fact"),
+    [
+        (
+            4,
+            False,
+            2,
+            "diffusion-kv: error: pytest refused the arguments ['--bogus'] (its message is above)\n",
+        ),
+        (2, True, 130, "diffusion-kv: interrupted\n"),
+        (2, False, 1, ""),  # pytest's code 2 without Ctrl-C: a collection error, a run error
+        (1, False, 1, ""),
+        (0, False, 0, ""),
+    ],
+)
+def test_conformance_maps_pytests_outcome_to_the_exit_codes(
+    pytest_code: int,
+    interrupted: bool,
+    exit_code: int,
+    fact: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def fake_main(args: list[str], plugins: list[object]) -> int:
+        assert args[-1] == "--bogus"
+        if interrupted:
+            for plugin in plugins:
+                plugin.pytest_keyboard_interrupt()  # type: ignore[attr-defined]
+        return pytest_code
+
+    monkeypatch.setattr(pytest, "main", fake_main)
+    assert main(["conformance", "--platform", "cpu", "--", "--bogus"]) == exit_code
+    assert capsys.readouterr().err == fact
+
+
+def test_conformance_with_arguments_pytest_refuses_exits_2() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffusion_kv.cli",
+            "conformance",
+            "--platform",
+            "cpu",
+            "--",
+            "--no-such-option",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unrecognized arguments: --no-such-option" in proc.stderr
+    assert proc.stderr.endswith(
+        "diffusion-kv: error: pytest refused the arguments ['--no-such-option'] (its message is above)\n"
+    )

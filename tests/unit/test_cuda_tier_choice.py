@@ -127,6 +127,7 @@ def test_choice_with_and_without_vllm(
     """Strict Ulysses and DCP are served by the cuda plugin's own backends too (DCP only by
     them: vLLM's FlashAttention backend returns no log-sum-exp)."""
     vllm_environment(monkeypatch, flash=None, found=VLLM_CUDA)
+    install_tier(monkeypatch)  # usable vLLM: its BlockTables import, as selection checks
     platform = CudaPlatform()
     assert platform.select_backend(requirements) is with_vllm
     vllm_environment(monkeypatch, flash="vLLM is not installed", found=None)

@@ -74,7 +74,7 @@ def test_block_size_rules_and_the_kernel_split() -> None:
     assert fixed.kernel_block_size_for(128) == 64  # split: two kernel blocks per scheduler block
     assert fixed.kernel_block_size_for(96) == 32
     assert fixed.kernel_block_size_for(48) is None and not fixed.supports_block_size(48)
-    assert fixed.kernel_block_size_for(0) is None and fixed.kernel_block_size_for(True) is None  # type: ignore[arg-type]
+    assert fixed.kernel_block_size_for(0) is None and fixed.kernel_block_size_for(True) is None
 
 
 def test_every_reason_is_returned() -> None:
@@ -162,7 +162,7 @@ def test_default_page_layouts(layout: KVPageLayout, shape: tuple[int, ...]) -> N
     cache = allocate_pages(layout, 6, 16, 2, 8, torch.float16, torch.device("cpu"))
     assert isinstance(cache, torch.Tensor) and cache.shape == shape and cache.dtype == torch.float16
     assert int(cache.count_nonzero()) == 0
-    k, v = allocate_pages(KVPageLayout.SEPARATE, 6, 16, 2, 8, torch.float32, torch.device("cpu"))  # type: ignore[misc]
+    k, v = allocate_pages(KVPageLayout.SEPARATE, 6, 16, 2, 8, torch.float32, torch.device("cpu"))
     assert k.shape == v.shape == (6, 16, 2, 8) and k.data_ptr() != v.data_ptr()
 
 
@@ -179,7 +179,7 @@ def backend(name: str, priority: int, **caps: Any) -> type[PagedBackend]:
         def is_available(cls) -> Availability:
             return Availability(available, "present" if available else "no device")
 
-    Backend.name, Backend.priority = name, priority  # type: ignore[misc]
+    Backend.name, Backend.priority = name, priority
     return Backend
 
 
@@ -234,8 +234,15 @@ def test_the_environment_forces_one_backend(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(ENV_BACKEND, "toy:fast")
     with pytest.raises(UnsupportedRequirementsError, match="limits the candidates to one"):
         toy.select_backend(Requirements(dtype=torch.float32))  # no silent fallback
+    monkeypatch.setenv(ENV_BACKEND, "cuda:triton")  # another installed platform's choice
+    assert toy.select_backend(Requirements(dtype=torch.float32)).name == "broad"
     monkeypatch.setenv(ENV_BACKEND, "other:whatever")
-    assert toy.select_backend(Requirements(dtype=torch.float32)).name == "broad"  # names another platform
+    with pytest.raises(
+        ConfigurationError,
+        match=r"DIFFUSION_KV_BACKEND='other:whatever' names platform 'other', which is not installed in group "
+        r"'diffusion_kv.platforms' \(installed: cpu, cuda, npu\)",
+    ):
+        toy.select_backend(Requirements(dtype=torch.float32))  # never silently ignored
     monkeypatch.setenv(ENV_BACKEND, "toy:nope")
     with pytest.raises(
         ConfigurationError,
@@ -268,7 +275,7 @@ def test_groups_must_share_block_tables_and_a_slot_dtype() -> None:
     own.block_tables_cls = classmethod(lambda cls: OwnTables)  # type: ignore[method-assign,assignment]
 
     class Mixed(Toy):
-        backends = (int32_only, int64_only, own)
+        backends = (int32_only, int64_only, own)  # type: ignore[assignment]
 
     mixed = Mixed()
     assert mixed.select_backend(Requirements()) is int32_only

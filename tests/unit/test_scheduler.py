@@ -3,14 +3,23 @@ retirement on every terminal path, and per-row agreement with an independent den
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from diffusion_kv.conformance.reference import dense_attention, row_mask
-from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, FreeListPool
-from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.allocator import (
+    AdmissionError,
+    DiffusionKVAllocator,
+    FreeListPool,
+    KVRequest,
+    SequenceRequest,
+)
+from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.errors import GenerationError, StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.core.scheduler import (
@@ -26,7 +35,12 @@ H, HKV, D, BS = 4, 2, 16, 8
 LAYERS = ("l0", "l1")
 
 
-def make(pool_blocks: int = 64, max_seqs: int = 4, max_tokens: int = 512, **kw: object) -> DiffusionScheduler:
+def make_runner(
+    pool_blocks: int = 64,
+    max_seqs: int = 4,
+    max_tokens: int = 512,
+    modes: dict[str, AttentionMode] | None = None,
+) -> RunnerBackend:
     runner = RunnerBackend(
         CpuPlatform(),
         RunnerConfig(
@@ -36,17 +50,31 @@ def make(pool_blocks: int = 64, max_seqs: int = 4, max_tokens: int = 512, **kw: 
             max_num_batched_tokens=max_tokens,
         ),
     )
-    runner.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float64) for n in LAYERS})
+    modes = modes or dict.fromkeys(LAYERS, AttentionMode.CAUSAL)
+    runner.register_kv_cache_layers(
+        {n: PagedLayerSpec(H, HKV, D, torch.float64, mode=m) for n, m in modes.items()}
+    )
     runner.initialize_kv_cache(num_blocks=pool_blocks, block_size=BS)
+    return runner
+
+
+def make_allocator(runner: RunnerBackend, **kw: object) -> DiffusionKVAllocator:
     assert runner.layout is not None
-    allocator = DiffusionKVAllocator(
+    args: dict[str, object] = dict(
         block_size=BS,
         max_model_len=128,
         max_rows_per_request=2,
         worker_rows=runner.layout.max_num_reqs,
-        pool=FreeListPool(pool_blocks),
+        pool=FreeListPool(runner.layout.num_blocks),
+        num_groups=len(runner.layout.groups),
     )
-    return DiffusionScheduler(runner, allocator, **kw)  # type: ignore[arg-type]
+    args.update(kw)
+    return DiffusionKVAllocator(**args)  # type: ignore[arg-type]
+
+
+def make(pool_blocks: int = 64, max_seqs: int = 4, max_tokens: int = 512, **kw: object) -> DiffusionScheduler:
+    runner = make_runner(pool_blocks, max_seqs, max_tokens)
+    return DiffusionScheduler(runner, make_allocator(runner), **kw)  # type: ignore[arg-type]
 
 
 class Oracle:
@@ -54,8 +82,9 @@ class Oracle:
     keeps each row's logical K/V, and checks every row's output against dense attention over
     that row alone (causal, with the row's spans bidirectional)."""
 
-    def __init__(self, sched: DiffusionScheduler, seed: int = 0) -> None:
+    def __init__(self, sched: DiffusionScheduler, seed: int = 0, full: tuple[str, ...] = ()) -> None:
         self.sched = sched
+        self.full = full  # layers registered non-causal: they attend over every key
         self.gen = torch.Generator().manual_seed(seed)
         self.kv: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.batches: list[StepBatch] = []
@@ -64,7 +93,7 @@ class Oracle:
         self.batches.append(batch)
         n = batch.num_tokens
         meta = AttentionMetadata(full_attn_spans=batch.full_attn_spans)
-        for layer in LAYERS:
+        for layer in self.sched.runner.layers:
             q = torch.randn(n, H, D, generator=self.gen, dtype=torch.float64)
             k = torch.randn(n, HKV, D, generator=self.gen, dtype=torch.float64)
             v = torch.randn(n, HKV, D, generator=self.gen, dtype=torch.float64)
@@ -78,7 +107,8 @@ class Oracle:
                 rk, rv = self.kv[key]
                 span = slice(row.kv_start_pos, row.seq_len)
                 rk[span], rv[span] = k[offset : offset + row.query_len], v[offset : offset + row.query_len]
-                mask = row_mask("piecewise", row.kv_start_pos, row.query_len, row.seq_len, spans)
+                mode = "full" if layer in self.full else "piecewise"
+                mask = row_mask(mode, row.kv_start_pos, row.query_len, row.seq_len, spans)
                 ref = dense_attention(q[offset : offset + row.query_len], rk, rv, mask, D**-0.5)
                 torch.testing.assert_close(out[offset : offset + row.query_len], ref, atol=1e-10, rtol=1e-10)
                 offset += row.query_len
@@ -244,10 +274,10 @@ def test_failed_removal_quarantines_blocks(monkeypatch: pytest.MonkeyPatch) -> N
     sched = make()
     sched.submit(DiffusionRequest("a", 16, 8, steps=1))
 
-    def fail(requests: object) -> int:
+    def fail(request_id: object, through_generation: object) -> int:
         raise RuntimeError("worker lost")
 
-    monkeypatch.setattr(sched.runner, "remove", fail)
+    monkeypatch.setattr(sched.runner, "retire", fail)
     r = sched.step(Oracle(sched))
     assert r is not None and r.finished == () and r.failed == ("a",)
     assert sched.records["a"].status is RequestStatus.FAILED
@@ -310,3 +340,257 @@ def test_step_inside_a_step_is_refused() -> None:
 
     assert sched.step(nested) is not None
     assert len(errors) == 1 and "inside a step" in str(errors[0])
+
+
+# --- the scheduler and the allocator it shares -----------------------------------------------------
+
+
+def scheduler_state(sched: DiffusionScheduler) -> tuple[object, ...]:
+    assert sched.runner.registry is not None
+    return (
+        {rid: (r.status, r.steps_done, r.error) for rid, r in sched.records.items()},
+        sched.waiting,
+        sched.running,
+        sched.allocator.reserved(),
+        {rid: sched.allocator.blocks_of(rid) for rid in sched.allocator.reserved()},
+        sched.allocator.pool.num_free,
+        sched.allocator.generation,
+        sched.runner.registry.installed_requests(),
+        sched.tick,
+    )
+
+
+def test_an_id_another_owner_reserves_is_refused_at_submit() -> None:
+    sched = make()
+    other = sched.allocator.reserve(KVRequest("x", (SequenceRequest(0, 8, 8),)))
+    assert other is not None
+    before = scheduler_state(sched)
+    for shape in ((8, 8), (4, 8)):  # the other owner's shape, or another one: neither is ours
+        with pytest.raises(
+            ValidationError,
+            match=r"request id 'x' is already reserved in the allocator by another owner \(blocks \[0, 1\]\)",
+        ):
+            sched.submit(DiffusionRequest("x", *shape, steps=1))
+        assert scheduler_state(sched) == before
+    sched.submit(DiffusionRequest("y", 8, 8, steps=2))
+    records = sched.run(Oracle(sched))  # the scheduler goes on with everything else
+    assert records["y"].status is RequestStatus.FINISHED and "x" not in records
+    assert sched.allocator.blocks_of("x") == [0, 1]  # the other owner's blocks, untouched
+
+
+@pytest.mark.parametrize("same_shape", [True, False])
+def test_an_id_taken_after_submission_fails_alone(same_shape: bool) -> None:
+    sched = make()
+    sched.submit(DiffusionRequest("x", 8, 8, steps=1))
+    sched.submit(DiffusionRequest("y", 8, 8, steps=1))
+    shape = (8, 8) if same_shape else (4, 4)
+    assert sched.allocator.reserve(KVRequest("x", (SequenceRequest(0, *shape),))) is not None
+    theirs = sched.allocator.blocks_of("x")
+    report = sched.step(Oracle(sched))
+    assert report is not None and report.admitted == ("y",) and report.failed == ("x",)
+    assert report.finished == ("y",)
+    assert sched.records["x"].status is RequestStatus.FAILED
+    assert "reserved in the allocator by another owner before admission" in str(sched.records["x"].error)
+    assert sched.allocator.blocks_of("x") == theirs  # never adopted, never freed by the scheduler
+    assert sched.step(Oracle(sched)) is None  # not wedged: nothing left to do
+
+
+def test_causal_and_full_layers_two_kv_cache_groups() -> None:
+    modes = {"causal": AttentionMode.CAUSAL, "full": AttentionMode.FULL}
+    runner = make_runner(modes=modes)
+    assert runner.layout is not None and len(runner.layout.groups) == 2
+    with pytest.raises(
+        ValidationError,
+        match=r"the worker has 2 KV-cache group\(s\) \(causal layers, block size 8; full layers, block size 8\) "
+        r"but the allocator reserves blocks for 1: build it with num_groups=2",
+    ):
+        DiffusionScheduler(runner, make_allocator(runner, num_groups=1))
+    sched = DiffusionScheduler(runner, make_allocator(runner))
+    sched.submit(DiffusionRequest("a", 16, 8, steps=3, cfg_rows=2))
+    sched.submit(DiffusionRequest("b", 0, 12, steps=2))
+    records = sched.run(Oracle(sched, full=("full",)))
+    assert {rid: r.status for rid, r in records.items()} == dict.fromkeys("ab", RequestStatus.FINISHED)
+    assert (
+        sched.blocks_in_use == 0
+        and runner.registry is not None
+        and runner.registry.installed_requests() == ()
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "fact"),
+    [
+        (dict(pool=FreeListPool(65)), "allocator pool blocks 65 exceeds the worker's 64"),
+        (dict(max_model_len=129), "allocator max_model_len 129 exceeds the worker's 128"),
+        (dict(max_rows_per_request=3), "allocator max_rows_per_request 3 exceeds the worker's 2"),
+        (dict(worker_rows=9), "allocator worker_rows 9 exceeds the worker's 8"),
+        (dict(block_size=16), r"allocator block size 16 does not match the worker's \[8\]"),
+    ],
+)
+def test_an_allocator_that_does_not_describe_the_worker_is_refused(kw: dict[str, object], fact: str) -> None:
+    runner = make_runner()
+    allocator = make_allocator(runner, **kw)
+    assert runner.translator is not None
+    with pytest.raises(ValidationError, match=r"^the allocator does not describe this worker: " + fact):
+        DiffusionScheduler(runner, allocator)
+    assert allocator.generation == 0 and runner.translator.active_batch is None
+    DiffusionScheduler(runner, make_allocator(runner)).close()  # the runner is still free to use
+
+
+def test_a_request_the_worker_refuses_fails_instead_of_wedging_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = make()
+
+    def refuse(snapshot: object) -> bool:
+        raise ValidationError("row ('a', 0, None) has 1 block groups; expected 2")
+
+    monkeypatch.setattr(sched.runner, "install", refuse)
+    sched.submit(DiffusionRequest("a", 8, 8, steps=1))
+    records = sched.run(Oracle(sched))  # no "requests [] wait" StateError
+    assert records["a"].status is RequestStatus.FAILED
+    assert (
+        records["a"].error
+        == "install failed: ValidationError: row ('a', 0, None) has 1 block groups; expected 2"
+    )
+    assert sched.blocks_in_use == 0 and sched.idle
+
+
+def test_a_scheduler_started_again_on_a_live_worker_reuses_ids() -> None:
+    runner = make_runner()
+    first = DiffusionScheduler(runner, make_allocator(runner))
+    first.submit(DiffusionRequest("z", 8, 8, steps=2))
+    first.run(Oracle(first))
+    first.close()
+    assert runner.generation_high_water == 1
+    again = DiffusionScheduler(runner, make_allocator(runner))  # a new allocator starts at 0...
+    assert again.allocator.generation == 1  # ...and continues above the worker's high-water mark
+    again.submit(DiffusionRequest("z", 8, 8, steps=2))
+    records = again.run(Oracle(again))
+    assert records["z"].status is RequestStatus.FINISHED and records["z"].error is None
+
+
+def test_close_inside_a_step_cancels_and_is_never_overwritten() -> None:
+    sched = make()
+    oracle = Oracle(sched)
+    sched.submit(DiffusionRequest("ends", 8, 8, steps=1))
+    sched.submit(DiffusionRequest("goes-on", 8, 8, steps=3))
+    sched.submit(DiffusionRequest("waits", 8, 8, steps=1))
+    sched.max_running = 2
+
+    def closing(batch: StepBatch) -> None:
+        oracle(batch)
+        sched.close()
+        with pytest.raises(StateError, match="closing at the end of this step"):
+            sched.submit(DiffusionRequest("late", 8, 8, steps=1))
+
+    report = sched.step(closing)
+    assert report is not None and report.finished == ("ends",) and report.cancelled == ("goes-on",)
+    statuses = {rid: (r.status, r.steps_done) for rid, r in sched.records.items()}
+    assert statuses == {
+        "ends": (RequestStatus.FINISHED, 1),  # its last step ran
+        "goes-on": (RequestStatus.CANCELLED, 1),
+        "waits": (RequestStatus.CANCELLED, 0),
+    }
+    assert sched.blocks_in_use == 0 and sched.runner.registry is not None
+    assert sched.runner.registry.installed_requests() == ()
+    with pytest.raises(StateError, match="the scheduler is closed"):
+        sched.step(oracle)
+    sched.close()  # idempotent
+    assert {rid: (r.status, r.steps_done) for rid, r in sched.records.items()} == statuses
+
+
+# --- late snapshots and what the worker holds without a reservation ---------------------------------
+
+
+def test_a_late_snapshot_of_a_finished_request_is_refused() -> None:
+    sched = make()
+    oracle = Oracle(sched)
+    late: list[RequestAllocation] = []
+
+    def resend(batch: StepBatch) -> None:  # the scheduler re-sends the snapshot; it arrives late
+        oracle(batch)
+        if not late:
+            again = sched.allocator.reserve(batch.entries[0].request.kv_request())
+            assert again is not None
+            late.append(again)
+
+    sched.submit(DiffusionRequest("a", 8, 8, steps=2))
+    sched.run(resend)
+    assert sched.records["a"].status is RequestStatus.FINISHED
+    assert sched.runner.registry is not None
+    before = sched.runner.registry.installed_requests(), sched.blocks_in_use
+    with pytest.raises(
+        GenerationError,
+        match=f"stale allocation generation {late[0].allocation_generation} for request 'a': the request was "
+        f"removed at generation {sched.allocator.generation}",
+    ):
+        sched.runner.install(late[0])  # newer than the generation it ran at: still refused
+    assert (sched.runner.registry.installed_requests(), sched.blocks_in_use) == before == ((), 0)
+    sched.submit(DiffusionRequest("b", 8, 8, steps=1))  # the next owner of those blocks
+    assert sched.run(Oracle(sched))["b"].status is RequestStatus.FINISHED
+
+
+def test_rows_the_allocator_does_not_reserve_are_reaped() -> None:
+    sched = make()
+    registry = sched.runner.registry
+    assert registry is not None
+    # a snapshot installed behind the scheduler's back, on blocks the allocator has free
+    sched.runner.install(RequestAllocation("zombie", 7, (SequenceAllocation(0, 8, 8, 16, ((0, 1),)),)))
+    sched.submit(DiffusionRequest("a", 8, 8, steps=1))  # the allocator hands it blocks 0 and 1
+    report = sched.step(Oracle(sched))
+    assert report is not None and report.reaped == ("zombie",) and report.finished == ("a",)
+    assert sched.records["a"].error is None and "zombie" not in sched.records
+    assert registry.installed_requests() == () and registry.removed_generation("zombie") == 7
+    with pytest.raises(GenerationError):  # reaped for good
+        sched.runner.install(RequestAllocation("zombie", 7, (SequenceAllocation(0, 8, 8, 16, ((0, 1),)),)))
+    sched.runner.install(RequestAllocation("zombie2", 9, (SequenceAllocation(0, 8, 8, 16, ((5, 6),)),)))
+    report = sched.step(Oracle(sched))  # nothing to run: the reaping alone is reported
+    assert report is not None and report.reaped == ("zombie2",) and report.rows == 0
+    assert sched.step(Oracle(sched)) is None
+
+
+@pytest.mark.parametrize(
+    ("action", "fact"),
+    [
+        (lambda s: s.step(None), "step takes the model callback fn\\(batch\\); got NoneType None"),
+        (lambda s: s.step(3), "step takes the model callback fn\\(batch\\); got int 3"),
+        (lambda s: s.run(None), "run takes the model callback fn\\(batch\\); got NoneType"),
+        (
+            lambda s: s.run(lambda b: None, on_step=3),
+            "on_step takes a callback on_step\\(report\\) or None; got int",
+        ),
+        (lambda s: s.cancel(["a"]), "cancel takes a non-empty request id string; got \\['a'\\]"),
+        (lambda s: s.cancel(None), "cancel takes a non-empty request id string; got None"),
+    ],
+)
+def test_bad_calls_are_refused_before_anything_runs(
+    action: Callable[[DiffusionScheduler], object], fact: str
+) -> None:
+    sched = make()
+    sched.submit(DiffusionRequest("a", 8, 8, steps=2))
+    before = scheduler_state(sched)
+    with pytest.raises(ValidationError, match=fact):
+        action(sched)
+    assert scheduler_state(sched) == before  # nothing admitted, nothing failed
+
+
+@pytest.mark.parametrize(
+    ("runner", "allocator", "error", "fact"),
+    [
+        (None, "ok", ValidationError, "the scheduler needs a RunnerBackend; got NoneType"),
+        ("ok", None, ValidationError, "the scheduler needs a DiffusionKVAllocator; got NoneType"),
+        ("dense", "ok", ValidationError, "the scheduler needs a paged runner"),
+    ],
+)
+def test_bad_scheduler_parts_are_refused(runner: object, allocator: object, error: type, fact: str) -> None:
+    from diffusion_kv.core.registry import KVCacheMode
+
+    real = make_runner()
+    if runner == "dense":
+        real = RunnerBackend(CpuPlatform(), dataclasses.replace(real.config, mode=KVCacheMode.DENSE))
+        real.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float64) for n in LAYERS})
+        real.initialize_kv_cache(num_blocks=64, block_size=BS)
+    with pytest.raises(error, match=fact):
+        DiffusionScheduler(
+            real if runner in ("ok", "dense") else runner,  # type: ignore[arg-type]
+            make_allocator(real) if allocator == "ok" else allocator,  # type: ignore[arg-type]
+        )

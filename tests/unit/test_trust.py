@@ -19,6 +19,7 @@ from diffusion_kv import (
     AttentionMode,
     DiffusionKVError,
     GenerationError,
+    KVPageLayout,
     NativeBackendError,
     StateError,
     UnknownLayerError,
@@ -198,6 +199,52 @@ def test_generation_memory_is_bounded() -> None:
         make_registry(generation_memory=-1)
 
 
+def test_retirement_refuses_every_snapshot_up_to_its_generation() -> None:
+    reg, _ = make_registry()
+    reg.install(request("a", 5))
+    assert reg.install(request("a", 6)) is False  # a re-sent snapshot: recorded, rows kept
+    assert reg.generation_high_water == 6
+    assert reg.retire("a", 8) == 1  # the scheduler freed the blocks at its generation 8
+    assert reg.removed_generation("a") == 8 and reg.generation_high_water == 8
+    before = state_of(reg)
+    for gen in (6, 7, 8):  # in flight when the request ended: never installed again
+        with pytest.raises(
+            GenerationError,
+            match=f"stale allocation generation {gen} for request 'a': the request was removed at generation 8",
+        ):
+            reg.install(request("a", gen))
+        assert state_of(reg) == before
+    assert reg.install(request("a", 9)) is True  # a later reservation of the id
+    with pytest.raises(
+        GenerationError,
+        match="request 'a' is installed at generation 9, newer than the retirement through generation 8",
+    ):
+        reg.retire("a", 8)
+    assert reg.generation_of("a") == 9
+    assert reg.retire("never-installed", 3) == 0  # a tombstone only
+    with pytest.raises(GenerationError):
+        reg.install(request("never-installed", 3, (seq(0, 4, [30]),)))
+    for bad_id, bad_gen, fact in (
+        ("", 1, "retire takes a non-empty request id string"),
+        (["a"], 1, "retire takes a non-empty request id string"),
+        ("a", -1, "through_generation must be an int >= 0; got -1"),
+        ("a", 1.0, "through_generation must be an int >= 0; got 1.0"),
+    ):
+        before = state_of(reg)
+        with pytest.raises(ValidationError, match=fact):
+            reg.retire(bad_id, bad_gen)  # type: ignore[arg-type]
+        assert state_of(reg) == before
+
+
+def test_plain_removal_still_lets_a_newer_snapshot_install() -> None:
+    """``remove`` is not for good (a preempted request may come back under a newer generation);
+    ``retire`` is: the difference a late snapshot of a finished request makes."""
+    reg, _ = make_registry()
+    reg.install(request("a", 5))
+    reg.remove("a")
+    assert reg.install(request("a", 6)) is True
+
+
 # --- 3. page provenance ---------------------------------------------------------------------------
 
 
@@ -326,11 +373,11 @@ def test_reserve_under_a_reserved_id_with_another_shape_is_refused() -> None:
     ("bad", "message"),
     [
         (KVRequest("r", (SequenceRequest(-1, 0, 4),)), "sequence_id must be an int >= 0; got -1"),
-        (KVRequest("r", (SequenceRequest(True, 0, 4),)), "sequence_id must be an int >= 0; got True"),  # type: ignore[arg-type]
+        (KVRequest("r", (SequenceRequest(True, 0, 4),)), "sequence_id must be an int >= 0; got True"),
         (KVRequest("r", (SequenceRequest("0", 0, 4),)), "sequence_id must be an int >= 0; got '0'"),  # type: ignore[arg-type]
         (KVRequest("r", (SequenceRequest(0, 1.5, 4),)), "prefix_len must be an int >= 0; got 1.5"),  # type: ignore[arg-type]
         (KVRequest("r", (SequenceRequest(0, 0, -4),)), "target_len must be an int >= 0; got -4"),
-        (KVRequest("r", (SequenceRequest(0, True, 4),)), "prefix_len must be an int >= 0; got True"),  # type: ignore[arg-type]
+        (KVRequest("r", (SequenceRequest(0, True, 4),)), "prefix_len must be an int >= 0; got True"),
         (KVRequest("", (SequenceRequest(0, 0, 4),)), "request_id must be a non-empty string"),
         (KVRequest(7, (SequenceRequest(0, 0, 4),)), "request_id must be a non-empty string"),  # type: ignore[arg-type]
         (
@@ -346,9 +393,9 @@ def test_reserve_under_a_reserved_id_with_another_shape_is_refused() -> None:
             "cache_role must be a non-empty string",
         ),
         (
-            KVRequest("r", (SequenceRequest(0, 0, 4),), (ContextRequest("c", "image", 2.0),)),
+            KVRequest("r", (SequenceRequest(0, 0, 4),), (ContextRequest("c", "image", 2.0),)),  # type: ignore[arg-type]
             "num_tokens must be an int >= 0; got 2.0",
-        ),  # type: ignore[arg-type]
+        ),
         (KVRequest("r", [SequenceRequest(0, 0, 4)]), "sequences must be a tuple of SequenceRequest"),  # type: ignore[arg-type]
     ],
 )
@@ -458,6 +505,159 @@ def test_mqa_batched_layout_with_one_token_per_row() -> None:
     torch.testing.assert_close(batched.reshape(2, H, D), flat, atol=0, rtol=0)
 
 
+# --- 11. cache binding ------------------------------------------------------------------------------
+
+
+class SeparatePages(CpuReferenceBackend):
+    """The reference kernels over ``(key_cache, value_cache)`` pages."""
+
+    name = "separate"
+    page_layout = KVPageLayout.SEPARATE
+
+
+class SeparateCpu(CpuPlatform):
+    backends = (SeparatePages,)
+
+
+def unbound(platform: CpuPlatform | None = None) -> RunnerBackend:
+    r = RunnerBackend(platform or CpuPlatform(), RunnerConfig(32, 2, 3, 96))
+    r.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32) for n in LAYERS})
+    return r
+
+
+def pages(*lead: int) -> torch.Tensor:
+    return torch.zeros(*lead, 16, BS, HKV, D)
+
+
+def bound_state(r: RunnerBackend) -> tuple[Any, ...]:
+    return (r.initialized, r.layout, r.registry, r.kv_caches, r.backends, dict(r.layers))
+
+
+@pytest.mark.parametrize(
+    ("caches", "fact"),
+    [
+        (
+            lambda big: {"l0": big[0], "l1": big[0]},  # one host tensor bound as both layers' cache
+            r"layer 'l0' \(bytes \[0x[0-9a-f]+, 0x[0-9a-f]+\)\) and layer 'l1' \(bytes .*\) share memory",
+        ),
+        (
+            lambda big: {"l0": big[0], "l1": big[0, :, :]},  # the same memory through another view
+            r"layer 'l0' .* and layer 'l1' .* share memory",
+        ),
+        (
+            lambda big: {
+                "l0": big.flatten(0, 2)[:32].view(2, 16, BS, HKV, D),
+                "l1": big.flatten(0, 2)[16:48].view(2, 16, BS, HKV, D),
+            },
+            r"layer 'l0' .* and layer 'l1' .* share memory",  # overlapping slices of one buffer
+        ),
+        (
+            lambda big: {"l0": big[0], "l1": big[1, :1].expand(2, 16, BS, HKV, D)},  # K and V alias
+            r"layer 'l1' \(bytes .*\) addresses some bytes twice",
+        ),
+    ],
+    ids=["same tensor", "same memory, new view", "overlapping slices", "broadcast view"],
+)
+def test_caches_that_share_memory_are_refused(caches: Any, fact: str) -> None:
+    big = pages(2, 2)
+    r = unbound()
+    before = bound_state(r)
+    with pytest.raises(ValidationError, match=r"^the given kv_caches: " + fact + r".*memory of its own"):
+        r.initialize_kv_cache(num_blocks=16, block_size=BS, kv_caches=caches(big))
+    assert bound_state(r) == before and not r.initialized
+    assert torch.count_nonzero(big) == 0  # nothing was written through either binding
+
+
+def test_a_layers_key_and_value_must_not_alias() -> None:
+    k = pages()
+    r = unbound(SeparateCpu())
+    with pytest.raises(
+        ValidationError, match=r"layer 'l0' \(key\) .* and layer 'l0' \(value\) .* share memory"
+    ):
+        r.initialize_kv_cache(
+            num_blocks=16, block_size=BS, kv_caches={"l0": (k, k), "l1": (pages(), pages())}
+        )
+    assert not r.initialized
+
+
+def test_a_plugin_allocating_one_cache_for_two_layers_is_a_native_error() -> None:
+    shared = pages(2)
+
+    class OneCache(CpuReferenceBackend):
+        name = "one-cache"
+
+        def allocate_kv_cache(self, layer: Any) -> Any:
+            return shared
+
+    class OneCacheCpu(CpuPlatform):
+        backends = (OneCache,)
+
+    r = unbound(OneCacheCpu())
+    with pytest.raises(
+        NativeBackendError,
+        match=r"^the caches platform 'cpu' allocated: layer 'l0' .* and layer 'l1' .* share memory",
+    ):
+        r.initialize_kv_cache(num_blocks=16, block_size=BS)
+    assert not r.initialized
+
+
+def test_a_cache_that_requires_grad_cannot_be_bound() -> None:
+    r = unbound()
+    grad = pages(2).requires_grad_()
+    with pytest.raises(
+        ValidationError, match=r"kv_caches\['l1'\] requires grad; the KV cache never joins autograd"
+    ):
+        r.initialize_kv_cache(num_blocks=16, block_size=BS, kv_caches={"l0": pages(2), "l1": grad})
+    assert not r.initialized and grad.grad_fn is None
+
+
+@pytest.mark.parametrize(
+    ("caches", "fact"),
+    [
+        (3, "kv_caches must map each paged layer name to its cache; got int"),
+        ("l0", "kv_caches must map each paged layer name to its cache; got str"),
+        ({"l0": None, "l1": None}, r"kv_caches\['l0'\] must be a tensor or a tuple of tensors; got NoneType"),
+        ({"l0": (), "l1": ()}, r"kv_caches\['l0'\] must be a tensor or a tuple of tensors; got \[\]"),
+    ],
+)
+def test_malformed_kv_caches_are_refused(caches: Any, fact: str) -> None:
+    r = unbound()
+    with pytest.raises(ValidationError, match=fact):
+        r.initialize_kv_cache(num_blocks=16, block_size=BS, kv_caches=caches)
+    assert not r.initialized
+
+
+@pytest.mark.parametrize("layout", ["disjoint slices", "interleaved key/value"])
+def test_disjoint_bindings_work_like_allocated_caches(layout: str) -> None:
+    """Disjoint views of one host buffer (vLLM's layer slices; its key and value halves of one
+    ``[..., 2 * D]`` tensor) are memory of their own: bound as is, and attention is exact."""
+    if layout == "disjoint slices":
+        big = pages(2, 2)
+        given: dict[str, Any] = {"l0": big[0], "l1": big[1]}
+        r = unbound()
+    else:
+        buf = torch.zeros(2, 16, BS, HKV, 2 * D)
+        given = {n: (buf[i, ..., :D], buf[i, ..., D:]) for i, n in enumerate(LAYERS)}
+        r = unbound(SeparateCpu())
+    r.initialize_kv_cache(num_blocks=16, block_size=BS, kv_caches=given)
+    assert all(r.kv_caches[n] is given[n] for n in LAYERS)  # zero-copy
+    oracle = runner()
+    for worker in (r, oracle):
+        worker.install(snap("a", 0, (8, 4, [1, 2, 3])))
+        worker.install(snap("b", 0, (8, 4, [4, 5, 6])))
+    rows = (*phases("a", 8, 4).prefill, *phases("b", 8, 4).prefill)
+    assert r.translator is not None and oracle.translator is not None
+    q, k, v = kv(24, 3)
+    outs = []
+    for worker in (r, oracle):
+        batch = worker.translator.prepare(rows)  # type: ignore[union-attr]
+        with worker.translator.activate(batch):  # type: ignore[union-attr]
+            outs.append([worker.forward(name, q, k * (i + 1), v * (i + 1)) for i, name in enumerate(LAYERS)])
+    for got, want in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.equal(outs[0][0], outs[0][1])  # the layers kept their own K/V
+
+
 # --- 10. errors ------------------------------------------------------------------------------------
 
 
@@ -476,7 +676,7 @@ def test_public_errors_are_in_the_hierarchy() -> None:
             r.forward("l0", q, k, v, {"full_attn_spans": [[(0, 2)]]})
         for bound in (1.5, True, torch.tensor(2.0)):
             with pytest.raises(ValidationError, match="full_attn_spans bounds must be integers"):
-                r.forward("l0", q, k, v, AttentionMetadata(full_attn_spans=[[(0, bound)]]))
+                r.forward("l0", q, k, v, AttentionMetadata(full_attn_spans=[[(0, bound)]]))  # type: ignore[list-item]
     for exc in (UnknownLayerError, UnsupportedFeatureError, GenerationError, NativeBackendError):
         assert issubclass(exc, DiffusionKVError)
     with pytest.raises(UnsupportedFeatureError, match="Ring"):

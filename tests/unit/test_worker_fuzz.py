@@ -1,16 +1,25 @@
 """Model-based fuzz of the whole worker path: allocator + registry + runtime + ``cpu`` forward.
 
 A seeded random driver issues valid and invalid operations — reservations (good and malformed),
-installs (fresh, replays of old snapshots, forged overlapping or repeated block ids, cached
-prefixes shared read-only), denoise steps in any order (prefill, denoise before prefill,
-writes into a cached prefix), removals (by id, by generation, malformed), scheduler frees in
-the wrong order, double frees, and injected plugin faults (metadata builder, a layer's K/V
-writer, BlockTables). An independent model predicts every outcome. After every operation:
+installs (fresh, replays of old snapshots, late snapshots of requests retired for good, forged
+overlapping or repeated block ids, cached prefixes shared read-only), denoise steps in any
+order (prefill, denoise before prefill, writes into a cached prefix), removals (by id, by
+generation, for good through a generation, malformed), scheduler frees in the wrong order,
+double frees, scheduler restarts (a new allocator on the live worker), reaping of rows no
+reservation owns, cache bindings (the worker's caches are host tensors — disjoint slices or
+interleaved halves of one buffer — and random bindings of a second worker, aliased ones
+included), and injected plugin faults (metadata builder, a layer's K/V writer, BlockTables). An
+independent model — block refcounts, reservations, generations, tombstones — predicts every
+outcome. After every operation:
 
-* no block is written by one live row while another live row holds it;
+* no block is written by one live row while another live row holds it, and every block's
+  holders are the model's refcount;
 * no block leaks: the pool's free list plus every reservation is the whole pool;
 * a rejected operation left registry, allocator and every cache byte-identical;
 * every paged output equals dense attention over that row's own K/V (per layer).
+
+At the end every reservation is retired and freed, every snapshot ever issued is replayed, and
+what the allocator does not reserve is reaped: the worker holds zero rows and zero blocks.
 
 ``DKV_FUZZ_OPS`` (default 10,000 in all) and ``DKV_FUZZ_SEED`` (a list of seeds) widen a run.
 """
@@ -37,6 +46,7 @@ from diffusion_kv.core.allocator import (
 from diffusion_kv.core.errors import GenerationError, NativeBackendError, StateError, ValidationError
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.scheduler import reap_unreserved
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
@@ -118,10 +128,39 @@ class Model:
     installed: dict[str, tuple[RequestAllocation, int]] = field(
         default_factory=dict
     )  # rid -> (snapshot, gen)
-    removed: dict[str, int] = field(default_factory=dict)
+    removed: dict[str, int] = field(default_factory=dict)  # rid -> last generation or tombstone
+    finished: dict[str, int] = field(default_factory=dict)  # rid -> generation it was retired at
     rows: dict[tuple[str, int], RowModel] = field(default_factory=dict)
     row_index: dict[tuple[str, int], int] = field(default_factory=dict)
     history: dict[str, list[RequestAllocation]] = field(default_factory=dict)
+    refs: dict[int, int] = field(default_factory=dict)  # block -> live rows holding it
+    high_water: int = -1  # the highest generation the worker installed, recorded or retired
+
+    def hold(self, row: RowModel, sign: int) -> None:
+        for b in row.blocks:
+            self.refs[b] = self.refs.get(b, 0) + sign
+            if not self.refs[b]:
+                del self.refs[b]
+
+    def drop(self, rid: str) -> RequestAllocation:
+        """The worker's rows of ``rid`` go (removal, retirement, reaping)."""
+        snap, gen = self.installed.pop(rid)
+        self.removed[rid] = max(self.removed.get(rid, -1), gen)
+        for s in snap.sequences:
+            self.hold(self.rows.pop((rid, s.sequence_id)), -1)
+            del self.row_index[(rid, s.sequence_id)]
+        return snap
+
+    def retire(self, rid: str, through: int) -> None:
+        if rid in self.installed:
+            self.finished[rid] = self.installed[rid][1]
+            self.drop(rid)
+        self.removed[rid] = max(self.removed.get(rid, -1), through)
+        self.high_water = max(self.high_water, through)
+
+    def zombies(self) -> set[str]:
+        """Installed requests no reservation owns: what reaping retires."""
+        return set(self.installed) - set(self.reserved)
 
     def holders(self) -> dict[int, list[tuple[tuple[str, int], bool]]]:
         out: dict[int, list[tuple[tuple[str, int], bool]]] = {}
@@ -142,6 +181,12 @@ class Model:
                     return True
                 others.append(writes)
         return False
+
+
+def key_of(row: PagedRow) -> tuple[str, int]:
+    """The model's key of a sequence row."""
+    assert row.sequence_id is not None
+    return row.request_id, row.sequence_id
 
 
 def best_fit(free: set[int], n: int) -> list[int]:
@@ -181,7 +226,22 @@ class Fuzz:
         )
         spec = PagedLayerSpec(H, HKV, D, torch.float32)
         self.runner.register_kv_cache_layers({name: spec for name in LAYERS})
-        self.runner.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS)
+        # The worker's caches are host tensors: disjoint slices of one buffer (even seeds) or
+        # interleaved halves of one buffer's last dimension (odd seeds). One aliased binding
+        # first: refused, and the worker stays uninitialised.
+        if seed % 2:
+            self.host = torch.zeros(2, NUM_BLOCKS, BS, HKV, len(LAYERS) * D)
+            caches = {n: self.host[..., i * D : (i + 1) * D] for i, n in enumerate(LAYERS)}
+            aliased = {n: self.host[..., :D] for n in LAYERS}
+        else:
+            self.host = torch.zeros(len(LAYERS), 2, NUM_BLOCKS, BS, HKV, D)
+            caches = {n: self.host[i] for i, n in enumerate(LAYERS)}
+            aliased = dict.fromkeys(LAYERS, self.host[0])
+        with pytest.raises(ValidationError, match="share memory"):
+            self.runner.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS, kv_caches=aliased)
+        assert not self.runner.initialized
+        self.runner.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS, kv_caches=caches)
+        assert all(self.runner.kv_caches[n] is caches[n] for n in LAYERS)
         assert self.runner.registry is not None and self.runner.translator is not None
         self.registry = self.runner.registry
         self.bt: FlakyBlockTables = self.registry.block_tables  # type: ignore[assignment]
@@ -199,6 +259,7 @@ class Fuzz:
         assert prefix is not None
         self.prefix_blocks = list(prefix.sequences[0].block_ids[0])
         self.model.generation = 1
+        self.prefix_request = KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),))
         self.model.reserved["prefix-cache"] = (
             KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),)),
             self.prefix_blocks,
@@ -244,7 +305,7 @@ class Fuzz:
                     KVRequest(rid, (SequenceRequest(-1, 1, 1),)),
                     KVRequest(rid, (SequenceRequest(0, 1.0, 1),)),  # type: ignore[arg-type]
                     KVRequest(rid, (SequenceRequest("0", 1, 1),)),  # type: ignore[arg-type]
-                    KVRequest(rid, (SequenceRequest(0, True, 1),)),  # type: ignore[arg-type]
+                    KVRequest(rid, (SequenceRequest(0, True, 1),)),
                     KVRequest(rid, (SequenceRequest(0, MAX_LEN, 1),)),
                     KVRequest(
                         rid, (SequenceRequest(0, 1, 1), SequenceRequest(1, 1, 1), SequenceRequest(2, 1, 1))
@@ -367,7 +428,11 @@ class Fuzz:
             kind = "install"
         if snap is None:
             return
-        fault = self.rng.random() < 0.05
+        self.install(snap, kind)
+
+    def install(self, snap: RequestAllocation, kind: str, faults: bool = True) -> None:
+        m = self.model
+        fault = faults and self.rng.random() < 0.05
         before = self.state()
         rid, gen = snap.request_id, snap.allocation_generation
         current = m.installed.get(rid)
@@ -379,6 +444,8 @@ class Fuzz:
             expected = GenerationError if (gen < current[1] or not same) else None
         elif rid in m.removed and gen <= m.removed[rid]:
             expected = GenerationError
+            if rid in m.finished and gen > m.finished[rid]:
+                kind = "late snapshot of a finished request"  # newer than it ran at: refused all the same
         elif m.conflicts(snap) or len(snap.sequences) > WORKER_ROWS - len(m.row_index):
             expected = ValidationError
         else:
@@ -396,6 +463,7 @@ class Fuzz:
         if current is not None:
             assert result is False
             m.installed[rid] = (current[0], max(gen, current[1]))
+            m.high_water = max(m.high_water, gen)
             self.note("install: no-op")
             return
         assert result is True
@@ -422,8 +490,11 @@ class Fuzz:
                 set(range(s.cached_prefix_len)),
                 kv,
             )
+            m.hold(m.rows[key], +1)
         m.installed[rid] = (snap, gen)
         m.removed.pop(rid, None)
+        m.finished.pop(rid, None)
+        m.high_water = max(m.high_water, gen)
         self.note(f"{kind}: installed")
 
     def op_remove(self) -> None:
@@ -437,7 +508,10 @@ class Fuzz:
                 self.registry.remove(bad)  # type: ignore[arg-type]
             self.rejected(before, "malformed removal")
             return
-        scoped = roll < 0.35
+        if roll < 0.3:
+            self.retire(rid)
+            return
+        scoped = roll < 0.5
         entry: Any = (rid, self.rng.randint(max(0, m.generation - 3), m.generation)) if scoped else rid
         targeted = rid in m.installed and (not scoped or m.installed[rid][1] == entry[1])
         fault = targeted and self.rng.random() < 0.05
@@ -452,13 +526,128 @@ class Fuzz:
         if not targeted:
             assert n == 0 and self.same(before, self.state())
             return
-        snap, gen = m.installed.pop(rid)
+        snap = m.drop(rid)
         assert n == len(snap.sequences)
-        m.removed[rid] = gen
-        for s in snap.sequences:
-            del m.rows[(rid, s.sequence_id)]
-            del m.row_index[(rid, s.sequence_id)]
         self.note("remove")
+
+    def retire(self, rid: str) -> None:
+        """Removal for good, as the scheduler does it: through the allocator's generation, or
+        (a careless caller) through one below the installed generation."""
+        m = self.model
+        installed = m.installed.get(rid)
+        through = m.generation if self.rng.random() < 0.8 else self.rng.randint(0, m.generation + 1)
+        assert self.alloc.generation == m.generation
+        before = self.state()
+        if installed is not None and installed[1] > through:
+            with pytest.raises(
+                GenerationError, match=f"newer than the retirement through generation {through}"
+            ):
+                self.runner.retire(rid, through)
+            self.rejected(before, "retirement below the installed generation")
+            return
+        fault = installed is not None and self.rng.random() < 0.05
+        self.bt.fail_apply = fault
+        if fault:
+            with pytest.raises(NativeBackendError):
+                self.runner.retire(rid, through)
+            self.bt.fail_apply = False
+            self.rejected(before, "retirement (BlockTables fault)")
+            return
+        n = self.runner.retire(rid, through)
+        assert n == (len(installed[0].sequences) if installed is not None else 0)
+        m.retire(rid, through)
+        self.note("retire" if installed is not None else "retire: tombstone only")
+
+    def op_reap(self) -> None:
+        """What a scheduler does at every step: retire rows no reservation owns."""
+        m = self.model
+        zombies = m.zombies()
+        through = {rid: max(m.generation, m.installed[rid][1]) for rid in zombies}
+        before = self.state()
+        reaped = reap_unreserved(self.runner, self.alloc)
+        assert set(reaped) == zombies and len(reaped) == len(zombies)
+        if not zombies:
+            assert self.same(before, self.state())
+            return
+        for rid in zombies:
+            m.retire(rid, through[rid])
+        self.note("reaped")
+
+    def op_restart(self) -> None:
+        """The scheduler side starts over on the live worker: a new pool and allocator (every
+        reservation forgotten), continuing above the worker's generations; the prefix cache is
+        reserved again (its blocks come back as the same ids)."""
+        m = self.model
+        self.pool = FreeListPool(NUM_BLOCKS)
+        self.alloc = DiffusionKVAllocator(
+            block_size=BS,
+            max_model_len=MAX_LEN,
+            max_rows_per_request=ROWS_PER_REQ,
+            worker_rows=WORKER_ROWS,
+            pool=self.pool,
+        )
+        assert self.runner.generation_high_water == m.high_water
+        self.alloc.advance_generation(self.runner.generation_high_water)
+        m.reserved.clear()
+        m.free = set(range(NUM_BLOCKS))
+        m.generation = max(m.high_water, 0)
+        prefix = self.alloc.reserve(self.prefix_request)
+        m.generation += 1
+        assert prefix is not None and prefix.allocation_generation == m.generation
+        assert list(prefix.sequences[0].block_ids[0]) == best_fit(m.free, PREFIX_POOL) == self.prefix_blocks
+        m.free -= set(self.prefix_blocks)
+        m.reserved["prefix-cache"] = (self.prefix_request, self.prefix_blocks)
+        self.note("restart")
+
+    def op_bind(self) -> None:
+        """Bind random host caches to a second worker; the model decides, by enumerating the
+        storage elements each view covers, whether two layers (or a layer's two halves) share
+        memory. A refused binding leaves that worker uninitialised and this one untouched."""
+        shape = (2, NUM_BLOCKS, BS, HKV, D)
+        numel = 2 * NUM_BLOCKS * BS * HKV * D
+        buffer = torch.zeros(4 * numel)
+        base = torch.arange(buffer.numel())
+
+        def view(offset: int, interleave: int = 1, part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            stride = [NUM_BLOCKS * BS * HKV * D, BS * HKV * D, HKV * D, D, 1]
+            stride = [s * interleave for s in stride[:-1]] + [1]
+            args = (shape, tuple(stride), offset + part * D)
+            return buffer.as_strided(*args), base.as_strided(*args)
+
+        kind = self.rng.choice(("disjoint", "same", "overlap", "interleaved", "broadcast", "grad"))
+        if kind == "disjoint":
+            pairs = [view(0), view(numel + self.rng.randint(0, numel))]
+        elif kind == "same":
+            pairs = [view(0), view(0)]
+        elif kind == "overlap":
+            pairs = [view(0), view(self.rng.randint(1, numel - 1))]
+        elif kind == "interleaved":
+            pairs = [view(0, 2, 0), view(0, 2, self.rng.choice((0, 1)))]
+        elif kind == "broadcast":
+            one = buffer[: BS * HKV * D].view(1, 1, BS, HKV, D).expand(shape)
+            pairs = [view(numel), (one, base[: BS * HKV * D].view(1, 1, BS, HKV, D).expand(shape))]
+        else:
+            pairs = [view(0), view(numel)]
+        caches = {n: t for n, (t, _) in zip(LAYERS, pairs, strict=True)}
+        if kind == "grad":
+            caches["l1"] = caches["l1"].detach().requires_grad_()
+        covered = [idx.reshape(-1).tolist() for _, idx in pairs]
+        shares = len(set(covered[0]) & set(covered[1])) > 0 or any(len(set(c)) < len(c) for c in covered)
+        worker = RunnerBackend(
+            CpuPlatform(), RunnerConfig(MAX_LEN, ROWS_PER_REQ, MAX_SEQS, WORKER_ROWS * MAX_LEN)
+        )
+        worker.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32) for n in LAYERS})
+        before = self.state()
+        if shares or kind == "grad":
+            with pytest.raises(ValidationError, match="requires grad" if kind == "grad" else "memory"):
+                worker.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS, kv_caches=caches)
+            assert not worker.initialized and torch.count_nonzero(buffer) == 0
+            self.rejected(before, f"binding ({kind})")
+            return
+        worker.initialize_kv_cache(num_blocks=NUM_BLOCKS, block_size=BS, kv_caches=caches)
+        assert all(worker.kv_caches[n] is caches[n] for n in LAYERS)
+        assert self.same(before, self.state())
+        self.note(f"binding accepted ({kind})")
 
     def op_free(self) -> None:
         m = self.model
@@ -514,13 +703,13 @@ class Fuzz:
         write_fault = self.rng.random() < 0.04
         expected: tuple[type[Exception], str] | None = None
         for r in rows:
-            row = m.rows[(r.request_id, r.sequence_id)]
+            row = m.rows[key_of(r)]
             if r.kv_start_pos < row.cached:
                 expected = (ValidationError, "read-only cached prefix")
                 break
         if expected is None:
             for r in rows:
-                row = m.rows[(r.request_id, r.sequence_id)]
+                row = m.rows[key_of(r)]
                 if not set(range(r.kv_start_pos)) <= row.written:
                     expected = (StateError, "never written")
                     break
@@ -530,9 +719,7 @@ class Fuzz:
         q = torch.randn(total, H, D, generator=self.gen)
         k = torch.randn(total, HKV, D, generator=self.gen)
         v = torch.randn(total, HKV, D, generator=self.gen)
-        spans = AttentionMetadata(
-            full_attn_spans=[[(m.rows[(r.request_id, r.sequence_id)].prefix, r.seq_len)] for r in rows]
-        )
+        spans = AttentionMetadata(full_attn_spans=[[(m.rows[key_of(r)].prefix, r.seq_len)] for r in rows])
         before = self.state()
         self.platform.faults.builder = builder_fault
         self.platform.faults.write_layer = "l1" if write_fault else None
@@ -558,7 +745,7 @@ class Fuzz:
         # the model: every layer that ran wrote its span; provenance only if every layer ran
         offset = 0
         for r in rows:
-            row = m.rows[(r.request_id, r.sequence_id)]
+            row = m.rows[key_of(r)]
             span = slice(r.kv_start_pos, r.seq_len)
             for name in outputs:
                 row.kv[name][0][span] = k[offset : offset + r.query_len]
@@ -602,6 +789,38 @@ class Fuzz:
         for (rid, sid), row in m.rows.items():
             spans = self.registry.written_spans((rid, sid, None))
             assert {t for a, b in spans for t in range(a, b)} == row.written
+        refs = {b: len(self.registry.holders_of(0, b)) for b in range(NUM_BLOCKS)}
+        assert {b: n for b, n in refs.items() if n} == m.refs, "a block's holders differ from its refcount"
+        assert sum(m.refs.values()) == sum(len(r.blocks) for r in m.rows.values())
+        assert self.registry.generation_high_water == m.high_water
+        assert {r: self.registry.removed_generation(r) for r in m.removed} == m.removed
+        assert set(self.registry.installed_requests()) - set(self.alloc.reserved()) == m.zombies()
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Retire and free every reservation (the scheduler's terminal path), replay every
+        snapshot ever issued, reap what no reservation owns: zero rows, zero blocks held."""
+        m = self.model
+        for rid in sorted(set(m.reserved) - {"prefix-cache"}):
+            assert self.runner.retire(rid, m.generation) == len(
+                m.installed[rid][0].sequences if rid in m.installed else ()
+            )
+            m.retire(rid, m.generation)
+            _, blocks = m.reserved.pop(rid)
+            assert self.alloc.free(rid) == len(blocks)
+            m.free |= set(blocks)
+            self.check()
+        snapshots = [snap for hist in m.history.values() for snap in hist]
+        for snap in snapshots:
+            self.install(snap, "final replay", faults=False)
+            self.check()
+        self.op_reap()
+        self.check()
+        assert self.registry.rows == {} and self.registry.installed_requests() == ()
+        assert self.registry.free_rows == tuple(range(WORKER_ROWS)) and m.refs == {}
+        assert all(not self.registry.holders_of(0, b) for b in range(NUM_BLOCKS))
+        assert self.pool.num_free == NUM_BLOCKS - PREFIX_POOL and self.alloc.reserved() == ("prefix-cache",)
 
 
 def dense_reference(q: torch.Tensor, row: RowModel, layer: str, start: int) -> torch.Tensor:
@@ -617,7 +836,8 @@ def dense_reference(q: torch.Tensor, row: RowModel, layer: str, start: int) -> t
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-OPS = ("reserve", "install", "install", "step", "step", "step", "remove", "free")
+OPS = ("reserve", "install", "install", "step", "step", "step", "remove", "free", "reap")
+RARE = (("restart", 0.006), ("bind", 0.01))  # per operation, instead of one of OPS
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -625,12 +845,14 @@ def test_worker_holds_its_guarantees_under_random_operations(seed: int) -> None:
     fuzz = Fuzz(seed)
     ops = TOTAL_OPS // len(SEEDS)
     for i in range(ops):
-        op = fuzz.rng.choice(OPS)
+        roll = fuzz.rng.random()
+        op = next((name for name, p in RARE if (roll := roll - p) < 0), None) or fuzz.rng.choice(OPS)
         try:
             getattr(fuzz, f"op_{op}")()
             fuzz.check()
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}, operation {i} ({op}): {exc}") from exc
+    fuzz.drain()
     # the run must have exercised every kind of outcome, not only the easy ones
     seen = " | ".join(sorted(fuzz.counts))
     for kind in (
@@ -644,5 +866,12 @@ def test_worker_holds_its_guarantees_under_random_operations(seed: int) -> None:
         "injected builder fault",
         "remove",
         "installed",
+        "retire",
+        "late snapshot of a finished request",
+        "reaped",
+        "restart",
+        "binding (",
+        "binding accepted",
+        "final replay",
     ):
         assert kind in seen, f"seed {seed}: no '{kind}' outcome in {ops} operations: {seen}"

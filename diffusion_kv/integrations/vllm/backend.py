@@ -27,6 +27,7 @@ from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf
+from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.versions import (
     UnsupportedVllmVersionError,
@@ -198,7 +199,7 @@ class VllmPagedBackend(PagedBackend):
                 "host's KV-cache layout to one of them)"
             )
         if problems:
-            raise ValueError(
+            raise ValidationError(
                 f"backend {self.name!r} cannot use the given cache of layer {layer.layer_name!r}: "
                 + "; ".join(problems)
             )
@@ -292,7 +293,7 @@ class VllmCpuAttnBackend(VllmPagedBackend):
 
     def __init__(self, group: GroupContext) -> None:
         if group.device.type != "cpu":
-            raise ValueError(f"vLLM's CPU backend runs on cpu only; the worker device is {group.device}")
+            raise ValidationError(f"vLLM's CPU backend runs on cpu only; the worker device is {group.device}")
         super().__init__(group)
 
     def _isa(self, layer: LayerGeometry) -> str | None:
