@@ -97,7 +97,9 @@ class Oracle:
             q = torch.randn(n, H, D, generator=self.gen, dtype=torch.float64)
             k = torch.randn(n, HKV, D, generator=self.gen, dtype=torch.float64)
             v = torch.randn(n, HKV, D, generator=self.gen, dtype=torch.float64)
-            out = self.sched.runner.forward(layer, q, k, v, meta)
+            # spans refine every layer they are passed to (vLLM-Omni's rule): a layer registered
+            # non-causal that must see every key is called without them
+            out = self.sched.runner.forward(layer, q, k, v, None if layer in self.full else meta)
             offset = 0
             for row, spans in zip(batch.rows, batch.full_attn_spans, strict=True):
                 key = (row.request_id, int(row.sequence_id or 0), layer)
