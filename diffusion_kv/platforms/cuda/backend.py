@@ -794,7 +794,6 @@ class CudaPagedBackend(PagedBackend):
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.bias import causal_lower_right
 
         hd = layer.head_size
         qsl = md.host_query_start_loc
@@ -818,6 +817,11 @@ class CudaPagedBackend(PagedBackend):
             if md.causal and ql == sl:
                 is_causal = True
             elif md.causal:
+                # imported here: torch.nn.attention.bias pulls in torch's compiler stack (a second
+                # or more on a first import), and only a causal call with fewer queries than keys
+                # needs it
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(ql, sl)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             gqa = layer.num_heads != layer.num_kv_heads
