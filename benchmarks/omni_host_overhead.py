@@ -57,17 +57,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm_omni.diffusion.config import set_current_diffusion_config
-    from vllm_omni.diffusion.diffusion_kv.initialization import build_native_kv_cache_configs
-    from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVCacheManager
-    from vllm_omni.diffusion.diffusion_kv.request import DiffusionKVRequest
-    from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
-    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
-    from vllm_omni.platforms import current_omni_platform
-
-    from tests.vllm_omni import tiny_dit
+    from tests.vllm_omni import engine, tiny_dit
 
     shape = tiny_dit.Shape(
         prefix=args.prefix,
@@ -77,32 +67,24 @@ def main() -> None:
         max_model_len=args.prefix + args.target,
         dtype=torch.float32,
     )
-    device = torch.device("cpu")
-    od = tiny_dit.od_config(shape, paged=True)
-    vllm_config = create_diffusion_vllm_config(device, od)
-    # one request-level forward carries every CFG row's tokens
-    vllm_config.scheduler_config.max_num_batched_tokens = max(
-        vllm_config.scheduler_config.max_num_batched_tokens, shape.cfg * (shape.prefix + shape.target)
+    od = engine.od_config(
+        dtype=shape.dtype,
+        paged=True,
+        max_model_len=shape.max_model_len,
+        rows_per_request=shape.cfg,
+        model_type="tiny_dit",
+        # one request-level forward carries every CFG row's tokens
+        max_num_batched_tokens=shape.cfg * (shape.prefix + shape.target),
     )
-    current_omni_platform.init_diffusion_worker_vllm_config(vllm_config)
-    with set_current_diffusion_config(od), set_current_vllm_config(vllm_config):
-        pipeline = tiny_dit.TinyPipeline(shape).to(shape.dtype).eval()
-    current_omni_platform.init_diffusion_model_runner_runtime(
-        vllm_config=vllm_config, od_config=od, device=device
+    worker = engine.start_worker(
+        od,
+        lambda _config: tiny_dit.TinyPipeline(shape).to(shape.dtype).eval(),
+        device=torch.device("cpu"),
+        kv_cache_bytes=256 << 20,
     )
-    runner = DiffusionModelRunner(vllm_config, od, device)
-    runner.pipeline = pipeline
-    with set_current_vllm_config(vllm_config):
-        specs = runner.get_kv_cache_spec()
-    worker_configs, scheduler_config = build_native_kv_cache_configs(vllm_config, [specs], [256 << 20])
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
-    runner.set_kv_cache_config(worker_configs[0])
-    manager = DiffusionKVCacheManager(
-        scheduler_config,
-        max_model_len=vllm_config.model_config.max_model_len,
-        scheduler_block_size=block_size,
-        hash_block_size=hash_block_size,
-    )
+    runner, manager = worker.runner, worker.manager
+    assert manager is not None
+    block_size = worker.hooks["block_size"]
     backend = runner.diffusion_kv_backend
     module = type(backend).__module__
     timings: dict[str, list[float]] = {
@@ -117,16 +99,7 @@ def main() -> None:
 
     for i in range(args.repeat + 5):
         rid = f"req-{i}"
-        kv_requests = [
-            DiffusionKVRequest(
-                f"{rid}-cfg{c}",
-                sequence_id=c,
-                prefix_len=shape.prefix,
-                target_len=shape.target,
-                seq_len=shape.prefix + shape.target,
-            )
-            for c in range(shape.cfg)
-        ]
+        kv_requests = tiny_dit.kv_requests(shape, rid)
         metadata = manager.reserve_request(rid, kv_requests)
         assert metadata is not None, "the scheduler could not admit the request"
         timed("install", runner.install_diffusion_kv_metadata, metadata)

@@ -136,24 +136,29 @@ def _positive(value: object, what: str) -> int:
 
 
 def _check_given_caches(kv_caches: object) -> None:
-    """The host's caches: a mapping of layer name to a tensor or a tuple of tensors, none of
-    which requires grad (the cache never joins autograd)."""
+    """The host's caches: a mapping of layer name to a cache (its values are checked by
+    :func:`_check_given_cache` when each is bound: a host mapping may make its views only once
+    the backends are chosen)."""
     if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, Mapping):
         raise ValidationError(
             f"kv_caches must map each paged layer name to its cache; got {type(kv_caches).__name__}"
         )
-    for name, cache in kv_caches.items():
-        tensors = cache if isinstance(cache, tuple) else (cache,)
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValidationError(
-                f"kv_caches[{name!r}] must be a tensor or a tuple of tensors; got "
-                f"{[type(t).__name__ for t in tensors] if isinstance(cache, tuple) else type(cache).__name__}"
-            )
-        if any(t.requires_grad for t in tensors):
-            raise ValidationError(
-                f"kv_caches[{name!r}] requires grad; the KV cache never joins autograd: bind a tensor "
-                "created under torch.no_grad() or detached (tensor.detach())"
-            )
+
+
+def _check_given_cache(name: str, cache: object) -> None:
+    """One bound cache: a tensor or a tuple of tensors, none of which requires grad (the cache
+    never joins autograd)."""
+    tensors = cache if isinstance(cache, tuple) else (cache,)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValidationError(
+            f"kv_caches[{name!r}] must be a tensor or a tuple of tensors; got "
+            f"{[type(t).__name__ for t in tensors] if isinstance(cache, tuple) else type(cache).__name__}"
+        )
+    if any(t.requires_grad for t in tensors):
+        raise ValidationError(
+            f"kv_caches[{name!r}] requires grad; the KV cache never joins autograd: bind a tensor "
+            "created under torch.no_grad() or detached (tensor.detach())"
+        )
 
 
 def _check_cache_memory(caches: Mapping[str, KVCache], *, bound: bool, platform: str) -> None:
@@ -598,10 +603,12 @@ class RunnerBackend:
             for name in group.layer_names:
                 by_layer[name] = backend
                 if given is not None:
+                    cache = given[name]
+                    _check_given_cache(name, cache)
                     caches[name] = part(
                         "KV-cache binding",
                         name,
-                        partial(backend.bind_kv_cache, self.layers[name], given[name]),
+                        partial(backend.bind_kv_cache, self.layers[name], cache),
                     )
                 else:
                     caches[name] = part(
