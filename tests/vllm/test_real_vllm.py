@@ -40,6 +40,7 @@ def test_installed_release_has_a_shape_and_real_width() -> None:
 def test_cpu_platform_selects_vllm_for_what_it_declares(cpu_attn: type[VllmCpuAttnBackend]) -> None:
     from diffusion_kv.platforms.cpu import CpuPlatform
     from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+    from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
     from diffusion_kv.platforms.interface import Requirements
 
     dist, version = installed_vllm_version()  # type: ignore[misc]
@@ -48,7 +49,9 @@ def test_cpu_platform_selects_vllm_for_what_it_declares(cpu_attn: type[VllmCpuAt
     assert (
         platform.select_backend(Requirements(dtype=torch.float16, head_size=128, block_size=32)) is cpu_attn
     )
-    assert platform.select_backend(Requirements(dtype=torch.float32)) is CpuReferenceBackend
+    # what CPU_ATTN does not declare goes to the built-ins: sdpa, and the reference for float64
+    assert platform.select_backend(Requirements(dtype=torch.float32)) is CpuSdpaBackend
+    assert platform.select_backend(Requirements(dtype=torch.float64)) is CpuReferenceBackend
     assert platform.explain(Requirements(dtype=torch.float32))[1] == (
         "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables: "
         "dtype=float32 (supported: ['bfloat16', 'float16'])"
