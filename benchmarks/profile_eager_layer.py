@@ -126,7 +126,6 @@ def main() -> int:
             run_paged(model, cfg, platform, device, progress)
         kernels = [e for e in prof.events() if str(e.device_type) == "DeviceType.CUDA"]
         n_layers = cfg.layers * cfg.steps
-        kernels_per_layer = None  # kernels of the whole step (model included), per layer
         kernels_per_layer = round(len(kernels) / n_layers, 2)
         gpu_us_per_layer = round(
             sum(getattr(e, "device_time", 0.0) or e.cuda_time for e in kernels) / n_layers, 2

@@ -38,6 +38,20 @@ def key_value_caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
+def write_pages(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` ``[T, ...]`` into ``cache`` ``[blocks, page, ...]`` at flat slots
+    ``block * page + offset``, every one of them real (``>= 0``): one indexed copy when the
+    pages flatten in place, else an indexed assignment by (block, offset). No host sync."""
+    nb, page = cache.shape[0], cache.shape[1]
+    if slots.dtype != torch.long:
+        slots = slots.long()
+    src = src.to(cache.dtype)
+    if cache.stride(0) == page * cache.stride(1):
+        cache.view(nb * page, *cache.shape[2:]).index_copy_(0, slots, src)
+    else:
+        cache[slots // page, slots % page] = src
+
+
 @dataclass(frozen=True)
 class LayerGeometry:
     """Rank-local shape of one paged attention layer, as the backend sees it."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +115,7 @@ class Block(nn.Module):
         """The layer after attention: the residual stream from ``x`` and the attention output."""
         x = x + F.linear(attn.reshape(x.shape), self.out.weight, self.out.bias)
         n2 = self.norm2
-        up, _, down = self.mlp
-        assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
+        up, down = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
         h = F.layer_norm(x, n2.normalized_shape, n2.weight, n2.bias, n2.eps)
         return x + F.linear(F.gelu(F.linear(h, up.weight, up.bias)), down.weight, down.bias)
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import key_value_caches
+from diffusion_kv.core.batch import key_value_caches, write_pages
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import dcp_key_positions
@@ -104,12 +104,11 @@ class CpuReferenceBackend(PagedBackend):
         slot_mapping: torch.Tensor,
     ) -> None:
         key_cache, value_cache = key_value_caches(kv_cache)
-        nb, bs, hkv, d = key_cache.shape
         slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
         keep = slots >= 0
         idx = slots[keep]
-        key_cache.view(nb * bs, hkv, d).index_copy_(0, idx, key[keep].to(key_cache.dtype))
-        value_cache.view(nb * bs, hkv, d).index_copy_(0, idx, value[keep].to(value_cache.dtype))
+        write_pages(key_cache, idx, key[keep])
+        write_pages(value_cache, idx, value[keep])
 
     def forward(
         self,

@@ -18,7 +18,6 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.platforms.cuda.backend import SdpaPagedBackend
 from diffusion_kv.platforms.interface import (
@@ -73,30 +72,4 @@ class CpuSdpaBackend(SdpaPagedBackend):
         keep = slots >= 0
         if not bool(keep.all()):  # the host knows at once: drop the padding tokens
             slots, key, value = slots[keep], key[keep], value[keep]
-        self.write_kv_valid(layer, key, value, kv_cache, slots)
-
-    def write_kv_valid(
-        self,
-        layer: LayerGeometry,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        slots = slot_mapping[: key.shape[0]]
-        if slots.dtype != torch.long:
-            slots = slots.long()
-        key_cache, value_cache = key_value_caches(kv_cache)
-        _write_pages(key_cache, slots, key)
-        _write_pages(value_cache, slots, value)
-
-
-def _write_pages(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
-    """``cache [blocks, page, Hkv, D]`` at flat slots ``b * page + o``: one indexed copy when the
-    pages flatten in place, else an indexed assignment by (block, offset)."""
-    nb, page = cache.shape[0], cache.shape[1]
-    src = src.to(cache.dtype)
-    if cache.stride(0) == page * cache.stride(1):
-        cache.view(nb * page, *cache.shape[2:]).index_copy_(0, slots, src)
-    else:
-        cache[slots // page, slots % page] = src
+        self.write_kv_valid(layer, key, value, kv_cache, slots)  # the cuda plugin's indexed copy

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from diffusion_kv.core.batch import key_value_caches
+from diffusion_kv.core.batch import key_value_caches, write_pages
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
@@ -610,20 +610,9 @@ class CudaPagedBackend(PagedBackend):
     ) -> None:
         """Every slot is real: one indexed copy per cache (no launcher, no padding mask)."""
         k_cache, v_cache = key_value_caches(kv_cache)
-        nb, page, hkv, d = k_cache.shape
-        if (
-            k_cache.dtype != key.dtype
-            or v_cache.dtype != value.dtype
-            or k_cache.stride(0) != page * k_cache.stride(1)
-            or v_cache.stride(0) != page * v_cache.stride(1)
-        ):
-            self.write_kv(layer, key, value, kv_cache, slot_mapping)
-            return
         slots = slot_mapping[: key.shape[0]]
-        if slots.dtype != torch.long:
-            slots = slots.long()
-        k_cache.view(nb * page, hkv, d).index_copy_(0, slots, key)
-        v_cache.view(nb * page, hkv, d).index_copy_(0, slots, value)
+        write_pages(k_cache, slots, key)
+        write_pages(v_cache, slots, value)
 
     def forward(
         self,
