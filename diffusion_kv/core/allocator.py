@@ -28,17 +28,31 @@ counts it).
 
 The block source is a :class:`BlockPool`; vLLM's own ``KVCacheManager`` can take the
 allocator's place in vLLM-Omni, since the worker only sees snapshots.
+
+**Prefix caching** (``prefix_cache=PrefixCache(...)``; off by default). A sequence may carry
+``prefix_keys``: the chained keys of the leading full blocks of its prefix that may be shared
+(:mod:`diffusion_kv.core.prefix_cache` computes them). ``reserve`` reuses the blocks of the
+longest leading run of keys that is cached -- the snapshot declares them as the row's
+``cached_prefix_len``, read-only -- takes a reference to each, and allocates only the rest;
+when the pool is short it evicts unreferenced cached blocks, least recently used first.
+Once the request has written its prefix, :meth:`DiffusionKVAllocator.publish` seals the rest
+of its keyed blocks (a new snapshot whose ``cached_prefix_len`` covers them, installed on the
+worker first) and caches them under their keys, so later requests hit them while it is still
+live. ``free`` drops the request's references; its unpublished blocks go back to the pool,
+its cached ones stay until evicted. A snapshot references a cached block only under the key
+it was published with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.prefix_cache import PrefixCache
 
 
 class AdmissionError(ValidationError):
@@ -151,6 +165,9 @@ class SequenceRequest:
     prefix_len: int
     target_len: int
     context_ids: tuple[str, ...] = ()
+    prefix_keys: tuple[bytes, ...] = ()
+    """Chained keys of the leading full prefix blocks that may be shared (prefix caching);
+    empty: the row is never cached and never hits."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,11 @@ class _Reservation:
     request: KVRequest
     allocation: RequestAllocation
     block_ids: list[int] = field(default_factory=list)
+    """Every block the request's rows use (hit, published and its own)."""
+    private: list[int] = field(default_factory=list)
+    """Blocks taken from the pool for this request alone (returned to it by ``free``)."""
+    held: list[list[bytes]] = field(default_factory=list)
+    """Per sequence, the cached keys it holds a reference to (hit or published), in order."""
 
 
 def _check_id(request_id: object, call: str) -> None:
@@ -201,6 +223,7 @@ class DiffusionKVAllocator:
         worker_rows: int,
         pool: BlockPool,
         num_groups: int = 1,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -222,7 +245,12 @@ class DiffusionKVAllocator:
         self.max_rows_per_request = max_rows_per_request
         self.worker_rows = worker_rows
         self.num_groups = num_groups
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise ValidationError(
+                f"prefix_cache must be a PrefixCache or None; got {type(prefix_cache).__name__}"
+            )
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self._reserved: dict[str, _Reservation] = {}
         self._generation = 0
 
@@ -238,6 +266,12 @@ class DiffusionKVAllocator:
 
     def reserved(self) -> tuple[str, ...]:
         return tuple(self._reserved)
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks live requests hold (the pool's used blocks less cached ones nobody holds)."""
+        idle = self.prefix_cache.num_idle if self.prefix_cache is not None else 0
+        return self.pool.num_total - self.pool.num_free - idle
 
     def blocks_of(self, request_id: str) -> list[int]:
         _check_id(request_id, "blocks_of")
@@ -286,6 +320,22 @@ class DiffusionKVAllocator:
                         f"request {rid!r} sequence {s.sequence_id} {name} must be an int >= 0; "
                         f"got {getattr(s, name)!r}"
                     )
+            keys = s.prefix_keys
+            if not isinstance(keys, tuple) or any(type(k) is not bytes or not k for k in keys):
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id} prefix_keys must be a tuple of non-empty "
+                    f"bytes; got {keys!r}"
+                )
+            if len(keys) * self.block_size > s.prefix_len:
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id} has {len(keys)} prefix keys of "
+                    f"{self.block_size} tokens each, more than its prefix_len {s.prefix_len}"
+                )
+            if len(set(keys)) != len(keys):
+                raise AdmissionError(
+                    f"request {rid!r} sequence {s.sequence_id} lists a prefix key twice (keys chain: "
+                    "each block's key differs)"
+                )
             if not isinstance(s.context_ids, tuple) or any(
                 type(c) is not str or not c for c in s.context_ids
             ):
@@ -373,14 +423,34 @@ class DiffusionKVAllocator:
         blocks = self._check(request)
         if request.num_rows > self.free_rows:
             return None  # worker back-pressure: nothing taken
-        taken = self.pool.allocate(sum(blocks))
+        cache = self.prefix_cache
+        hits: list[list[int]] = [[] for _ in request.sequences]
+        hit_keys: list[list[bytes]] = [[] for _ in request.sequences]
+        if cache is not None:
+            for i, s in enumerate(request.sequences):
+                hits[i] = cache.lookup(s.prefix_keys)
+                hit_keys[i] = list(s.prefix_keys[: len(hits[i])])
+        keep = [k for keys in hit_keys for k in keys]
+        need = sum(blocks) - sum(len(h) for h in hits)
+        if need > self.pool.num_free:
+            short = need - self.pool.num_free
+            if cache is None or cache.evictable(keep) < short:
+                return None  # wait: nothing taken, nothing evicted
+            self.pool.free(cache.evict(short, keep))
+        taken = self.pool.allocate(need)
         if taken is None:
             return None
+        if cache is not None:
+            for keys in hit_keys:
+                cache.acquire(keys)
+                cache.hits += len(keys)
         cursor = 0
         per_row: list[tuple[int, ...]] = []
-        for n in blocks:
-            per_row.append(tuple(taken[cursor : cursor + n]))
-            cursor += n
+        for i, n in enumerate(blocks):
+            hit = hits[i] if i < len(hits) else []
+            fresh = n - len(hit)
+            per_row.append((*hit, *taken[cursor : cursor + fresh]))
+            cursor += fresh
         sequences = tuple(
             SequenceAllocation(
                 sequence_id=s.sequence_id,
@@ -389,6 +459,7 @@ class DiffusionKVAllocator:
                 seq_len=s.prefix_len + s.target_len,
                 block_ids=(per_row[i],) * self.num_groups,
                 context_ids=s.context_ids,
+                cached_prefix_len=len(hits[i]) * self.block_size,
             )
             for i, s in enumerate(request.sequences)
         )
@@ -401,14 +472,63 @@ class DiffusionKVAllocator:
         )
         self._generation += 1
         allocation = RequestAllocation(request.request_id, self._generation, sequences, contexts)
-        self._reserved[request.request_id] = _Reservation(request, allocation, taken)
+        used = list(dict.fromkeys(b for row in per_row for b in row))
+        self._reserved[request.request_id] = _Reservation(request, allocation, used, list(taken), hit_keys)
         return allocation
 
+    def publish(
+        self, request_id: str, install: Callable[[RequestAllocation], object] | None = None
+    ) -> RequestAllocation | None:
+        """Seal and cache the keyed prefix blocks ``request_id`` has written (call once its
+        prefill step ran). Builds a snapshot one generation newer whose ``cached_prefix_len``
+        covers every keyed block, hands it to ``install`` (the worker's; an exception leaves
+        the allocator unchanged and propagates), then caches each block whose key is not cached
+        yet, while the cap leaves room. Returns the new snapshot; None when there is nothing to
+        seal (no prefix caching, no keys, or sealed already)."""
+        _check_id(request_id, "publish")
+        res = self._reserved.get(request_id)
+        if res is None:
+            raise ValidationError(f"publish of request {request_id!r}, which is not reserved")
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        old = res.allocation
+        sequences = list(old.sequences)
+        offers: list[tuple[int, bytes, int]] = []  # (sequence index, key, block)
+        for i, (s, alloc) in enumerate(zip(res.request.sequences, old.sequences, strict=True)):
+            cut = len(s.prefix_keys) * self.block_size
+            if cut <= alloc.cached_prefix_len:
+                continue
+            first = alloc.cached_prefix_len // self.block_size
+            row = alloc.block_ids[0]
+            offers.extend((i, s.prefix_keys[b], row[b]) for b in range(first, len(s.prefix_keys)))
+            sequences[i] = replace(alloc, cached_prefix_len=cut)
+        if not offers:
+            return None
+        snapshot = RequestAllocation(request_id, self._generation + 1, tuple(sequences), old.contexts)
+        if install is not None:
+            install(snapshot)
+        self._generation += 1
+        res.allocation = snapshot
+        for i, key, block in offers:
+            if cache.room() <= 0 or block not in res.private:
+                continue
+            if cache.max_blocks is not None and len(cache) >= cache.max_blocks:
+                self.pool.free(cache.evict(1))
+            if cache.publish(key, block):
+                res.private.remove(block)
+                res.held[i].append(key)
+        return snapshot
+
     def free(self, request_id: str) -> int:
-        """Release a request's blocks (idempotent); returns how many were released."""
+        """Release a request's blocks (idempotent): its own blocks go back to the pool, its
+        references to cached blocks are dropped. Returns how many blocks went back to the pool."""
         _check_id(request_id, "free")
         res = self._reserved.pop(request_id, None)
         if res is None:
             return 0
-        self.pool.free(res.block_ids)
-        return len(res.block_ids)
+        if self.prefix_cache is not None:
+            for keys in res.held:
+                self.prefix_cache.release(keys)
+        self.pool.free(res.private)
+        return len(res.private)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.block_tables import BlockTables
@@ -464,6 +464,9 @@ class RowRegistry:
                     f"stale allocation generation {gen} for request {rid!r}; installed generation is {state.generation}"
                 )
             if snapshot.content_key() != state.snapshot.content_key():
+                if gen > state.generation and self._is_seal(state.snapshot, snapshot):
+                    self._seal(state, snapshot, installs)
+                    return False
                 raise GenerationError(
                     f"conflicting allocation snapshot for installed request {rid!r} (generation {gen} vs "
                     f"{state.generation}); remove the request before replacing its rows"
@@ -496,6 +499,47 @@ class RowRegistry:
         self._removed.pop(rid, None)
         self._high_water = max(self._high_water, gen)
         return True
+
+    @staticmethod
+    def _is_seal(old: RequestAllocation, new: RequestAllocation) -> bool:
+        """``new`` differs from ``old`` only by larger ``cached_prefix_len`` on some rows."""
+        if old.contexts != new.contexts or len(old.sequences) != len(new.sequences):
+            return False
+        grew = False
+        for a, b in zip(old.sequences, new.sequences, strict=True):
+            if (
+                replace(a, cached_prefix_len=b.cached_prefix_len) != b
+                or b.cached_prefix_len < a.cached_prefix_len
+            ):
+                return False
+            grew |= b.cached_prefix_len > a.cached_prefix_len
+        return grew
+
+    def _seal(self, state: _RequestState, snapshot: RequestAllocation, installs: list[RowInstall]) -> None:
+        """Make the grown cached prefixes read-only for their rows (prefix caching publishes
+        them): the row must have written every token it seals, and from now on it may not
+        write them (a write inside is refused); other rows may then share the blocks."""
+        rid = snapshot.request_id
+        for install in installs:
+            before = state.by_identity[install.identity]
+            if install.read_only_tokens <= before.read_only_tokens:
+                continue
+            gap = missing_spans(self.written_spans(install.identity), 0, install.read_only_tokens)
+            if gap:
+                raise StateError(
+                    f"row {install.identity!r} cannot seal its first {install.read_only_tokens} tokens as a "
+                    f"cached prefix: tokens {list(gap)} were never written"
+                )
+        if self.before_mutation is not None:
+            self.before_mutation()
+        for install in installs:
+            before = state.by_identity[install.identity]
+            if install.read_only_tokens > before.read_only_tokens:
+                self._hold(before, release=True)
+                self._hold(install)
+        self._states[rid] = _RequestState(snapshot.allocation_generation, snapshot, tuple(installs))
+        self._bindings.clear()
+        self._high_water = max(self._high_water, snapshot.allocation_generation)
 
     def _hold(self, install: RowInstall, release: bool = False) -> None:
         identity = install.identity

@@ -16,6 +16,13 @@ its own step:
 * **retirement** of finished, failed and cancelled requests: their rows are retired from the
   worker for good (a tombstone refuses any snapshot of them still in flight) and their blocks
   returned to the pool on every terminal path;
+* **prefix caching** (when the allocator has a
+  :class:`~diffusion_kv.core.prefix_cache.PrefixCache`): a request that names its prefix content
+  (``prefix_content``, per CFG row) gets chained block keys under a namespace of the model
+  identity (``model_id``), its adapter, the worker's KV layout and rank geometry and its CFG
+  branch, cut by the boundary rule; on a hit its prefill step computes and writes only the
+  uncached tokens; once its prefill step ran, its keyed blocks are sealed and published, so
+  requests admitted later share them while it is still live;
 * **reaping**: rows the worker holds for a request the allocator does not reserve (a late
   snapshot installed behind the scheduler's back, rows left by a scheduler that went away) are
   retired at the start of every step, so their blocks can serve the next owner.
@@ -43,6 +50,14 @@ from typing import Any
 
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.errors import DiffusionKVError, StateError, ValidationError
+from diffusion_kv.core.prefix_cache import (
+    ContentSpan,
+    PrefixNamespace,
+    block_keys,
+    cacheable_cut,
+    check_content,
+    covered_prefix,
+)
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import RunnerBackend
@@ -152,6 +167,11 @@ class DiffusionRequest:
     ``full_attn_spans`` (absolute positions, the same for every CFG row) default to the target
     as one bidirectional span, ``((prefix_len, prefix_len + target_len),)``; the rest is causal.
     ``payload`` is the caller's (model inputs, say); the scheduler never reads it.
+
+    ``prefix_content`` names, per CFG row, the content of the row's prefix tokens
+    (:class:`~diffusion_kv.core.prefix_cache.ContentSpan` s inside ``[0, prefix_len)``) for
+    prefix caching; empty (the default): the request is never cached and never hits.
+    ``adapter`` tags an adapter (LoRA, ...) the K/V depend on.
     """
 
     request_id: str
@@ -161,6 +181,8 @@ class DiffusionRequest:
     cfg_rows: int = 1
     full_attn_spans: tuple[Span, ...] | None = None
     payload: Any = field(default=None, compare=False, repr=False)
+    prefix_content: tuple[tuple[ContentSpan, ...], ...] = ()
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.request_id) is not str or not self.request_id:
@@ -190,15 +212,44 @@ class DiffusionRequest:
                     )
                 prev = b
             object.__setattr__(self, "full_attn_spans", spans)
+        content = self.prefix_content
+        if isinstance(content, (str, bytes)) or not isinstance(content, (tuple, list)):
+            raise ValidationError(
+                f"request {self.request_id!r} prefix_content must be one sequence of ContentSpan per CFG "
+                f"row; got {content!r}"
+            )
+        if content and len(content) != self.cfg_rows:
+            raise ValidationError(
+                f"request {self.request_id!r} prefix_content has {len(content)} rows; it has "
+                f"{self.cfg_rows} CFG rows (give one per row, or none)"
+            )
+        rows = tuple(check_content(c, f"request {self.request_id!r} prefix_content") for c in content)
+        for r, row in enumerate(rows):
+            if row and row[-1].end > self.prefix_len:
+                raise ValidationError(
+                    f"request {self.request_id!r} prefix_content of row {r} reaches token {row[-1].end}, past "
+                    f"its prefix ({self.prefix_len} tokens): only prefix tokens are cached"
+                )
+        object.__setattr__(self, "prefix_content", rows)
+        if self.adapter is not None and (type(self.adapter) is not str or not self.adapter):
+            raise ValidationError(
+                f"request {self.request_id!r} adapter must be None or a non-empty string; got {self.adapter!r}"
+            )
 
     @property
     def seq_len(self) -> int:
         return self.prefix_len + self.target_len
 
-    def kv_request(self) -> KVRequest:
+    def kv_request(self, prefix_keys: tuple[tuple[bytes, ...], ...] = ()) -> KVRequest:
+        """What the allocator reserves; ``prefix_keys`` per CFG row (prefix caching)."""
         return KVRequest(
             self.request_id,
-            tuple(SequenceRequest(i, self.prefix_len, self.target_len) for i in range(self.cfg_rows)),
+            tuple(
+                SequenceRequest(
+                    i, self.prefix_len, self.target_len, prefix_keys=prefix_keys[i] if prefix_keys else ()
+                )
+                for i in range(self.cfg_rows)
+            ),
         )
 
     def _check_step(self, step: object) -> int:
@@ -212,16 +263,16 @@ class DiffusionRequest:
         """Prefill at the first step, and at every step of a request without prefix."""
         return Phase.PREFILL if self._check_step(step) == 0 or self.prefix_len == 0 else Phase.DENOISE
 
-    def rows(self, step: int) -> tuple[PagedRow, ...]:
-        """The request's paged rows at ``step`` (one per CFG row)."""
-        if self.phase(step) is Phase.PREFILL:
-            start, length = 0, self.seq_len
-        else:
-            start, length = self.prefix_len, self.target_len
-        return tuple(
-            PagedRow(self.request_id, length, self.seq_len, start, sequence_id=i)
-            for i in range(self.cfg_rows)
-        )
+    def rows(self, step: int, cached: tuple[int, ...] = ()) -> tuple[PagedRow, ...]:
+        """The request's paged rows at ``step`` (one per CFG row). ``cached``: per row, the
+        prefix tokens found in the prefix cache, which the prefill step neither computes nor
+        writes."""
+        prefill = self.phase(step) is Phase.PREFILL
+        out = []
+        for i in range(self.cfg_rows):
+            start = (cached[i] if cached else 0) if prefill else self.prefix_len
+            out.append(PagedRow(self.request_id, self.seq_len - start, self.seq_len, start, sequence_id=i))
+        return tuple(out)
 
     def step_tokens(self, step: int) -> int:
         return self.cfg_rows * (self.seq_len if self.phase(step) is Phase.PREFILL else self.target_len)
@@ -254,12 +305,13 @@ class BatchEntry:
 
     @property
     def query_len(self) -> int:
-        """Tokens per row (the whole sequence at prefill, the target at denoise)."""
+        """Tokens of the first row (the whole sequence at prefill, less a prefix-cache hit; the
+        target at denoise)."""
         return self.rows[0].query_len
 
     @property
     def num_tokens(self) -> int:
-        return self.query_len * len(self.rows)
+        return sum(r.query_len for r in self.rows)
 
 
 @dataclass(frozen=True)
@@ -314,6 +366,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         *,
         max_batch_tokens: int | None = None,
         max_running: int | None = None,
+        model_id: str | None = None,
     ) -> None:
         if not isinstance(runner, RunnerBackend):
             raise ValidationError(f"the scheduler needs a RunnerBackend; got {type(runner).__name__}")
@@ -327,6 +380,13 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         if runner.config.mode is not KVCacheMode.PAGED:
             raise ValidationError(f"the scheduler needs a paged runner; this one runs {runner.config.mode}")
         _check_sizes(runner, allocator)
+        if allocator.prefix_cache is not None and (type(model_id) is not str or not model_id):
+            raise ValidationError(
+                "prefix caching needs the model/weights identity: pass model_id (a non-empty string naming "
+                f"the weights, their revision and anything else the K/V depend on); got {model_id!r}"
+            )
+        if model_id is not None and (type(model_id) is not str or not model_id):
+            raise ValidationError(f"model_id must be None or a non-empty string; got {model_id!r}")
         budget = runner.config.max_num_batched_tokens
         if max_batch_tokens is not None:
             _positive(max_batch_tokens, "max_batch_tokens")
@@ -353,7 +413,15 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._close_pending = False
         self._closed = False
         self.peak_blocks_in_use = 0
+        self.peak_blocks_held = 0
+        """The most blocks live requests held at once (cached blocks nobody holds apart)."""
         self.preparations = 0
+        self.model_id = model_id
+        self._cached: dict[str, tuple[int, ...]] = {}  # request id -> prefix tokens hit, per row
+        self._keys: dict[str, tuple[tuple[bytes, ...], ...]] = {}
+        self.prefix_hit_tokens = 0
+        """Prefix tokens admitted requests found cached (summed over their rows)."""
+        self.prefix_hit_blocks = 0
 
     # -- views --------------------------------------------------------------------------------
 
@@ -388,6 +456,41 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         blocks the worker may still map would mix requests' K/V), with the error."""
         return dict(self._quarantined)
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.allocator.prefix_cache is not None
+
+    def namespace(self, branch: int = 0, adapter: str | None = None) -> PrefixNamespace:
+        """The prefix-cache namespace of CFG branch ``branch`` on this worker: the model identity,
+        the KV layout (per group: attention mode, block size, every layer's cache dtype and
+        head geometry) and the rank geometry."""
+        layout = self.runner.layout
+        assert layout is not None
+        groups = ";".join(
+            f"{g.spec.mode.value}/{g.block_size}/{g.spec.dtype}/{g.spec.num_kv_heads}x{g.spec.head_size}"
+            for g in layout.groups
+        )
+        c = self.runner.config
+        ranks = (
+            f"cp {c.cp_size}:{c.cp_rank}:{c.cp_interleave}, cfg {c.cfg_parallel_size}:{c.cfg_parallel_rank}, "
+            f"{c.parallel!r}"
+        )
+        return PrefixNamespace(self.model_id or "-", groups, ranks, adapter, branch)
+
+    def prefix_keys(self, request: DiffusionRequest) -> tuple[tuple[bytes, ...], ...]:
+        """Per CFG row, the chained keys of the blocks ``request`` may share (empty without
+        prefix caching or prefix content): full blocks inside the named prefix, before the cut
+        of the boundary rule."""
+        if not self.prefix_caching or not request.prefix_content:
+            return ()
+        block = self.allocator.block_size
+        out = []
+        for branch, content in enumerate(request.prefix_content):
+            limit = min(request.prefix_len, covered_prefix(content))
+            cut = cacheable_cut(limit, request.full_attn_spans or (), block)
+            out.append(block_keys(content, self.namespace(branch, request.adapter), cut, block))
+        return tuple(out)
+
     # -- requests -----------------------------------------------------------------------------
 
     def submit(self, request: DiffusionRequest) -> None:
@@ -406,7 +509,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 f"request id {rid!r} is already reserved in the allocator by another owner (blocks "
                 f"{self.allocator.blocks_of(rid)}); submit under another id, or free it first"
             )
-        self.allocator.check(request.kv_request())
+        keys = self.prefix_keys(request)
+        self.allocator.check(request.kv_request(keys))
         prefill_tokens = request.step_tokens(0)
         if prefill_tokens > self.max_batch_tokens:
             raise AdmissionError(
@@ -414,6 +518,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 f"{self.max_batch_tokens}"
             )
         self._records[rid] = RequestRecord(request, submitted_tick=self._tick)
+        self._keys[rid] = keys
         self._waiting.append(rid)
 
     def cancel(self, request_id: str) -> bool:
@@ -492,11 +597,17 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             raise
         else:
             self._in_step = False
+            sealed_failed = self._publish([e for e in entries if e.phase is Phase.PREFILL])
             for e in entries:
                 rec = self._records[e.request.request_id]
+                if e.request.request_id in sealed_failed:
+                    continue
                 rec.steps_done += 1
                 if rec.steps_done == rec.request.steps:
                     finished.append(e.request.request_id)
+            failed = list(sealed_failed)
+            for rid, why in sealed_failed.items():
+                self._retire([rid], RequestStatus.FAILED, why)
             self._retire(finished, RequestStatus.FINISHED)
         cancelled = sorted(self._cancel_pending - set(failed) - set(finished))
         self._cancel_pending.clear()
@@ -605,7 +716,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 failed.append(rid)
                 continue
             try:
-                snapshot = self.allocator.reserve(rec.request.kv_request())
+                snapshot = self.allocator.reserve(rec.request.kv_request(self._keys.get(rid, ())))
             except DiffusionKVError as exc:
                 self._waiting.popleft()
                 self._end(rec, RequestStatus.FAILED, f"reservation failed: {type(exc).__name__}: {exc}")
@@ -624,11 +735,32 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 continue
             rec.status = RequestStatus.RUNNING
             rec.admitted_tick = self._tick
+            hit = tuple(s.cached_prefix_len for s in snapshot.sequences)
+            self._cached[rid] = hit
+            self.prefix_hit_tokens += sum(hit)
+            self.prefix_hit_blocks += sum(hit) // self.allocator.block_size
             self._running.append(rid)
             admitted.append(rid)
             tokens += need
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
+        self.peak_blocks_held = max(self.peak_blocks_held, self.allocator.blocks_held)
         return tuple(admitted), tuple(failed)
+
+    def _publish(self, entries: list[BatchEntry]) -> dict[str, str]:
+        """Seal and publish the keyed prefix blocks of the requests whose prefill step just ran;
+        returns the requests whose seal the worker refused, with the reason (they fail: the
+        allocator published nothing of theirs)."""
+        refused: dict[str, str] = {}
+        for e in entries:
+            rid = e.request.request_id
+            if not any(self._keys.get(rid, ())):
+                continue
+            self._runtime.deactivate()  # sealing changes what the rows may write
+            try:
+                self.allocator.publish(rid, self.runner.install)
+            except Exception as exc:
+                refused[rid] = f"sealing its prefix for the prefix cache failed: {type(exc).__name__}: {exc}"
+        return refused
 
     def _reap(self) -> tuple[str, ...]:
         """Retire the rows of requests the allocator does not reserve (see module docstring)."""
@@ -639,14 +771,18 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         # what backends that reorder batches require, and a deterministic composition.
         order = sorted(
             self._running,
-            key=lambda rid: self._records[rid].request.rows(self._records[rid].steps_done)[0].query_len,
+            key=lambda rid: (
+                self._records[rid]
+                .request.rows(self._records[rid].steps_done, self._cached.get(rid, ()))[0]
+                .query_len
+            ),
         )
         entries: list[BatchEntry] = []
         row_offset = token_offset = 0
         for rid in order:
             rec = self._records[rid]
             step = rec.steps_done
-            rows = rec.request.rows(step)
+            rows = rec.request.rows(step, self._cached.get(rid, ()))
             entry = BatchEntry(rec.request, step, rec.request.phase(step), rows, row_offset, token_offset)
             entries.append(entry)
             row_offset += len(rows)
@@ -673,6 +809,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             self._end(rec, status, error)
 
     def _end(self, rec: RequestRecord, status: RequestStatus, error: str | None = None) -> None:
+        self._cached.pop(rec.request.request_id, None)
+        self._keys.pop(rec.request.request_id, None)
         rec.status = status
         rec.finished_tick = self._tick
         if error is not None:
