@@ -37,7 +37,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-SECTION_NAMES = ("attention", "host", "e2e", "stream")
+SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache")
 """``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
 
 
@@ -498,6 +498,10 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         problems.append("--inject-fault applies to the single-request demo only")
     if args.target < 2:
         problems.append("--stream needs --target >= 2 (requests use the target or half of it)")
+    if args.shared_prefixes is not None and args.shared_prefixes > args.stream:
+        problems.append(
+            f"--shared-prefixes {args.shared_prefixes} is more than the {args.stream} requests of --stream"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     stream_cfg = StreamConfig(
@@ -515,6 +519,9 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         arrival_gap=args.arrival_gap,
         max_running=args.max_running,
         pool_fraction=args.pool_fraction,
+        shared_prefixes=args.shared_prefixes,
+        prefix_caching=args.prefix_caching,
+        max_cached_blocks=args.max_cached_blocks,
     )
     show = not args.json and not args.no_progress
     if show:
@@ -535,6 +542,13 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
             file=sys.stderr,
         )
         return EXIT_ERROR
+    if result.prefix_cache is not None and not result.prefix_cache["agrees"]:
+        print(
+            "diffusion-kv: error: the stream with prefix caching disagrees with the uncached stream (max abs "
+            f"diff {result.prefix_cache['max_abs_diff_vs_uncached']:.3g} > {result.tolerance:g})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     return EXIT_OK
 
 
@@ -545,6 +559,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = _demo_config(args, platform)
     if args.stream is not None:
         return _cmd_demo_stream(args, cfg, platform)
+    stream_only = [
+        flag
+        for flag, value in (
+            ("--shared-prefixes", args.shared_prefixes),
+            ("--prefix-caching", args.prefix_caching),
+            ("--max-cached-blocks", args.max_cached_blocks),
+        )
+        if value is not None
+    ]
+    if stream_only:
+        raise UsageError(f"{', '.join(stream_only)} applies to --stream only")
     if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
         return _cmd_demo_parallel(args, platform, cfg)
     show = not args.json and not args.no_progress
@@ -677,6 +702,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         disagreements.append("tiny-DiT end to end")
     if "stream" in report and not report["stream"]["agree"]:
         disagreements.append("stream (a request disagrees with its dense run)")
+    if "prefix-cache" in report and not report["prefix-cache"]["agrees"]:
+        disagreements.append("prefix cache (cached and uncached runs differ)")
     if report["errors"]:
         print(f"diffusion-kv: error: bench parts failed: {', '.join(report['errors'])}", file=sys.stderr)
         return EXIT_ERROR
@@ -791,6 +818,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.6,
         help="--stream: block pool as a fraction of what all requests need at once (below 1: back-pressure)",
     )
+    d.add_argument(
+        "--shared-prefixes",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="--stream: every request has the full prefix, drawn from K distinct ones, and two CFG rows; "
+        "served with prefix caching and compared with the same stream without it (hits, blocks saved, "
+        "evictions, peak blocks held, throughput, agreement)",
+    )
+    d.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--stream: serve with the prefix cache (default: on with --shared-prefixes, off otherwise)",
+    )
+    d.add_argument(
+        "--max-cached-blocks",
+        type=non_negative_int,
+        default=None,
+        metavar="B",
+        help="--stream: cap on the blocks the prefix cache keeps (default: the pool is the only limit)",
+    )
     d.set_defaults(func=_cmd_demo)
     b = sub.add_parser(
         "bench",
@@ -805,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         type=_list_of(str, SECTION_NAMES),
         default=SECTION_NAMES,
-        help="comma list of attention, host, e2e, stream",
+        help="comma list of attention, host, e2e, stream, prefix-cache",
     )
     b.add_argument(
         "--regimes",

@@ -1,5 +1,5 @@
 """``diffusion-kv bench``: attention regimes, translation host overhead, tiny-DiT end to end,
-continuous batching (stream).
+continuous batching (stream), prefix caching (prefix-cache).
 
 Sizes: ``full`` (the issue's regime A/B shapes; meant for a GPU) or ``small`` (the same
 structure at sizes a CPU finishes in seconds: CI's smoke run). ``auto`` picks ``full`` on CUDA.
@@ -20,7 +20,7 @@ import torch
 from diffusion_kv.core.translate import resolve_device
 from diffusion_kv.platforms.interface import Platform
 
-SECTIONS = ("attention", "host", "e2e", "stream")
+SECTIONS = ("attention", "host", "e2e", "stream", "prefix-cache")
 Progress = Callable[[str], None]
 
 
@@ -69,7 +69,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    from diffusion_kv.bench import attention, e2e, host, stream
+    from diffusion_kv.bench import attention, e2e, host, prefix, stream
 
     say = progress or (lambda _m: None)
     device = resolve_device(platform.device())
@@ -114,6 +114,11 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             "stream",
             "continuous batching: mixed requests served together vs one after another",
             stream.stream_throughput,
+        ),
+        (
+            "prefix-cache",
+            "prefix caching: hit vs miss prefill, a shared-prefix stream and a mix without sharing",
+            prefix.prefix_cache_bench,
         ),
     )
     for section, title, run in whole_runs:
@@ -230,6 +235,11 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  both eager: together {ea['stream']['wall_ms']:.0f} ms, one after another "
                 f"{ea['sequential']['wall_ms']:.0f} ms -> {ea['speedup']:.2f}x"
             )
+    if "prefix-cache" in report:
+        from diffusion_kv.bench.prefix import format_prefix_cache
+
+        lines.append("")
+        lines.extend(format_prefix_cache(report["prefix-cache"]))
     for where, error in report.get("errors", {}).items():
         lines.append(f"error in {where}: {error}")
     return "\n".join(lines)

@@ -15,11 +15,19 @@ between paged layers from per-token-bucket graphs, with paged attention eager be
 (:mod:`diffusion_kv.models.buckets`), so a batch that changes every step still replays most of
 its work. Both the stream and its one-after-another baseline follow this one policy; capture
 time is counted apart (``capture_ms``).
+
+Prefix caching (``shared_prefixes=K``): every request has the full prefix, the full target and
+two CFG rows, its prefix drawn from ``K`` distinct ones (request ``i`` uses prefix ``i % K``),
+and names its prefix by a digest of the conditioning latents of each row. Both the stream and
+the one-after-another run use the prefix cache; the stream is also served with caching off, and
+the result's ``prefix_cache`` reports the hits, the blocks saved, evictions, the peak of blocks
+held, the throughput both ways and whether every output agrees with the uncached run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 import sys
@@ -34,6 +42,7 @@ from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool
 from diffusion_kv.core.graphs import CapturedStep
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.prefix_cache import ContentSpan, PrefixCache
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.core.scheduler import (
     DiffusionRequest,
@@ -81,6 +90,14 @@ class StreamConfig:
     """Run the workload untimed first, both ways: True: in full; None: in full on CUDA (kernels
     compile on first use), elsewhere a short pass (two steps per request) that pays one-time
     costs without doubling the run; False: not at all (the first timed run pays them)."""
+    shared_prefixes: int | None = None
+    """Draw every request's prefix from this many distinct ones and serve with prefix caching
+    (module docstring); None: the mixed workload, each request with its own prefix."""
+    prefix_caching: bool | None = None
+    """Serve with the prefix cache (None: when ``shared_prefixes`` is set). With the mixed
+    workload no prefix repeats, so this measures what caching costs when nothing hits."""
+    max_cached_blocks: int | None = None
+    """Cap on the blocks the prefix cache keeps (None: the pool is the only limit)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,6 +128,22 @@ class StreamConfig:
             raise ValueError(
                 f"target_len must be at least 2 (requests use it or half of it); got {self.target_len}"
             )
+        if self.shared_prefixes is not None and (
+            type(self.shared_prefixes) is not int or not 0 < self.shared_prefixes <= self.requests
+        ):
+            raise ValueError(
+                f"shared_prefixes must be an integer in [1, requests={self.requests}]; got {self.shared_prefixes!r}"
+            )
+        if self.max_cached_blocks is not None and (
+            type(self.max_cached_blocks) is not int or self.max_cached_blocks < 0
+        ):
+            raise ValueError(
+                f"max_cached_blocks must be None or an integer >= 0; got {self.max_cached_blocks!r}"
+            )
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_caching if self.prefix_caching is not None else self.shared_prefixes is not None
 
 
 @dataclass
@@ -122,9 +155,14 @@ class RequestInputs:
 
 
 def make_requests(cfg: StreamConfig) -> list[DiffusionRequest]:
-    """The workload: a deterministic mix of shapes (every kind appears from 6 requests on)."""
+    """The workload: a deterministic mix of shapes (every kind appears from 6 requests on); with
+    ``shared_prefixes``, the full prefix and target and two CFG rows for every request."""
     out = []
     for i in range(cfg.requests):
+        if cfg.shared_prefixes is not None:
+            steps = max(2, cfg.steps + (0, 2, -2)[(i // 3) % 3])
+            out.append(DiffusionRequest(f"req-{i}", cfg.prefix_len, cfg.target_len, steps, 2))
+            continue
         prefix = (cfg.prefix_len, cfg.prefix_len // 2, 0)[i % 3]
         target = (cfg.target_len, cfg.target_len // 2)[i % 2]
         steps = max(2, cfg.steps + (0, 2, -2)[(i // 3) % 3])
@@ -139,7 +177,32 @@ def make_inputs(
     g = torch.Generator().manual_seed(cfg.seed * 1000 + index + 1)
     prefixes = torch.randn(request.cfg_rows, request.prefix_len, cfg.hidden, generator=g)
     latent = torch.randn(1, request.target_len, cfg.hidden, generator=g)
+    if cfg.shared_prefixes is not None:  # the prefix is one of shared_prefixes, by its own seed
+        shared = torch.Generator().manual_seed(cfg.seed * 1000 + 500 + index % cfg.shared_prefixes)
+        prefixes = torch.randn(request.cfg_rows, request.prefix_len, cfg.hidden, generator=shared)
     return RequestInputs(prefixes.to(device, cfg.dtype), latent.to(device, cfg.dtype))
+
+
+def content_of(inputs: RequestInputs) -> tuple[tuple[ContentSpan, ...], ...]:
+    """Per CFG row, the prefix named by a digest of its conditioning latents (what a host does
+    for an image or embedding span: equal latents, equal K/V)."""
+    out: list[tuple[ContentSpan, ...]] = []
+    for row in inputs.prefixes:
+        if row.shape[0] == 0:
+            out.append(())
+            continue
+        data = row.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        out.append((ContentSpan(0, row.shape[0], digest),))
+    return tuple(out)
+
+
+def model_identity(cfg: StreamConfig) -> str:
+    """The tiny DiT's weights: its random initialisation is fixed by the seed and the shape."""
+    return (
+        f"tiny-dit seed={cfg.seed} hidden={cfg.hidden} heads={cfg.heads}/{cfg.kv_heads} layers={cfg.layers} "
+        f"dtype={cfg.dtype}"
+    )
 
 
 def dense_run(
@@ -218,9 +281,9 @@ class StreamModel:
             req = e.request
             t = 1.0 - e.step / req.steps
             target = self.latents[req.request_id][0] + self.model.timestep(t, self.device)
-            for r in range(len(e.rows)):
-                if e.phase is Phase.PREFILL:
-                    parts.append(self.inputs[req.request_id].prefixes[r])
+            for r, row in enumerate(e.rows):
+                if e.phase is Phase.PREFILL:  # less what the prefix cache holds
+                    parts.append(self.inputs[req.request_id].prefixes[r][row.kv_start_pos :])
                 parts.append(target)
         return torch.cat(parts)[None]
 
@@ -286,6 +349,14 @@ class ServeRun:
     """Steps replayed from the per-bucket piecewise graphs (paged attention eager between them)."""
     buckets_captured: tuple[int, ...]
     bucket_graph_bytes: int
+    peak_blocks_held: int
+    """The most blocks live requests held at once (cached blocks nobody holds apart)."""
+    prefix_hit_tokens: int
+    prefix_hit_blocks: int
+    prefix_evictions: int
+    prefix_published_blocks: int
+    prefill_tokens: int
+    """Tokens the requests' prefill steps computed (less prefix-cache hits)."""
     latents: dict[str, torch.Tensor] = field(repr=False)
     records: dict[str, Any] = field(repr=False)
 
@@ -306,11 +377,12 @@ def serve(
     graphs: bool,
     label: str,
     progress: Progress | None = None,
+    model_id: str | None = None,
 ) -> ServeRun:
     """Serve ``requests`` (request ``i`` arrives at scheduler step ``i * arrival_gap``)."""
     stream = StreamModel(model, runner, inputs, cfg.guidance, graphs)
+    prefill_tokens = 0
     block = allocator.block_size
-    pool = allocator.pool
     arrivals = [r for _, r in sorted(((i * arrival_gap, i), r) for i, r in enumerate(requests))]
     due = [i * arrival_gap for i in range(len(requests))]
     utilisation: list[float] = []
@@ -318,16 +390,17 @@ def serve(
     done = 0
 
     def step(batch: StepBatch) -> None:
-        nonlocal most_running
-        in_use = pool.num_total - pool.num_free  # held by exactly this batch's requests
+        nonlocal most_running, prefill_tokens
+        in_use = allocator.blocks_held  # held by exactly this batch's requests
         tokens = sum(e.request.cfg_rows * e.request.seq_len for e in batch.entries)
         utilisation.append(tokens / (in_use * block))
+        prefill_tokens += sum(e.num_tokens for e in batch.entries if e.phase is Phase.PREFILL)
         most_running = max(most_running, len(batch.entries))
         stream(batch)
 
     _sync(runner.device)
     t0 = time.perf_counter()
-    with DiffusionScheduler(runner, allocator, max_running=max_running) as scheduler:
+    with DiffusionScheduler(runner, allocator, max_running=max_running, model_id=model_id) as scheduler:
         nxt = 0
         while nxt < len(arrivals) or not scheduler.idle:
             if scheduler.idle:  # nothing to run until the next arrival: it arrives now
@@ -348,7 +421,10 @@ def serve(
         records = scheduler.records
         preparations = scheduler.preparations
         peak = scheduler.peak_blocks_in_use
+        peak_held = scheduler.peak_blocks_held
+        hit_tokens, hit_blocks = scheduler.prefix_hit_tokens, scheduler.prefix_hit_blocks
         ticks = scheduler.tick
+    cache_stats = allocator.prefix_cache.stats() if allocator.prefix_cache is not None else {}
     _sync(runner.device)
     wall = (time.perf_counter() - t0) * 1e3
     bad = {rid: rec.status.value for rid, rec in records.items() if rec.status is not RequestStatus.FINISHED}
@@ -368,6 +444,12 @@ def serve(
         bucket_steps=stream.bucket_steps,
         buckets_captured=stream.buckets.captured_buckets if stream.buckets is not None else (),
         bucket_graph_bytes=stream.buckets.graph_bytes if stream.buckets is not None else 0,
+        peak_blocks_held=peak_held,
+        prefix_hit_tokens=hit_tokens,
+        prefix_hit_blocks=hit_blocks,
+        prefix_evictions=cache_stats.get("evictions", 0),
+        prefix_published_blocks=cache_stats.get("published_blocks", 0),
+        prefill_tokens=prefill_tokens,
         latents=dict(stream.latents),
         records={rid: rec.status.value for rid, rec in records.items()},
     )
@@ -388,6 +470,9 @@ class StreamResult:
     sequential: dict[str, Any]
     target_token_steps: int
     """Sum over requests of CFG rows x target tokens x steps: the denoising work done."""
+    prefix_cache: dict[str, Any] | None = None
+    """With prefix caching: the stream against the same stream with caching off (module
+    docstring)."""
 
     @property
     def speedup(self) -> float:
@@ -418,12 +503,36 @@ def _run_record(run: ServeRun, n: int, work: int) -> dict[str, Any]:
     return out
 
 
-def run_stream(
-    platform: Platform,
-    cfg: StreamConfig,
-    progress: Progress | None = None,
-    device: torch.device | None = None,
-) -> StreamResult:
+@dataclass
+class StreamSetup:
+    """The pieces a stream run serves with: the model, the worker, the workload."""
+
+    cfg: StreamConfig
+    device: torch.device
+    model: TinyDiT
+    runner: RunnerBackend
+    requests: list[DiffusionRequest]
+    inputs: dict[str, RequestInputs]
+    block: int
+    pool_blocks: int
+    max_len: int
+    concurrency: int
+
+    def allocator(self, caching: bool) -> DiffusionKVAllocator:
+        """A fresh pool (and prefix cache) per run: no run hits what another cached."""
+        assert self.runner.layout is not None
+        return DiffusionKVAllocator(
+            block_size=self.block,
+            max_model_len=self.max_len,
+            max_rows_per_request=max(r.cfg_rows for r in self.requests),
+            worker_rows=self.runner.layout.max_num_reqs,
+            pool=FreeListPool(self.pool_blocks),
+            prefix_cache=PrefixCache(self.cfg.max_cached_blocks) if caching else None,
+        )
+
+
+def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | None = None) -> StreamSetup:
+    """Build the model, the worker (its pool sized by ``pool_fraction``) and the workload."""
     device = device or platform.device()
     model = build_model(
         _DemoConfig(
@@ -441,6 +550,8 @@ def run_stream(
     )
     requests = make_requests(cfg)
     inputs = {r.request_id: make_inputs(cfg, r, i, device) for i, r in enumerate(requests)}
+    if cfg.caching:
+        requests = [dataclasses.replace(r, prefix_content=content_of(inputs[r.request_id])) for r in requests]
     block = cfg.block_size or platform.default_block_size
     max_len = max(r.seq_len for r in requests)
     per_request = [r.cfg_rows * cdiv(r.seq_len, block) for r in requests]
@@ -463,24 +574,35 @@ def run_stream(
         {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
     )
     runner.initialize_kv_cache(num_blocks=pool_blocks, block_size=block)
-    assert runner.layout is not None
-    allocator = DiffusionKVAllocator(
-        block_size=block,
-        max_model_len=max_len,
-        max_rows_per_request=max(r.cfg_rows for r in requests),
-        worker_rows=runner.layout.max_num_reqs,
-        pool=FreeListPool(pool_blocks),
-    )
+    return StreamSetup(cfg, device, model, runner, requests, inputs, block, pool_blocks, max_len, concurrency)
+
+
+def run_stream(
+    platform: Platform,
+    cfg: StreamConfig,
+    progress: Progress | None = None,
+    device: torch.device | None = None,
+) -> StreamResult:
+    st = setup_stream(platform, cfg, device)
+    device, model, runner, requests, inputs = st.device, st.model, st.runner, st.requests, st.inputs
+    block, pool_blocks, concurrency = st.block, st.pool_blocks, st.concurrency
+    allocator = st.allocator
+    model_id = model_identity(cfg)
     graphs = runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
     full_warmup = cfg.warmup is True or (cfg.warmup is None and device.type == "cuda")
 
     def go(
-        max_running: int, gap: int, label: str, show: Progress | None, reqs: list[DiffusionRequest] = requests
+        max_running: int,
+        gap: int,
+        label: str,
+        show: Progress | None,
+        reqs: list[DiffusionRequest] = requests,
+        caching: bool = cfg.caching,
     ) -> ServeRun:
         return serve(
             model,
             runner,
-            allocator,
+            allocator(caching),
             reqs,
             inputs,
             cfg,
@@ -489,14 +611,18 @@ def run_stream(
             graphs=graphs,
             label=label,
             progress=show,
+            model_id=model_id if caching else None,
         )
 
     if cfg.warmup is not False:
         warm = requests if full_warmup else [dataclasses.replace(r, steps=2) for r in requests]
         go(concurrency, cfg.arrival_gap, "warmup", None, warm)
         go(1, 0, "warmup", None, warm)
+        if cfg.caching:
+            go(concurrency, cfg.arrival_gap, "warmup", None, warm, caching=False)
     sequential = go(1, 0, "one by one", progress)
     stream = go(concurrency, cfg.arrival_gap, "stream", progress)
+    uncached = go(concurrency, cfg.arrival_gap, "uncached", progress, caching=False) if cfg.caching else None
     diffs = []
     rows = []
     for r in requests:
@@ -516,8 +642,19 @@ def run_stream(
             )
         )
     tol = TOLERANCE.get(cfg.dtype, 1e-1)
-    worst = max(diffs)
     work = sum(r.cfg_rows * r.target_len * r.steps for r in requests)
+    prefix_cache = None
+    if uncached is not None:
+        vs_uncached = 0.0
+        for r in requests:
+            ref = dense_run(model, r, inputs[r.request_id], cfg.guidance)
+            diffs.append(float(max_difference(ref, uncached.latents[r.request_id]).item()))
+            vs_uncached = max(
+                vs_uncached,
+                float(max_difference(uncached.latents[r.request_id], stream.latents[r.request_id]).item()),
+            )
+        prefix_cache = prefix_report(cfg, stream, uncached, vs_uncached, tol, work)
+    worst = max(diffs)
     return StreamResult(
         platform=platform.name,
         device=str(device),
@@ -531,7 +668,40 @@ def run_stream(
         stream=_run_record(stream, len(requests), work),
         sequential=_run_record(sequential, len(requests), work),
         target_token_steps=work,
+        prefix_cache=prefix_cache,
     )
+
+
+def prefix_report(
+    cfg: StreamConfig, cached: ServeRun, uncached: ServeRun, max_diff: float, tol: float, work: int
+) -> dict[str, Any]:
+    """The stream with prefix caching against the same stream without (capture time apart)."""
+    busy = cached.wall_ms - cached.capture_ms
+    busy_uncached = uncached.wall_ms - uncached.capture_ms
+    return {
+        "shared_prefixes": cfg.shared_prefixes,
+        "hit_tokens": cached.prefix_hit_tokens,
+        "blocks_saved": cached.prefix_hit_blocks,
+        "published_blocks": cached.prefix_published_blocks,
+        "evictions": cached.prefix_evictions,
+        "prefill_tokens": cached.prefill_tokens,
+        "prefill_tokens_uncached": uncached.prefill_tokens,
+        "peak_blocks_held": cached.peak_blocks_held,
+        "peak_blocks_held_uncached": uncached.peak_blocks_held,
+        "blocks_held_ratio": cached.peak_blocks_held / uncached.peak_blocks_held,
+        "peak_pool_blocks_in_use": cached.peak_blocks,
+        "peak_pool_blocks_in_use_uncached": uncached.peak_blocks,
+        "wall_ms": cached.wall_ms,
+        "wall_ms_uncached": uncached.wall_ms,
+        "capture_ms": cached.capture_ms,
+        "capture_ms_uncached": uncached.capture_ms,
+        "target_tokens_per_s": work / busy * 1e3,
+        "target_tokens_per_s_uncached": work / busy_uncached * 1e3,
+        "throughput_ratio": busy_uncached / busy,
+        "max_abs_diff_vs_uncached": max_diff,
+        "tolerance": tol,
+        "agrees": max_diff <= tol,
+    }
 
 
 def text_progress(stream: Any = sys.stderr) -> Progress:
@@ -573,6 +743,20 @@ def format_stream(r: StreamResult) -> str:
             f"{s['eager_steps']} eager steps; one after another {q['graph_captures']} / {q['graph_replays']} / "
             f"{q['eager_steps']}; capture time: stream {s['capture_ms']:.0f} ms, one after another "
             f"{q['capture_ms']:.0f} ms"
+        )
+    pc = r.prefix_cache
+    if pc is not None:
+        lines.append(
+            f"prefix cache ({pc['shared_prefixes']} distinct prefixes): {pc['hit_tokens']} prefix tokens hit, "
+            f"{pc['blocks_saved']} blocks saved, {pc['published_blocks']} published, {pc['evictions']} evictions; "
+            f"prefill tokens {pc['prefill_tokens']} vs {pc['prefill_tokens_uncached']} uncached"
+        )
+        lines.append(
+            f"  peak blocks held {pc['peak_blocks_held']} vs {pc['peak_blocks_held_uncached']} uncached "
+            f"({pc['blocks_held_ratio']:.2f}x); throughput {pc['target_tokens_per_s']:.0f} vs "
+            f"{pc['target_tokens_per_s_uncached']:.0f} target tokens/s uncached ({pc['throughput_ratio']:.2f}x); "
+            f"max |cached - uncached| {pc['max_abs_diff_vs_uncached']:.3g} -> "
+            + ("AGREE" if pc["agrees"] else "DISAGREE")
         )
     if s["bucket_steps"] or q["bucket_steps"]:
         lines.append(

@@ -69,3 +69,60 @@ def test_cli_stream_usage_errors() -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "(0, 1]" in proc.stderr
+
+
+def test_shared_prefixes_hit_and_agree_with_uncached() -> None:
+    """Six requests (prefix 24 + target 8, two CFG rows, block 8) drawing their prefixes from two:
+    the first request of each prefix misses and publishes, the other four hit the three blocks
+    before the target span on both rows; the outputs equal the uncached stream's bit for bit."""
+    result = run_stream(CpuPlatform(), StreamConfig(shared_prefixes=2, **SMALL))  # type: ignore[arg-type]
+    pc = result.prefix_cache
+    assert pc is not None and result.agree
+    assert (pc["hit_tokens"], pc["blocks_saved"], pc["published_blocks"], pc["evictions"]) == (192, 24, 12, 0)
+    assert (pc["prefill_tokens"], pc["prefill_tokens_uncached"]) == (2 * 2 * 32 + 4 * 2 * 8, 6 * 2 * 32)
+    assert pc["peak_blocks_held"] < pc["peak_blocks_held_uncached"]
+    assert pc["max_abs_diff_vs_uncached"] == 0.0 and pc["agrees"] is True
+    assert all(r["cfg_rows"] == 2 and r["prefix_len"] == 24 for r in result.requests)
+
+
+def test_prefix_caching_without_sharing_never_hits() -> None:
+    result = run_stream(CpuPlatform(), StreamConfig(prefix_caching=True, **SMALL))  # type: ignore[arg-type]
+    pc = result.prefix_cache
+    assert pc is not None and result.agree
+    assert (pc["hit_tokens"], pc["blocks_saved"]) == (0, 0)
+    assert pc["prefill_tokens"] == pc["prefill_tokens_uncached"]
+    assert pc["max_abs_diff_vs_uncached"] == 0.0
+
+
+def test_cache_cap_limits_what_is_published() -> None:
+    """A cap of two blocks: the first request publishes two blocks of its cond row and nothing of
+    its uncond row; the five others hit those two blocks only (5 x 16 tokens)."""
+    cfg = StreamConfig(shared_prefixes=1, max_cached_blocks=2, **SMALL)  # type: ignore[arg-type]
+    pc = run_stream(CpuPlatform(), cfg).prefix_cache
+    assert pc is not None
+    assert (pc["published_blocks"], pc["hit_tokens"], pc["agrees"]) == (2, 80, True)
+
+
+def test_cli_shared_prefixes_json_and_usage() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "diffusion_kv.cli", "demo", "--stream", "4", "--shared-prefixes", "1",
+            "--prefix", "24", "--target", "8", "--steps", "3", "--hidden", "32", "--heads", "2", "--layers", "1",
+            "--block-size", "8", "--json",
+        ],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    pc = json.loads(proc.stdout)["prefix_cache"]
+    assert (pc["shared_prefixes"], pc["hit_tokens"], pc["agrees"]) == (1, 3 * 2 * 24, True)
+    for args, message in (
+        (["--stream", "2", "--shared-prefixes", "3"], "--shared-prefixes 3 is more than the 2 requests"),
+        (["--shared-prefixes", "2"], "--shared-prefixes applies to --stream only"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "diffusion_kv.cli", "demo", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
