@@ -3,8 +3,10 @@
 Three measurements on the tiny DiT (``diffusion_kv.models.stream``), ratios within one run:
 
 * **prefill step**, hit against miss: the same requests (full prefix, full target, two CFG rows,
-  one shared prefix) served one at a time for one step each, eager, once with the prefix cache
-  (every request after the first hits) and once without; the medians of the timed steps;
+  one shared prefix) served one at a time for one step each, under the stream's graph policy
+  (on CUDA the model's pieces replay per-token-bucket graphs captured in the warm-up, paged
+  attention eager; elsewhere eager), once with the prefix cache (every request after the first
+  hits) and once without; the medians of the timed steps;
 * **shared stream**: ``requests`` sharing one prefix, arriving one scheduler step apart, served
   together with and without the prefix cache at equal pool memory: peak blocks the requests
   hold and throughput (capture time apart), every output checked against the uncached run;
@@ -45,9 +47,11 @@ def prefill_step_ms(
     st = setup_stream(platform, cfg, device)
     model_id = model_identity(cfg)
     one_step = [dataclasses.replace(r, steps=1) for r in st.requests]
+    graphs = st.runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
+    buckets = st.buckets(graphs)
 
     def serve(caching: bool) -> list[float]:
-        model = StreamModel(st.model, st.runner, st.inputs, cfg.guidance, graphs=False)
+        model = StreamModel(st.model, st.runner, st.inputs, cfg.guidance, graphs, buckets)
         times: list[float] = []
 
         def step(batch: StepBatch) -> None:
@@ -76,6 +80,7 @@ def prefill_step_ms(
         hit.extend(serve(True)[1:])  # the first request of a run is a miss that publishes
     miss_ms, hit_ms = statistics.median(miss), statistics.median(hit)
     return {
+        "graphs": "buckets" if buckets is not None else "eager",
         "miss_ms": miss_ms,
         "hit_ms": hit_ms,
         "ratio": hit_ms / miss_ms,
@@ -129,7 +134,7 @@ def format_prefix_cache(r: dict[str, Any]) -> list[str]:
     return [
         f"prefix cache ({s['requests']} requests, prefix {s['prefix_len']} + target {s['target_len']}, CFG 2, "
         f"hidden {s['hidden']}, {s['layers']} layers, block {r['block_size']})",
-        f"  prefill step: hit {p['hit_ms']:.3g} ms vs miss {p['miss_ms']:.3g} ms -> {p['ratio']:.2f}x "
+        f"  prefill step ({p['graphs']}): hit {p['hit_ms']:.3g} ms vs miss {p['miss_ms']:.3g} ms -> {p['ratio']:.2f}x "
         f"(target <= {t['prefill_hit_vs_miss']}x)",
         f"  one shared prefix: blocks held {sh['peak_blocks_held']} vs {sh['peak_blocks_held_uncached']} uncached "
         f"-> {sh['blocks_held_ratio']:.2f}x (target <= {t['blocks_held_ratio']}x); throughput "

@@ -229,6 +229,7 @@ class StreamModel:
         inputs: dict[str, RequestInputs],
         guidance: float,
         graphs: bool,
+        buckets: BucketGraphs | None = None,
     ) -> None:
         self.model = model
         self.runner = runner
@@ -250,7 +251,7 @@ class StreamModel:
         """Per token bucket, the model's pieces between paged layers as CUDA graphs (the steps
         whose composition changes too soon for a whole-step capture)."""
         if graphs and self.device.type == "cuda":
-            self.buckets = BucketGraphs(
+            self.buckets = buckets or BucketGraphs(
                 model, default_buckets(runner.config.max_num_batched_tokens), self.device
             )
         self.bucket_steps = 0
@@ -378,9 +379,11 @@ def serve(
     label: str,
     progress: Progress | None = None,
     model_id: str | None = None,
+    buckets: BucketGraphs | None = None,
 ) -> ServeRun:
-    """Serve ``requests`` (request ``i`` arrives at scheduler step ``i * arrival_gap``)."""
-    stream = StreamModel(model, runner, inputs, cfg.guidance, graphs)
+    """Serve ``requests`` (request ``i`` arrives at scheduler step ``i * arrival_gap``).
+    ``buckets``: per-bucket graphs captured by an earlier run (a server captures them once)."""
+    stream = StreamModel(model, runner, inputs, cfg.guidance, graphs, buckets)
     prefill_tokens = 0
     block = allocator.block_size
     arrivals = [r for _, r in sorted(((i * arrival_gap, i), r) for i, r in enumerate(requests))]
@@ -518,6 +521,15 @@ class StreamSetup:
     max_len: int
     concurrency: int
 
+    def buckets(self, graphs: bool) -> BucketGraphs | None:
+        """Per-token-bucket graphs of the model's pieces (CUDA with graphs on), to share between
+        runs so that each bucket is captured once."""
+        if not graphs or self.device.type != "cuda":
+            return None
+        return BucketGraphs(
+            self.model, default_buckets(self.runner.config.max_num_batched_tokens), self.device
+        )
+
     def allocator(self, caching: bool) -> DiffusionKVAllocator:
         """A fresh pool (and prefix cache) per run: no run hits what another cached."""
         assert self.runner.layout is not None
@@ -589,6 +601,7 @@ def run_stream(
     allocator = st.allocator
     model_id = model_identity(cfg)
     graphs = runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
+    buckets = st.buckets(graphs)  # one set for every run: captured once, in the warm-up
     full_warmup = cfg.warmup is True or (cfg.warmup is None and device.type == "cuda")
 
     def go(
@@ -612,6 +625,7 @@ def run_stream(
             label=label,
             progress=show,
             model_id=model_id if caching else None,
+            buckets=buckets,
         )
 
     if cfg.warmup is not False:

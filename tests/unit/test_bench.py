@@ -78,6 +78,13 @@ def test_run_bench_small_all_sections() -> None:
     assert stream["speedup"] == stream["speedup_with_captures"]
     assert stream["speedup"] == stream["sequential"]["wall_ms"] / stream["stream"]["wall_ms"]
     assert "eager" not in stream  # the eager pair is run only where graphs were taken
+    pc = report["prefix-cache"]
+    assert pc["agrees"] and pc["block_size"] == 16 and pc["prefill"]["graphs"] == "eager"
+    # SMALL: prefix 128 + target 32, two CFG rows; a hit computes the 32 target tokens per row
+    assert (pc["prefill"]["tokens_miss"], pc["prefill"]["tokens_hit"]) == (320, 64)
+    assert pc["shared"]["hit_tokens"] == 5 * 2 * 128 and pc["shared"]["evictions"] == 0
+    assert pc["no_sharing"]["hit_tokens"] == 0 and pc["no_sharing"]["blocks_saved"] == 0
+    assert set(pc["meets"]) == set(pc["targets"])
 
 
 def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,7 +99,7 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
-        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e, stream\n"
+        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e, stream, prefix-cache\n"
     )
     assert main(["bench", "--cfg", "3", "--no-progress"]) == 2
     assert "argument --cfg: unknown value(s) 3; choose from 1, 2" in capsys.readouterr().err
