@@ -9,15 +9,22 @@ block 0 chains the :class:`PrefixNamespace`. The host describes a row's content 
 :class:`ContentSpan` s (token ids, or a digest of the conditioning latents of an image span);
 the namespace folds in everything else that changes the stored K/V (model/weights identity,
 adapter tag, KV layout, rank geometry, CFG branch), so two rows share a block only when every
-token up to and including it was the same under the same weights, layout and geometry. A row
-without content spans has no keys: it is never cached and never hits.
+token up to and including it was the same under the same weights, layout and geometry. The
+mask is part of the identity too: a block's key folds in the ``full_attn_spans`` that touch the
+run of blocks it lies in (below), since from the second layer on a token's K/V depend on the keys
+its queries reached. A row without content spans has no keys: it is never cached and never hits.
 
 **The boundary rule** (:func:`cacheable_cut`). A block before cut ``m`` may be reused only if no
 query at a position ``< m`` attends to a key ``>= m``; otherwise its K/V depends on tokens after
 the cut. Under the diffusion mask (causal, plus bidirectional ``full_attn_spans``) a query
 ``q < m`` reaches a key ``k >= m`` exactly when one span holds both, that is when a span
 crosses ``m``. The cut is the largest block-aligned position, at most the covered prefix, that
-no span crosses; a crossing span pulls the cut back to the block holding its start.
+no span crosses; a crossing span pulls the cut back to the block holding its start. The same
+holds for every place a hit may stop: a block boundary a span crosses inside the cut is no place
+to stop (the K/V before it depend on tokens after it), so :func:`block_keys` keys the blocks
+between two uncrossed boundaries as one unit -- each of their keys folds in the content and spans
+of the whole run -- and a lookup matches either all of such a run or only blocks computed from
+the very same run.
 
 **Ownership and eviction** (:class:`PrefixCache`). A published block has a reference count:
 every live request that hit it or published it holds one. A block whose count reaches zero
@@ -31,7 +38,7 @@ Nothing here imports a vendor package; keys are 16-byte BLAKE2b digests.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -163,34 +170,63 @@ def cacheable_cut(limit: int, full_attn_spans: Iterable[Span], block_size: int) 
 
 
 def block_keys(
-    content: Sequence[ContentSpan], namespace: PrefixNamespace, cut: int, block_size: int
+    content: Sequence[ContentSpan],
+    namespace: PrefixNamespace,
+    cut: int,
+    block_size: int,
+    full_attn_spans: Iterable[Span] = (),
 ) -> tuple[bytes, ...]:
     """The chained key of each full block before ``cut`` (every token of which ``content``
-    must name)."""
+    must name, and which no span of ``full_attn_spans`` may cross).
+
+    The blocks between two consecutive block boundaries that no span crosses form one run; each
+    key of a run chains the previous key with its block's content and a digest of the run's
+    content and of the spans inside it, so equal keys mean equal tokens and an equal mask over
+    every token the block's K/V can depend on (module docstring)."""
     if type(cut) is not int or cut < 0 or cut % block_size:
         raise ValidationError(f"cut must be a multiple of the block size {block_size}; got {cut!r}")
     if cut > covered_prefix(content):
         raise ValidationError(
             f"cut {cut} lies past the {covered_prefix(content)} leading tokens the content spans name"
         )
-    keys: list[bytes] = []
-    previous = namespace.digest()
-    spans = list(content)
+    spans = sorted((int(a), int(b)) for a, b in full_attn_spans)
+    crossing = crosses(spans, cut)
+    if crossing:
+        raise ValidationError(
+            f"cut {cut} is crossed by full_attn_spans {crossing}: the K/V before it depend on tokens after it"
+        )
+    named = list(content)
     first = 0
+    parts: list[list[bytes]] = []  # per block: its content parts
     for i in range(cut // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
-        parts: list[bytes] = []
-        while first < len(spans) and spans[first].end <= lo:
+        block: list[bytes] = []
+        while first < len(named) and named[first].end <= lo:
             first += 1
         j = first
-        while j < len(spans) and spans[j].start < hi:
-            s = spans[j]
+        while j < len(named) and named[j].start < hi:
+            s = named[j]
             a, b = max(s.start, lo), min(s.end, hi)
-            parts.append(_key_bytes(s.key, "content key"))
-            parts.append(f"{a - lo},{b - lo},{a - s.start}".encode())
+            block.append(_key_bytes(s.key, "content key"))
+            block.append(f"{a - lo},{b - lo},{a - s.start}".encode())
             j += 1
-        previous = _digest(previous, *parts)
-        keys.append(previous)
+        parts.append(block)
+    keys: list[bytes] = []
+    previous = namespace.digest()
+    start = 0  # first block of the current run
+    for end in range(1, len(parts) + 1):
+        if end < len(parts) and crosses(spans, end * block_size):
+            continue  # a span crosses this boundary: the run goes on
+        lo, hi = start * block_size, end * block_size
+        run = _digest(
+            b"run",
+            *(_digest(*block) for block in parts[start:end]),
+            *(f"span {a},{b}".encode() for a, b in spans if a < hi and b > lo),
+        )
+        for i in range(start, end):
+            previous = _digest(previous, *parts[i], run)
+            keys.append(previous)
+        start = end
     return tuple(keys)
 
 
@@ -283,7 +319,7 @@ class PrefixCache:
     def release(self, keys: Sequence[bytes]) -> None:
         """Drop a reference to each of ``keys``; a block left unreferenced becomes idle (the
         last key of a chain first, so eviction takes chains from their tails)."""
-        bad = [k.hex() for k in keys if self.refs(k) <= 0]
+        bad = [k.hex() for k, n in Counter(keys).items() if self.refs(k) < n]
         if bad:
             raise ValidationError(f"release of prefix keys not held: {bad}")
         for key in reversed(keys):

@@ -20,7 +20,8 @@ its own step:
   :class:`~diffusion_kv.core.prefix_cache.PrefixCache`): a request that names its prefix content
   (``prefix_content``, per CFG row) gets chained block keys under a namespace of the model
   identity (``model_id``), its adapter, the worker's KV layout and rank geometry and its CFG
-  branch, cut by the boundary rule; on a hit its prefill step computes and writes only the
+  branch, and its spans, cut by the boundary rule (none on a worker with a layer registered
+  non-causal); on a hit its prefill step computes and writes only the
   uncached tokens; once its prefill step ran, its keyed blocks are sealed and published, so
   requests admitted later share them while it is still live;
 * **reaping**: rows the worker holds for a request the allocator does not reserve (a late
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import DiffusionKVError, StateError, ValidationError
 from diffusion_kv.core.prefix_cache import (
     ContentSpan,
@@ -480,15 +482,22 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
     def prefix_keys(self, request: DiffusionRequest) -> tuple[tuple[bytes, ...], ...]:
         """Per CFG row, the chained keys of the blocks ``request`` may share (empty without
         prefix caching or prefix content): full blocks inside the named prefix, before the cut
-        of the boundary rule."""
+        of the boundary rule, keyed with the request's spans. Empty too on a worker with a
+        layer registered non-causal (:attr:`AttentionMode.FULL`): its prefix queries may see
+        the target, so no prefix block is the same in another request."""
         if not self.prefix_caching or not request.prefix_content:
             return ()
+        layout = self.runner.layout
+        assert layout is not None
+        if any(g.spec.mode is AttentionMode.FULL for g in layout.groups):
+            return ()
         block = self.allocator.block_size
+        spans = request.full_attn_spans or ()
         out = []
         for branch, content in enumerate(request.prefix_content):
             limit = min(request.prefix_len, covered_prefix(content))
-            cut = cacheable_cut(limit, request.full_attn_spans or (), block)
-            out.append(block_keys(content, self.namespace(branch, request.adapter), cut, block))
+            cut = cacheable_cut(limit, spans, block)
+            out.append(block_keys(content, self.namespace(branch, request.adapter), cut, block, spans))
         return tuple(out)
 
     # -- requests -----------------------------------------------------------------------------
