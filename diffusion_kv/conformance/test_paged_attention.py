@@ -10,7 +10,7 @@ every declared dtype, head size (bounded), slot dtype and GQA ratio.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,10 +18,12 @@ import torch
 from diffusion_kv.conformance.harness import PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
+from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.capabilities import dtype_name
-from diffusion_kv.core.errors import StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.errors import GenerationError, StaleBatchError, StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
+from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import merge_partial_attention
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
@@ -691,3 +693,242 @@ def test_ulysses_rank_local_heads(dkv_platform: Platform, dkv_backend: Backend) 
         ]
         parts.append(run(h, rows, local))
     check(full, torch.cat(parts, dim=1), expected(full, rows, data, "causal"))
+
+
+# --- prefix caching: a hit equals the miss ---------------------------------------------------------
+#
+# A publisher request ("A") writes its whole row, then seals its leading prefix blocks: the same
+# snapshot again at a newer generation with a larger cached_prefix_len (the scheduler does this
+# once A's prefill step ran). While A is live, a hit request lists those very block ids as its
+# own cached prefix; its prefill step writes and queries only the tokens after them and attends
+# over the shared pages plus its own. Whatever the backend, a hit row gets what the miss (the
+# same row computed whole, in blocks of its own) gets, and what dense attention gets.
+
+
+@dataclass
+class _PrefixRequest:
+    """A one-row request of the prefix-caching cases: ``[prefix | target]``, full attention over
+    the target and a causal prefix (the scheduler's default spans)."""
+
+    request_id: str
+    prefix_len: int
+    target_len: int
+    data: RowData
+    snapshot: RequestAllocation
+    hit: int
+    """Leading tokens found cached at admission (shared blocks): its prefill step starts there."""
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + self.target_len
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.snapshot.sequences[0].block_ids[0]
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(self.prefix_len, self.seq_len)]
+
+    def prefill_row(self) -> PagedRow:
+        n = self.seq_len
+        return PagedRow(self.request_id, n - self.hit, n, self.hit, sequence_id=0)
+
+    def denoise_row(self) -> PagedRow:
+        return PagedRow(self.request_id, self.target_len, self.seq_len, self.prefix_len, sequence_id=0)
+
+
+def _pc_install(
+    h: PagedHarness,
+    request_id: str,
+    prefix_len: int,
+    target_len: int,
+    data: RowData,
+    shared: Sequence[int] = (),
+) -> _PrefixRequest:
+    """Install a one-row request whose first blocks are ``shared`` (another request's sealed
+    blocks, declared as its cached prefix) and the rest its own."""
+    n = prefix_len + target_len
+    own = h.take_blocks(cdiv(n, h.block_size) - len(shared), "permuted")
+    hit = len(shared) * h.block_size
+    seq = SequenceAllocation(0, prefix_len, target_len, n, ((*shared, *own),), cached_prefix_len=hit)
+    snapshot = RequestAllocation(request_id, 0, (seq,))
+    assert h.registry.install(snapshot)
+    return _PrefixRequest(request_id, prefix_len, target_len, data, snapshot, hit)
+
+
+def _pc_clone(data: RowData) -> RowData:
+    return RowData(data.q.clone(), data.k.clone(), data.v.clone())
+
+
+def _pc_new_target(h: PagedHarness, req: _PrefixRequest, seed: int) -> None:
+    """The target changes at every denoise step."""
+    fresh = make_rows(h, [req.seq_len], seed=seed)[0]
+    p, d = req.prefix_len, req.data
+    d.q[p:], d.k[p:], d.v[p:] = fresh.q[p:], fresh.k[p:], fresh.v[p:]
+
+
+def _pc_step(h: PagedHarness, steps: Sequence[tuple[_PrefixRequest, PagedRow]]) -> dict[str, torch.Tensor]:
+    """Run one batch of ``(request, row)`` (short queries first) through every layer, check it
+    against dense attention; each request's output."""
+    steps = sorted(steps, key=lambda s: s[1].query_len)
+    rows = [row for _, row in steps]
+    data = [req.data for req, _ in steps]
+    spans = [req.spans for req, _ in steps]
+    out = run(h, rows, data, spans)
+    check(h, out, expected(h, rows, data, "piecewise", spans))
+    parts = torch.split(out, [row.query_len for row in rows])
+    return {req.request_id: part for (req, _), part in zip(steps, parts, strict=True)}
+
+
+def _pc_publisher(
+    h: PagedHarness, prefix_blocks: int, tail: int, target_len: int, seed: int
+) -> _PrefixRequest:
+    """Request "A": ``prefix_blocks`` blocks plus ``tail`` tokens of prefix, prefilled whole, then
+    its prefix blocks sealed (installed again at a newer generation, cached_prefix_len over them)."""
+    p = prefix_blocks * h.block_size + tail
+    a = _pc_install(h, "A", p, target_len, make_rows(h, [p + target_len], seed=seed)[0])
+    _pc_step(h, [(a, a.prefill_row())])
+    seq = replace(a.snapshot.sequences[0], cached_prefix_len=prefix_blocks * h.block_size)
+    sealed = RequestAllocation("A", a.snapshot.allocation_generation + 1, (seq,))
+    assert not h.registry.install(sealed)  # a seal keeps A's rows
+    a.snapshot = sealed
+    identity = ("A", 0, None)
+    for block in a.block_ids[:prefix_blocks]:
+        assert h.registry.holders_of(0, block) == {identity: False}  # sealed: nobody writes it
+    h.reset_counts()
+    return a
+
+
+def _pc_hit(
+    h: PagedHarness,
+    request_id: str,
+    publisher: _PrefixRequest,
+    hit_blocks: int,
+    prefix_len: int,
+    target_len: int,
+    seed: int,
+) -> _PrefixRequest:
+    """A request whose first ``hit_blocks`` blocks of content equal the publisher's (the same
+    K/V there) and are the publisher's sealed blocks; everything after is its own."""
+    data = make_rows(h, [prefix_len + target_len], seed=seed)[0]
+    hit = hit_blocks * h.block_size
+    src = publisher.data
+    data.q[:hit], data.k[:hit], data.v[:hit] = src.q[:hit], src.k[:hit], src.v[:hit]
+    return _pc_install(h, request_id, prefix_len, target_len, data, shared=publisher.block_ids[:hit_blocks])
+
+
+def _pc_hit_and_miss(h: PagedHarness) -> tuple[_PrefixRequest, _PrefixRequest, _PrefixRequest]:
+    """Publisher "A" (2 sealed prefix blocks), hit "B" on them (its prefix runs on past them,
+    its target differs), and "C": B's row again, uncached (the miss)."""
+    a = _pc_publisher(h, prefix_blocks=2, tail=5, target_len=9, seed=60)
+    b = _pc_hit(h, "B", a, 2, prefix_len=2 * h.block_size + 7, target_len=6, seed=61)
+    c = _pc_install(h, "C", b.prefix_len, b.target_len, _pc_clone(b.data))
+    return a, b, c
+
+
+def _pc_same(h: PagedHarness, hit: torch.Tensor, miss: torch.Tensor) -> None:
+    """The hit's outputs equal the miss's for the same query positions (the kit's tolerance)."""
+    check(h, hit, miss.detach().to("cpu", torch.float64))
+
+
+def test_prefix_cache_hit_equals_miss(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A hit row's prefill (only its uncached tokens, over the publisher's sealed blocks while
+    the publisher is live) equals the miss computing the whole row, and dense attention."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend, max_num_seqs=3)
+    a, b, c = _pc_hit_and_miss(h)
+    assert b.block_ids[:2] == a.block_ids[:2] and b.hit == 2 * h.block_size
+    hit = _pc_step(h, [(b, b.prefill_row())])["B"]
+    for backend in h.backends.values():  # only the uncached tokens are computed and written
+        assert backend.writes == [b.seq_len - b.hit]
+        assert sum(backend.forwards) == b.seq_len - b.hit
+    miss = _pc_step(h, [(c, c.prefill_row())])["C"]
+    _pc_same(h, hit, miss[b.hit :])
+
+
+def test_prefix_cache_denoise_over_shared_prefix(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """After the hit's prefill, the publisher and the hit run a denoise step in one batch (their
+    targets over prefixes that share blocks), with the miss: dense, and the hit equals the miss."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend, max_num_seqs=3)
+    a, b, c = _pc_hit_and_miss(h)
+    _pc_step(h, [(b, b.prefill_row()), (c, c.prefill_row())])  # the hit and the miss in one batch
+    _pc_new_target(h, a, seed=62)
+    _pc_new_target(h, b, seed=63)
+    p = c.prefix_len
+    c.data.q[p:], c.data.k[p:], c.data.v[p:] = b.data.q[p:], b.data.k[p:], b.data.v[p:]
+    outs = _pc_step(h, [(x, x.denoise_row()) for x in (a, b, c)])
+    _pc_same(h, outs["B"], outs["C"])
+
+
+def test_prefix_cache_write_inside_sealed_prefix_refused(
+    dkv_platform: Platform, dkv_backend: Backend
+) -> None:
+    """A row writing inside a sealed prefix (the hit starting before its cached prefix ends, the
+    publisher writing its sealed blocks again), a new row writing a sealed block, and taking a
+    seal back are refused before any cache byte or registry state changes; the rows still run."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend, max_num_seqs=4)
+    a, b, _ = _pc_hit_and_miss(h)
+    _pc_step(h, [(b, b.prefill_row())])
+    h.reset_counts()
+    bs, sealed = h.block_size, b.hit
+    na, nb = a.seq_len, b.seq_len
+    refused = {
+        "hit row from token 0": (PagedRow("B", nb, nb, 0, sequence_id=0),),
+        "hit row from its last cached token": (
+            PagedRow("B", nb - sealed + 1, nb, sealed - 1, sequence_id=0),
+        ),
+        "publisher prefill again": (PagedRow("A", na, na, 0, sequence_id=0),),
+        "publisher from its last sealed block": (
+            PagedRow("A", na - sealed + bs, na, sealed - bs, sequence_id=0),
+        ),
+        "with a legal row": (b.denoise_row(), PagedRow("A", na - 1, na, 1, sequence_id=0)),
+    }
+    identities = [(r, 0, None) for r in "ABC"]
+    written = [h.registry.written_spans(i) for i in identities]
+    before = h.cache_snapshot()
+    for label, rows in refused.items():
+        try:
+            h.translator.prepare(rows)
+        except ValidationError as exc:
+            assert "read-only cached prefix" in str(exc), f"{label}: {exc}"
+        else:
+            pytest.fail(f"{label}: a batch writing inside a sealed prefix was prepared")
+    writer = SequenceAllocation(0, 0, bs, bs, ((a.block_ids[0],),))  # writes a sealed block
+    with pytest.raises(ValidationError, match="a written block belongs to one live row"):
+        h.registry.install(RequestAllocation("W", 0, (writer,)))
+    unsealed = replace(a.snapshot.sequences[0], cached_prefix_len=0)
+    with pytest.raises(GenerationError, match="conflicting allocation snapshot"):
+        h.registry.install(RequestAllocation("A", a.snapshot.allocation_generation + 1, (unsealed,)))
+    assert h.registry.snapshot_of("A") == a.snapshot and h.registry.snapshot_of("W") is None
+    assert [h.registry.written_spans(i) for i in identities] == written
+    assert h.writes() == 0 and all(not x.forwards for x in h.backends.values())
+    for x, y in zip(before, h.cache_snapshot(), strict=True):
+        assert torch.equal(x, y)
+    _pc_new_target(h, a, seed=64)
+    _pc_new_target(h, b, seed=65)
+    _pc_step(h, [(a, a.denoise_row()), (b, b.denoise_row())])
+
+
+def test_prefix_cache_mixed_hit_lengths(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Hits of one, two and three blocks on one publisher (the last with its whole prefix
+    cached, so it queries only its target), a miss twin of the two-block hit, and the
+    publisher's own denoise step, in one batch: dense, and the hit equals its miss twin."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    h = harness(dkv_platform, dkv_backend, max_num_seqs=5)
+    bs = h.block_size
+    a = _pc_publisher(h, prefix_blocks=3, tail=5, target_len=9, seed=70)
+    b1 = _pc_hit(h, "B1", a, 1, prefix_len=bs + 11, target_len=7, seed=71)
+    b2 = _pc_hit(h, "B2", a, 2, prefix_len=2 * bs + 3, target_len=12, seed=72)
+    b3 = _pc_hit(h, "B3", a, 3, prefix_len=3 * bs, target_len=10, seed=73)
+    m = _pc_install(h, "M", b2.prefix_len, b2.target_len, _pc_clone(b2.data))
+    assert {b1.hit, b2.hit, b3.hit, m.hit} == {bs, 2 * bs, 3 * bs, 0}
+    assert h.registry.holders_of(0, a.block_ids[0]) == {(r, 0, None): False for r in ("A", "B1", "B2", "B3")}
+    _pc_new_target(h, a, seed=74)
+    steps = [(x, x.prefill_row()) for x in (b1, b2, b3, m)] + [(a, a.denoise_row())]
+    outs = _pc_step(h, steps)
+    for backend in h.backends.values():
+        assert backend.writes == [sum(row.query_len for _, row in steps)]
+    _pc_same(h, outs["B2"], outs["M"][b2.hit :])
