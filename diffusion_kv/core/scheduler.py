@@ -161,6 +161,50 @@ def reap_unreserved(
     return tuple(reaped)
 
 
+def worker_namespace(
+    runner: RunnerBackend, model_id: str, branch: int = 0, adapter: str | None = None
+) -> PrefixNamespace:
+    """The prefix-cache namespace of CFG branch ``branch`` on ``runner``'s worker: the model
+    identity, the KV layout (per group: attention mode, block size, cache dtype and head
+    geometry) and the rank geometry (decode context parallelism, CFG parallelism, Ulysses and
+    ring degrees)."""
+    layout = runner.layout
+    if layout is None:
+        raise StateError("a prefix-cache namespace needs an initialised runner (initialize_kv_cache first)")
+    groups = ";".join(
+        f"{g.spec.mode.value}/{g.block_size}/{g.spec.dtype}/{g.spec.num_kv_heads}x{g.spec.head_size}"
+        for g in layout.groups
+    )
+    c = runner.config
+    ranks = (
+        f"cp {c.cp_size}:{c.cp_rank}:{c.cp_interleave}, cfg {c.cfg_parallel_size}:{c.cfg_parallel_rank}, "
+        f"{c.parallel!r}"
+    )
+    return PrefixNamespace(model_id, groups, ranks, adapter, branch)
+
+
+def row_prefix_keys(
+    runner: RunnerBackend,
+    namespace: PrefixNamespace,
+    content: tuple[ContentSpan, ...],
+    prefix_len: int,
+    full_attn_spans: tuple[Span, ...],
+    block_size: int,
+) -> tuple[bytes, ...]:
+    """The chained keys of the blocks one row may share: full blocks inside the named prefix
+    (at most ``prefix_len``), before the cut of the boundary rule, keyed with the row's spans.
+    Empty on a worker with a layer registered non-causal (:attr:`AttentionMode.FULL`): its
+    prefix queries may see the target, so no prefix block is the same in another request."""
+    layout = runner.layout
+    if layout is None:
+        raise StateError("prefix keys need an initialised runner (initialize_kv_cache first)")
+    if not content or any(g.spec.mode is AttentionMode.FULL for g in layout.groups):
+        return ()
+    limit = min(prefix_len, covered_prefix(content))
+    cut = cacheable_cut(limit, full_attn_spans, block_size)
+    return block_keys(content, namespace, cut, block_size, full_attn_spans)
+
+
 @dataclass(frozen=True)
 class DiffusionRequest:
     """One request: ``cfg_rows`` sequences of ``prefix_len`` condition tokens (cached after the
@@ -463,42 +507,26 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         return self.allocator.prefix_cache is not None
 
     def namespace(self, branch: int = 0, adapter: str | None = None) -> PrefixNamespace:
-        """The prefix-cache namespace of CFG branch ``branch`` on this worker: the model identity,
-        the KV layout (per group: attention mode, block size, every layer's cache dtype and
-        head geometry) and the rank geometry."""
-        layout = self.runner.layout
-        assert layout is not None
-        groups = ";".join(
-            f"{g.spec.mode.value}/{g.block_size}/{g.spec.dtype}/{g.spec.num_kv_heads}x{g.spec.head_size}"
-            for g in layout.groups
-        )
-        c = self.runner.config
-        ranks = (
-            f"cp {c.cp_size}:{c.cp_rank}:{c.cp_interleave}, cfg {c.cfg_parallel_size}:{c.cfg_parallel_rank}, "
-            f"{c.parallel!r}"
-        )
-        return PrefixNamespace(self.model_id or "-", groups, ranks, adapter, branch)
+        """The prefix-cache namespace of CFG branch ``branch`` on this worker
+        (:func:`worker_namespace`)."""
+        return worker_namespace(self.runner, self.model_id or "-", branch, adapter)
 
     def prefix_keys(self, request: DiffusionRequest) -> tuple[tuple[bytes, ...], ...]:
         """Per CFG row, the chained keys of the blocks ``request`` may share (empty without
-        prefix caching or prefix content): full blocks inside the named prefix, before the cut
-        of the boundary rule, keyed with the request's spans. Empty too on a worker with a
-        layer registered non-causal (:attr:`AttentionMode.FULL`): its prefix queries may see
-        the target, so no prefix block is the same in another request."""
+        prefix caching or prefix content; :func:`row_prefix_keys`)."""
         if not self.prefix_caching or not request.prefix_content:
             return ()
-        layout = self.runner.layout
-        assert layout is not None
-        if any(g.spec.mode is AttentionMode.FULL for g in layout.groups):
-            return ()
-        block = self.allocator.block_size
-        spans = request.full_attn_spans or ()
-        out = []
-        for branch, content in enumerate(request.prefix_content):
-            limit = min(request.prefix_len, covered_prefix(content))
-            cut = cacheable_cut(limit, spans, block)
-            out.append(block_keys(content, self.namespace(branch, request.adapter), cut, block, spans))
-        return tuple(out)
+        return tuple(
+            row_prefix_keys(
+                self.runner,
+                self.namespace(branch, request.adapter),
+                content,
+                request.prefix_len,
+                request.full_attn_spans or (),
+                self.allocator.block_size,
+            )
+            for branch, content in enumerate(request.prefix_content)
+        )
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -868,4 +896,6 @@ __all__ = [
     "StepReport",
     "iter_entries",
     "reap_unreserved",
+    "row_prefix_keys",
+    "worker_namespace",
 ]

@@ -31,6 +31,8 @@ _EXPORTS = {
     "DiffusionPagedAttentionRow": "records",
     "DiffusionPagedAttentionRowBinding": "records",
     "allocation_from_metadata": "records",
+    "content_from_host": "prefix",
+    "host_prefix_keys": "prefix",
     "phase_rows_from_metadata": "records",
     "omni_platform_plugin": "plugin",
 }
