@@ -138,7 +138,8 @@ def format_prefix_cache(r: dict[str, Any]) -> list[str]:
         f"(target <= {t['prefill_hit_vs_miss']}x)",
         f"  one shared prefix: blocks held {sh['peak_blocks_held']} vs {sh['peak_blocks_held_uncached']} uncached "
         f"-> {sh['blocks_held_ratio']:.2f}x (target <= {t['blocks_held_ratio']}x); throughput "
-        f"{sh['throughput_ratio']:.2f}x uncached (target >= {t['shared_throughput_ratio']}x); "
+        f"{sh['throughput_ratio']:.2f}x uncached (target >= {t['shared_throughput_ratio']}x; query tokens "
+        f"{sh['token_ratio']:.2f}x fewer); "
         f"{sh['hit_tokens']} tokens hit, {sh['evictions']} evictions",
         f"  no sharing: {ns['slowdown']:.3f}x the time with caching off (target <= {t['no_sharing_slowdown']}x)",
         "  outputs: " + ("agree with the uncached runs and dense" if r["agrees"] else "DISAGREE"),

@@ -358,6 +358,8 @@ class ServeRun:
     prefix_published_blocks: int
     prefill_tokens: int
     """Tokens the requests' prefill steps computed (less prefix-cache hits)."""
+    query_tokens: int
+    """Tokens every step computed, summed over the run."""
     latents: dict[str, torch.Tensor] = field(repr=False)
     records: dict[str, Any] = field(repr=False)
 
@@ -384,7 +386,7 @@ def serve(
     """Serve ``requests`` (request ``i`` arrives at scheduler step ``i * arrival_gap``).
     ``buckets``: per-bucket graphs captured by an earlier run (a server captures them once)."""
     stream = StreamModel(model, runner, inputs, cfg.guidance, graphs, buckets)
-    prefill_tokens = 0
+    prefill_tokens = query_tokens = 0
     block = allocator.block_size
     arrivals = [r for _, r in sorted(((i * arrival_gap, i), r) for i, r in enumerate(requests))]
     due = [i * arrival_gap for i in range(len(requests))]
@@ -393,11 +395,12 @@ def serve(
     done = 0
 
     def step(batch: StepBatch) -> None:
-        nonlocal most_running, prefill_tokens
+        nonlocal most_running, prefill_tokens, query_tokens
         in_use = allocator.blocks_held  # held by exactly this batch's requests
         tokens = sum(e.request.cfg_rows * e.request.seq_len for e in batch.entries)
         utilisation.append(tokens / (in_use * block))
         prefill_tokens += sum(e.num_tokens for e in batch.entries if e.phase is Phase.PREFILL)
+        query_tokens += batch.num_tokens
         most_running = max(most_running, len(batch.entries))
         stream(batch)
 
@@ -453,6 +456,7 @@ def serve(
         prefix_evictions=cache_stats.get("evictions", 0),
         prefix_published_blocks=cache_stats.get("published_blocks", 0),
         prefill_tokens=prefill_tokens,
+        query_tokens=query_tokens,
         latents=dict(stream.latents),
         records={rid: rec.status.value for rid, rec in records.items()},
     )
@@ -700,6 +704,11 @@ def prefix_report(
         "evictions": cached.prefix_evictions,
         "prefill_tokens": cached.prefill_tokens,
         "prefill_tokens_uncached": uncached.prefill_tokens,
+        "query_tokens": cached.query_tokens,
+        "query_tokens_uncached": uncached.query_tokens,
+        # what the throughput ratio would be if a step cost its query tokens (prefill queries
+        # attend fewer keys than target ones, so the measured ratio stays below it)
+        "token_ratio": uncached.query_tokens / cached.query_tokens,
         "peak_blocks_held": cached.peak_blocks_held,
         "peak_blocks_held_uncached": uncached.peak_blocks_held,
         "blocks_held_ratio": cached.peak_blocks_held / uncached.peak_blocks_held,
