@@ -516,7 +516,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         prefix caching or prefix content; :func:`row_prefix_keys`)."""
         if not self.prefix_caching or not request.prefix_content:
             return ()
-        return tuple(
+        keys = tuple(
             row_prefix_keys(
                 self.runner,
                 self.namespace(branch, request.adapter),
@@ -527,6 +527,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             )
             for branch, content in enumerate(request.prefix_content)
         )
+        return keys if any(keys) else ()
 
     # -- requests -----------------------------------------------------------------------------
 
