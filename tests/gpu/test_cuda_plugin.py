@@ -317,3 +317,27 @@ def test_stream_mixed_batches_agree_and_replay_steady_compositions(
     )
     assert staggered.agree, staggered.requests
     assert staggered.stream["max_running"] > 1
+
+
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_stream_with_shared_prefixes_hits_and_agrees(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefix caching on the GPU under the stream's graph policy (whole-step captures and
+    per-bucket graphs): six requests drawing their prefixes from two; the four that follow the
+    first of each prefix hit all 16 prefix blocks of both rows and compute only their targets at
+    their first step; every output agrees with the same stream uncached and with dense."""
+    from diffusion_kv.models.stream import StreamConfig, run_stream
+
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
+    small = dict(
+        prefix_len=256, target_len=64, hidden=256, heads=4, kv_heads=4, layers=2, dtype=torch.bfloat16
+    )
+    cfg = StreamConfig(
+        requests=6, steps=4, arrival_gap=1, pool_fraction=1.0, shared_prefixes=2, block_size=16, **small
+    )  # type: ignore[arg-type]
+    result = run_stream(get_platform("cuda"), cfg)
+    pc = result.prefix_cache
+    assert pc is not None and result.agree, result.requests
+    assert pc["agrees"], pc
+    assert (pc["hit_tokens"], pc["blocks_saved"], pc["evictions"]) == (4 * 2 * 256, 4 * 2 * 16, 0)
+    assert (pc["prefill_tokens"], pc["prefill_tokens_uncached"]) == (2 * 2 * 320 + 4 * 2 * 64, 6 * 2 * 320)
+    assert pc["peak_blocks_held"] < pc["peak_blocks_held_uncached"]
