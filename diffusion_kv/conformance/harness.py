@@ -92,6 +92,9 @@ class PagedHarness:
     cp_rank: int = 0
     cp_interleave: int = 1
     dcp_merger: PartialMerger | None = None
+    kv_cache_dtype: torch.dtype | str = "auto"
+    k_scale: float | Sequence[float] = 1.0
+    v_scale: float | Sequence[float] = 1.0
     _next_block: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -108,10 +111,19 @@ class PagedHarness:
                 cp_rank=self.cp_rank,
                 cp_interleave=self.cp_interleave,
                 slot_mapping_dtype=self.slot_mapping_dtype,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             dcp_merger=self.dcp_merger,
         )
-        spec = PagedLayerSpec(self.num_heads, self.num_kv_heads, self.head_size, self.dtype, mode=self.mode)
+        spec = PagedLayerSpec(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.dtype,
+            mode=self.mode,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         self.runner.register_kv_cache_layers({name: spec for name in self.layer_names})
         self.layout = self.runner.initialize_kv_cache(num_blocks=self.num_blocks, block_size=self.block_size)
         runner = self.runner

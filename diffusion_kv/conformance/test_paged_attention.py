@@ -20,8 +20,16 @@ from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.capabilities import dtype_name
-from diffusion_kv.core.errors import GenerationError, StaleBatchError, StateError, ValidationError
+from diffusion_kv.core.errors import (
+    DiffusionKVError,
+    GenerationError,
+    StaleBatchError,
+    StateError,
+    ValidationError,
+)
+from diffusion_kv.core.kv_quant import FP8_E4M3, FP8_MAX, fake_quantize, quantize
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import merge_partial_attention
@@ -932,3 +940,106 @@ def test_prefix_cache_mixed_hit_lengths(dkv_platform: Platform, dkv_backend: Bac
     for backend in h.backends.values():
         assert backend.writes == [sum(row.query_len for _, row in steps)]
     _pc_same(h, outs["B2"], outs["M"][b2.hit :])
+
+
+# --- quantised KV cache (fp8_e4m3) -------------------------------------------------------------
+
+
+def _tensors(cache: object) -> tuple[torch.Tensor, ...]:
+    return cache if isinstance(cache, tuple) else (cache,)  # type: ignore[return-value]
+
+
+def _fp8_harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
+    if FP8_E4M3 not in backend.capabilities.kv_cache_dtypes:
+        pytest.skip(f"{platform.name}:{backend.name}: declares no fp8_e4m3 KV cache")
+    dtype = kw.setdefault("dtype", pick_dtype(backend))
+    require(platform, backend, dtype=dtype, kv_cache_dtype=FP8_E4M3)
+    return harness(platform, backend, kv_cache_dtype=FP8_E4M3, **kw)
+
+
+def _stored(h: PagedHarness, data: list[RowData]) -> list[RowData]:
+    """``data`` with K/V as the pages hold them (quantised with the layer's scales, read back)."""
+    sc = h.geometry[h.layer_names[0]].kv_scales
+    assert sc is not None
+    ks, vs = sc.k_scale.to(h.device), sc.v_scale.to(h.device)
+    return [RowData(d.q, fake_quantize(d.k, ks), fake_quantize(d.v, vs)) for d in data]
+
+
+@pytest.mark.parametrize("scales", ["unit", "per-head"])
+def test_fp8_kv_cache_equals_dense_over_the_stored_values(
+    dkv_platform: Platform, dkv_backend: Backend, scales: str
+) -> None:
+    """e4m3 pages: a prefill and a denoise step with spans over the cached prefix equal dense
+    attention over the K/V the pages hold (quantised, read back) within the compute dtype's
+    tolerance; the pages hold exactly ``round_e4m3(x / scale)``; nothing saturates."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.PIECEWISE}))
+    kw: dict[str, object] = {"num_heads": 4, "num_kv_heads": 2}
+    if scales == "per-head":
+        kw.update(k_scale=[4.5 / FP8_MAX, 6.0 / FP8_MAX], v_scale=[5.0 / FP8_MAX, 0.25])
+    h = _fp8_harness(dkv_platform, dkv_backend, **kw)
+    assert all(c.dtype == FP8_E4M3 for cache in h.kv_caches.values() for c in _tensors(cache))
+    bs = h.block_size
+    prefix, target = 2 * bs + 3, bs // 2 + 5
+    n = prefix + target
+    snap = h.install("r", [n, n])
+    data = make_rows(h, [n, n], seed=81)
+    run(h, rows_for("r", [(0, n), (0, n)]), data)
+    stored = _stored(h, data)
+    check(
+        h,
+        run(h, rows_for("r", [(0, n), (0, n)]), data),
+        expected(h, rows_for("r", [(0, n)] * 2), stored, "causal"),
+    )
+    k_cache, _ = key_value_caches(h.kv_caches[h.layer_names[0]])
+    sc = h.geometry[h.layer_names[0]].kv_scales
+    assert sc is not None
+    page = h.kernel_block_size
+    ids = snap.sequences[0].block_ids[0]
+    for pos in (0, bs + 1, n - 1):  # exactly what the writer promises, byte for byte
+        blk, off = divmod(pos, page)
+        kernel_block = ids[blk * page // h.block_size] * (h.block_size // page) + blk % (h.block_size // page)
+        got = k_cache[kernel_block, off].view(torch.uint8).cpu()
+        want = quantize(data[0].k[pos : pos + 1], sc.k_scale.to(h.device))[0].view(torch.uint8).cpu()
+        assert torch.equal(got, want), f"token {pos}: pages hold {got[:, :8]}, expected {want[:, :8]}"
+    fresh = make_rows(h, [n, n], seed=82)
+    for d, f in zip(data, fresh, strict=True):
+        d.q[prefix:], d.k[prefix:], d.v[prefix:] = f.q[prefix:], f.k[prefix:], f.v[prefix:]
+    rows = rows_for("r", [(prefix, n), (prefix, n)])
+    spans = [[(prefix, n)], [(prefix, n)]]
+    out = run(h, rows, data, spans)
+    check(h, out, expected(h, rows, _stored(h, data), "causal", spans))
+    assert sc.saturations() == (0, 0)
+
+
+def test_fp8_kv_cache_saturates_and_counts(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A key beyond ``448 * k_scale`` is stored as +-448 (never inf or nan) and counted."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = _fp8_harness(dkv_platform, dkv_backend, k_scale=0.01, v_scale=1.0)
+    n = h.block_size + 3
+    h.install("r", [n])
+    data = make_rows(h, [n], seed=83)
+    data[0].k[2, 0, :3] = torch.tensor([10.0, -10.0, 4.0], dtype=h.dtype)  # 1000, -1000, 400 scaled
+    out = run(h, rows_for("r", [(0, n)]), data)
+    assert torch.isfinite(out.float()).all()
+    sc = h.geometry[h.layer_names[0]].kv_scales
+    assert sc is not None
+    scaled = data[0].k.float() / 0.01
+    assert sc.saturations() == (int((scaled.abs() > FP8_MAX).sum()) * len(h.layer_names), 0)
+    stored = _stored(h, data)
+    assert stored[0].k[2, 0, :3].float().tolist() == [4.48, -4.48, 4.0]
+    check(h, out, expected(h, rows_for("r", [(0, n)]), stored, "causal"))
+
+
+def test_undeclared_kv_cache_dtype_is_refused(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A backend that does not declare fp8_e4m3 pages is refused with that reason, never served
+    in its compute dtype instead."""
+    if FP8_E4M3 in dkv_backend.capabilities.kv_cache_dtypes:
+        pytest.skip(f"{dkv_backend.name} declares fp8_e4m3")
+    dtype = pick_dtype(dkv_backend)
+    reasons = reasons_against(dkv_platform, dkv_backend, dtype=dtype, kv_cache_dtype=FP8_E4M3)
+    assert any("kv_cache_dtype=fp8_e4m3" in r for r in reasons), reasons
+    with pytest.raises(DiffusionKVError):
+        PagedHarness(
+            dkv_platform, dtype=dtype, head_size=pick_head_size(dkv_backend), kv_cache_dtype=FP8_E4M3,
+            block_size=pick_block_size(dkv_platform, dkv_backend),
+        )  # fmt: skip

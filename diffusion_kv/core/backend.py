@@ -178,7 +178,7 @@ class PagedBackend(abc.ABC):
             g.kernel_block_size,
             layer.num_kv_heads,
             layer.head_size,
-            layer.dtype,
+            layer.kv_dtype,
             g.device,
         )
 
@@ -198,8 +198,8 @@ class PagedBackend(abc.ABC):
         ):
             problems.append(f"shapes {got} (expected {list(expected)} for {self.page_layout.value} pages)")
         for t in tensors:
-            if isinstance(t, torch.Tensor) and (t.dtype != layer.dtype or t.device != g.device):
-                problems.append(f"dtype/device {t.dtype}/{t.device} (expected {layer.dtype}/{g.device})")
+            if isinstance(t, torch.Tensor) and (t.dtype != layer.kv_dtype or t.device != g.device):
+                problems.append(f"dtype/device {t.dtype}/{t.device} (expected {layer.kv_dtype}/{g.device})")
                 break
         if problems:
             raise ValidationError(

@@ -18,11 +18,13 @@ its last 2 tokens, row 1 has 9 keys and queries all of them::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import QUANTIZED_CACHE_DTYPES, KVScales, quantize
 
 KVCache = torch.Tensor | tuple[torch.Tensor, ...]
 """A layer's KV cache: one tensor or a tuple (e.g. separate K and V caches)."""
@@ -38,13 +40,27 @@ def key_value_caches(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
-def write_pages(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+def write_pages(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    src: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
+) -> None:
     """Write ``src`` ``[T, ...]`` into ``cache`` ``[blocks, page, ...]`` at flat slots
     ``block * page + offset``, every one of them real (``>= 0``): one indexed copy when the
-    pages flatten in place, else an indexed assignment by (block, offset). No host sync."""
+    pages flatten in place, else an indexed assignment by (block, offset). No host sync.
+    A quantised cache (e4m3) takes ``src / scale`` (``scale [Hkv]``), saturations counted into
+    ``counter``; its bytes are copied as ``uint8`` (indexed copies of float8 are not served
+    everywhere)."""
     nb, page = cache.shape[0], cache.shape[1]
     if slots.dtype != torch.long:
         slots = slots.long()
+    if cache.dtype in QUANTIZED_CACHE_DTYPES:
+        if scale is None:
+            raise ValidationError(f"writing {cache.dtype} pages needs the layer's scales")
+        src = quantize(src, scale, counter).view(torch.uint8)
+        cache = cache.view(torch.uint8)
     src = src.to(cache.dtype)
     if cache.stride(0) == page * cache.stride(1):
         cache.view(nb * page, *cache.shape[2:]).index_copy_(0, slots, src)
@@ -64,6 +80,15 @@ class LayerGeometry:
     dtype: torch.dtype
     mode: AttentionMode = AttentionMode.CAUSAL
     """CAUSAL or FULL: how the layer attends when no spans refine it."""
+    cache_dtype: torch.dtype | None = None
+    """The pages' dtype when it differs from ``dtype`` (``float8_e4m3fn``); None: ``dtype``."""
+    kv_scales: KVScales | None = field(default=None, compare=False, repr=False)
+    """Per-KV-head ``k_scale``/``v_scale`` of a quantised cache (``diffusion_kv.core.kv_quant``)."""
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the layer's pages hold."""
+        return self.cache_dtype if self.cache_dtype is not None else self.dtype
 
 
 @dataclass(frozen=True)

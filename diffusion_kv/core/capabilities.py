@@ -85,6 +85,10 @@ class Capabilities:
     max_rows_per_call: int | None = None
     max_kv_heads_x_head_size: int | None = None
     max_gqa_ratio: int | None = None
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
+    """Cache dtypes served besides the compute dtype (``torch.float8_e4m3fn``: pages quantised
+    with per-KV-head scales, ``diffusion_kv.core.kv_quant``); empty: pages hold the compute dtype
+    only, and a layer asking for another cache dtype is refused with that reason."""
 
     def problems(self) -> list[str]:
         """Every way this declaration is malformed (empty when it is well formed)."""
@@ -132,6 +136,10 @@ class Capabilities:
         for name in ("supports_gqa", "supports_ulysses", "supports_dcp", "supports_graph_capture"):
             if type(getattr(self, name)) is not bool:
                 out.append(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if not isinstance(self.kv_cache_dtypes, frozenset) or any(
+            not isinstance(d, torch.dtype) for d in self.kv_cache_dtypes
+        ):
+            out.append(f"kv_cache_dtypes must be a frozenset of torch.dtype; got {self.kv_cache_dtypes!r}")
         for name in ("max_rows_per_call", "max_kv_heads_x_head_size", "max_gqa_ratio"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value <= 0):
@@ -172,6 +180,7 @@ class Capabilities:
             "max_rows_per_call": self.max_rows_per_call,
             "max_kv_heads_x_head_size": self.max_kv_heads_x_head_size,
             "max_gqa_ratio": self.max_gqa_ratio,
+            "kv_cache_dtypes": ["auto", *sorted(_cache_name(d) for d in self.kv_cache_dtypes)],
         }
 
     @staticmethod
@@ -206,6 +215,7 @@ class Capabilities:
             max_rows_per_call=loosest("max_rows_per_call"),
             max_kv_heads_x_head_size=loosest("max_kv_heads_x_head_size"),
             max_gqa_ratio=loosest("max_gqa_ratio"),
+            kv_cache_dtypes=frozenset().union(*(p.kv_cache_dtypes for p in parts)),
         )
 
 
@@ -223,10 +233,16 @@ class Requirements:
     dcp_size: int = 1
     num_rows: int | None = None
     graph_capture: bool = False
+    kv_cache_dtype: torch.dtype | None = None
+    """The pages' dtype when it differs from ``dtype`` (None: the same)."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValidationError(f"Requirements.dtype must be a torch.dtype or None; got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and not isinstance(self.kv_cache_dtype, torch.dtype):
+            raise ValidationError(
+                f"Requirements.kv_cache_dtype must be a torch.dtype or None; got {self.kv_cache_dtype!r}"
+            )
         for name in ("head_size", "num_heads", "num_kv_heads", "block_size", "num_rows"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value <= 0):
@@ -265,12 +281,26 @@ class Requirements:
         return ", ".join(parts) if parts else "(none)"
 
 
+def _cache_name(dtype: torch.dtype) -> str:
+    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else dtype_name(dtype)
+
+
 def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
     """Every reason ``caps`` cannot serve ``req`` (empty list: supported)."""
     reasons: list[str] = []
     if req.dtype is not None and req.dtype not in caps.dtypes:
         reasons.append(
             f"dtype={dtype_name(req.dtype)} (supported: {sorted(dtype_name(d) for d in caps.dtypes)})"
+        )
+    if (
+        req.kv_cache_dtype is not None
+        and req.kv_cache_dtype != req.dtype
+        and req.kv_cache_dtype not in caps.kv_cache_dtypes
+    ):
+        served = sorted(_cache_name(d) for d in caps.kv_cache_dtypes)
+        reasons.append(
+            f"kv_cache_dtype={_cache_name(req.kv_cache_dtype)} (pages hold the compute dtype"
+            + (f" or {', '.join(served)})" if served else " only)")
         )
     if req.head_size is not None and caps.head_sizes is not None and req.head_size not in caps.head_sizes:
         reasons.append(f"head_size={req.head_size} (supported: {sorted(caps.head_sizes)})")

@@ -38,8 +38,14 @@ class AttentionSpec:
     dtype: torch.dtype
     mode: AttentionMode = AttentionMode.CAUSAL
     """CAUSAL or FULL (vLLM's ``non_causal`` reads as FULL)."""
+    cache_dtype: torch.dtype | None = None
+    """The pages' dtype when it differs from ``dtype`` (fp8_e4m3); None: ``dtype``."""
 
     def __post_init__(self) -> None:
+        if self.cache_dtype is not None and not isinstance(self.cache_dtype, torch.dtype):
+            raise ValidationError(
+                f"AttentionSpec.cache_dtype must be a torch.dtype or None; got {self.cache_dtype!r}"
+            )
         _positive_int(self.num_kv_heads, "AttentionSpec.num_kv_heads")
         _positive_int(self.head_size, "AttentionSpec.head_size")
         if not isinstance(self.dtype, torch.dtype):
@@ -50,8 +56,8 @@ class AttentionSpec:
             )
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in the cache (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        """Bytes one token occupies in the cache (K and V), in the cache dtype."""
+        itemsize = torch.empty((), dtype=self.cache_dtype or self.dtype).element_size()
         return 2 * self.num_kv_heads * self.head_size * itemsize
 
 

@@ -27,7 +27,7 @@ rank installs and attends with its branch's rows only; under decode context para
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +50,12 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.graphs import CapturedStep, check_capture_args
+from diffusion_kv.core.kv_quant import (
+    QUANTIZED_CACHE_DTYPES,
+    KVScales,
+    parse_kv_cache_dtype,
+    resolve_cache_dtype,
+)
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup, cdiv
 from diffusion_kv.core.memory import footprint, shared_memory
 from diffusion_kv.core.parallel import (
@@ -101,6 +107,9 @@ class RunnerConfig:
     cfg_parallel_rank: int = 0
     slot_mapping_dtype: torch.dtype | None = None
     """Slot dtype of the BlockTables (default: int64 where every chosen backend takes it)."""
+    kv_cache_dtype: torch.dtype | str = "auto"
+    """The pages' dtype: ``auto`` (each layer's own), or ``fp8_e4m3`` (``float8_e4m3fn``: one byte
+    per element, per-KV-head scales; ``diffusion_kv.core.kv_quant``); a backend must declare it."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,10 @@ class PagedLayerSpec:
     scale: float | None = None
     skip_sequence_parallel: bool = False
     cache_role: str | None = None
+    k_scale: float | Sequence[float] = 1.0
+    """With a quantised KV cache: the key scale, one number or one per KV head (global heads;
+    one number when the heads are split across Ulysses ranks). Pages hold ``k / k_scale``."""
+    v_scale: float | Sequence[float] = 1.0
 
 
 def _check_parallel(parallel: object) -> None:
@@ -247,6 +260,7 @@ class RunnerBackend:
                 raise ValidationError(
                     f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
                 )
+        cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
         wanted = config.device if config.device is not None else platform.device()
         try:
             device = resolve_device(wanted)
@@ -258,6 +272,8 @@ class RunnerBackend:
         self.platform = platform
         self.config = config
         self.device = device
+        self.cache_dtype: torch.dtype | None = cache_dtype
+        """The requested cache dtype (None: each layer's own)."""
         self.layers: dict[str, LayerGeometry] = {}
         self.cache_roles: frozenset[str] = frozenset()
         self.layout: CacheLayout | None = None
@@ -348,6 +364,18 @@ class RunnerBackend:
                 if type(spec.cache_role) is not str or not spec.cache_role:
                     raise ValidationError(f"layer {name!r}: cache_role must be a non-empty string or None")
                 roles.add(spec.cache_role)
+            cache_dtype = resolve_cache_dtype(spec.dtype, self.cache_dtype, f"layer {name!r}")
+            scales = None
+            if cache_dtype in QUANTIZED_CACHE_DTYPES:
+                per_head = [
+                    s for s in (spec.k_scale, spec.v_scale) if not isinstance(s, (int, float, torch.Tensor))
+                ]
+                if degree > 1 and per_head:
+                    raise ValidationError(
+                        f"layer {name!r}: per-KV-head k_scale/v_scale with Ulysses degree {degree}; give one "
+                        "number each (the heads are split across ranks)"
+                    )
+                scales = KVScales(kv_heads // degree, self.device, spec.k_scale, spec.v_scale, name)
             geometry[name] = LayerGeometry(
                 layer_name=name,
                 num_heads=heads // degree,
@@ -356,6 +384,8 @@ class RunnerBackend:
                 scale=float(spec.scale) if spec.scale is not None else spec.head_size**-0.5,
                 dtype=spec.dtype,
                 mode=spec.mode,
+                cache_dtype=cache_dtype,
+                kv_scales=scales,
             )
         shapes = {(g.num_heads, g.num_kv_heads, g.head_size, g.dtype) for g in geometry.values()}
         if len(shapes) > 1:
@@ -386,6 +416,7 @@ class RunnerBackend:
         )
         return Requirements(
             dtype=layer.dtype,
+            kv_cache_dtype=layer.cache_dtype,
             head_size=layer.head_size,
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
@@ -408,7 +439,11 @@ class RunnerBackend:
             if names:
                 g0 = self.layers[names[0]]
                 groups.append(
-                    KVCacheGroup(block, names, AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, mode))
+                    KVCacheGroup(
+                        block,
+                        names,
+                        AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, mode, g0.cache_dtype),
+                    )
                 )
         c = self.config
         return CacheLayout(

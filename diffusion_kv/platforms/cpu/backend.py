@@ -21,6 +21,7 @@ import torch
 
 from diffusion_kv.core.batch import key_value_caches, write_pages
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import FP8_E4M3, dequantize
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import dcp_key_positions
 from diffusion_kv.core.translate import dcp_local_seq_lens
@@ -34,6 +35,11 @@ from diffusion_kv.platforms.interface import (
     PagedBackend,
     PagedBatch,
 )
+
+
+def _gather_bytes(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` for a float8 cache, gathered as bytes."""
+    return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class CpuReferenceBackend(PagedBackend):
         supports_gqa=True,
         supports_ulysses=True,
         supports_dcp=True,
+        kv_cache_dtypes=frozenset({FP8_E4M3}),
     )
 
     def __init__(self, group: GroupContext) -> None:
@@ -107,8 +114,13 @@ class CpuReferenceBackend(PagedBackend):
         slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
         keep = slots >= 0
         idx = slots[keep]
-        write_pages(key_cache, idx, key[keep])
-        write_pages(value_cache, idx, value[keep])
+        sc = layer.kv_scales
+        if sc is None:
+            write_pages(key_cache, idx, key[keep])
+            write_pages(value_cache, idx, value[keep])
+            return
+        write_pages(key_cache, idx, key[keep], sc.k_scale, sc.saturated[0])
+        write_pages(value_cache, idx, value[keep], sc.v_scale, sc.saturated[1])
 
     def forward(
         self,
@@ -154,8 +166,15 @@ class CpuReferenceBackend(PagedBackend):
             sl = md.seq_lens[r]
             blocks = md.block_table[r, : cdiv(n_local, md.block_size)].to(torch.long)
             shape = (-1, layer.num_kv_heads, layer.head_size)
-            k = key_cache.index_select(0, blocks).reshape(shape)[:n_local]
-            v = value_cache.index_select(0, blocks).reshape(shape)[:n_local]
+            sc = layer.kv_scales
+            if sc is None:
+                k = key_cache.index_select(0, blocks).reshape(shape)[:n_local]
+                v = value_cache.index_select(0, blocks).reshape(shape)[:n_local]
+            else:  # e4m3 pages: gather the bytes, dequantise in the compute dtype
+                k = dequantize(_gather_bytes(key_cache, blocks).reshape(shape)[:n_local], sc.k_scale, compute)
+                v = dequantize(
+                    _gather_bytes(value_cache, blocks).reshape(shape)[:n_local], sc.v_scale, compute
+                )
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)

@@ -50,6 +50,7 @@ from diffusion_kv.platforms.interface import (
     MultipleOf,
     PagedBackend,
     PagedBatch,
+    Requirements,
 )
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -339,10 +340,14 @@ CAPABILITIES = Capabilities(
     supports_ulysses=True,
     supports_dcp=True,
     supports_graph_capture=True,
+    kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
 )
 """Per layer the backends only launch work (plans, row groups, DCP masks and device indices are
 fixed in ``build``): a denoise step can be captured as a CUDA graph and replayed. Ulysses: the
-backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`."""
+backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`. e4m3 pages
+(``kv_cache_dtypes``): written and read by the Triton kernels only (quantised in the write,
+converted in registers in the attention), so ``paged`` takes the Triton way for them and the
+``sdpa`` backend, which would need a dequantised copy, does not declare them."""
 
 
 def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
@@ -383,6 +388,16 @@ class CudaPagedBackend(PagedBackend):
         )
 
     @classmethod
+    def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+        reasons = super().not_supported_reasons(requirements)
+        quant = requirements.kv_cache_dtype not in (None, requirements.dtype)
+        if quant and cls.way != "sdpa" and not triton_available():
+            reasons.append(
+                f"kv_cache_dtype {requirements.kv_cache_dtype} needs Triton ({triton_available().reason})"
+            )
+        return reasons
+
+    @classmethod
     def block_tables_cls(cls) -> type[BlockTables]:
         if triton_available():
             from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
@@ -401,6 +416,8 @@ class CudaPagedBackend(PagedBackend):
         self.num_sms = DEFAULT_NUM_SMS
         if group.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
+        self.quantized = layer.cache_dtype is not None
+        """e4m3 pages: every batch takes the Triton way (the only one reading them in place)."""
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
         self._cudnn_answers: dict[tuple[Any, ...], bool] = {}
 
@@ -413,7 +430,9 @@ class CudaPagedBackend(PagedBackend):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        if self.way is not None:
+        if self.quantized:
+            way, reason = "triton", "e4m3 pages are read in place by the Triton kernel only"
+        elif self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
@@ -503,7 +522,9 @@ class CudaPagedBackend(PagedBackend):
         if local_dev is None:
             local_dev = _to_device(host.to(torch.int32), device)
         lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
-        if self.way is not None:
+        if self.quantized:
+            way, reason = "triton", "e4m3 pages are read in place by the Triton kernel only"
+        elif self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
@@ -587,7 +608,11 @@ class CudaPagedBackend(PagedBackend):
         if self.triton_ok:
             from diffusion_kv.platforms.cuda import kernels
 
-            kernels.write_kv(key, value, k_cache, v_cache, slots)
+            sc = layer.kv_scales
+            if sc is not None:  # quantised in the write kernel itself
+                kernels.write_kv(key, value, k_cache, v_cache, slots, sc.k_scale, sc.v_scale, sc.saturated)
+            else:
+                kernels.write_kv(key, value, k_cache, v_cache, slots)
             return
         # Without Triton: route -1 slots to a scratch row so no host sync is needed.
         nb, page, hkv, d = k_cache.shape
@@ -608,7 +633,11 @@ class CudaPagedBackend(PagedBackend):
         kv_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Every slot is real: one indexed copy per cache (no launcher, no padding mask)."""
+        """Every slot is real: one indexed copy per cache (no launcher, no padding mask); e4m3
+        pages take the Triton writer, which quantises in the same pass."""
+        if layer.kv_scales is not None:
+            self.write_kv(layer, key, value, kv_cache, slot_mapping)
+            return
         k_cache, v_cache = key_value_caches(kv_cache)
         slots = slot_mapping[: key.shape[0]]
         write_pages(k_cache, slots, key)
@@ -682,6 +711,8 @@ class CudaPagedBackend(PagedBackend):
             cp_size=md.cp_size,
             cp_rank=md.cp_rank,
             cp_interleave=md.cp_interleave,
+            k_scale=layer.kv_scales.k_scale if layer.kv_scales is not None else None,
+            v_scale=layer.kv_scales.v_scale if layer.kv_scales is not None else None,
         )
 
     @staticmethod

@@ -1,10 +1,15 @@
 """Triton kernels of the CUDA plugin's standalone tier.
 
-* ``write_kv``: scatter a layer's new K/V into the pages by slot mapping (``-1`` skipped).
+* ``write_kv``: scatter a layer's new K/V into the pages by slot mapping (``-1`` skipped);
+  into e4m3 pages it divides by the per-KV-head scales, clamps to +-448 (counting what it
+  clamps) and rounds in the same pass.
 * ``paged_attention``: attention that reads K/V in place through the block table (no gather
   copy): packed varlen queries, per-row KV lengths, bottom-right causal or full masks, GQA by
   packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
   over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
+  e4m3 pages are read in place and converted in registers: the key scale folds into the
+  softmax scale and the value scale into the output (one scale per KV head, which is what a
+  program serves), so no dequantised copy of the cache is made.
   Optionally it also writes each query's natural-log log-sum-exp, and in its decode context
   parallelism (DCP) mode it attends over one rank's interleaved keys only (see
   :func:`paged_attention`).
@@ -35,6 +40,9 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    saturated_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -46,6 +54,7 @@ def _write_kv_kernel(
     HEAD_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -58,8 +67,23 @@ def _write_kv_kernel(
         src_k = key_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
         src_v = value_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
         dst = blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d[None, :]
-        tl.store(key_cache_ptr + dst, tl.load(src_k, mask=hm[:, None]), mask=hm[:, None])
-        tl.store(value_cache_ptr + dst, tl.load(src_v, mask=hm[:, None]), mask=hm[:, None])
+        k = tl.load(src_k, mask=hm[:, None])
+        v = tl.load(src_v, mask=hm[:, None])
+        if QUANT:  # e4m3 pages: x / scale, clamped to +-448 (counted), rounded on the store
+            ks = tl.load(k_scale_ptr + h, mask=hm, other=1.0)
+            vs = tl.load(v_scale_ptr + h, mask=hm, other=1.0)
+            kf = k.to(tl.float32) / ks[:, None]
+            vf = v.to(tl.float32) / vs[:, None]
+            k_over = tl.sum(tl.sum(((tl.abs(kf) > 448.0) & hm[:, None]).to(tl.int32), 1), 0)
+            v_over = tl.sum(tl.sum(((tl.abs(vf) > 448.0) & hm[:, None]).to(tl.int32), 1), 0)
+            if k_over > 0:
+                tl.atomic_add(saturated_ptr, k_over.to(tl.int64))
+            if v_over > 0:
+                tl.atomic_add(saturated_ptr + 1, v_over.to(tl.int64))
+            k = tl.minimum(tl.maximum(kf, -448.0), 448.0)
+            v = tl.minimum(tl.maximum(vf, -448.0), 448.0)
+        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=hm[:, None])
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=hm[:, None])
 
 
 def write_kv(
@@ -68,18 +92,29 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    saturated: torch.Tensor | None = None,
 ) -> None:
-    """``key/value [T, Hkv, D]`` (token stride free, inner dims packed) -> caches ``[NB, PAGE, Hkv, D]``."""
+    """``key/value [T, Hkv, D]`` (token stride free, inner dims packed) -> caches ``[NB, PAGE, Hkv, D]``;
+    e4m3 caches take ``k_scale``/``v_scale`` ``[Hkv]`` (float32) and count clamped values into
+    ``saturated`` ``[2]`` (int64)."""
     T = key.shape[0]
     if T == 0:
         return
     _, page, hkv, d = key_cache.shape
+    quant = key_cache.dtype == torch.float8_e4m3fn
+    if quant and (k_scale is None or v_scale is None or saturated is None):
+        raise ValueError("write_kv into float8_e4m3fn pages needs k_scale, v_scale and saturated")
     _write_kv_kernel[(T,)](
         key,
         value,
         key_cache,
         value_cache,
         slots,
+        k_scale if quant else slots,
+        v_scale if quant else slots,
+        saturated if quant else slots,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -91,6 +126,7 @@ def write_kv(
         HEAD_D=d,
         PAGE=page,
         BLOCK_H=triton.next_power_of_2(hkv),
+        QUANT=quant,
     )
 
 
@@ -114,6 +150,8 @@ def _paged_attention_kernel(
     qsl_ptr,
     tile_row_ptr,
     tile_q0_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -140,6 +178,7 @@ def _paged_attention_kernel(
     CP: tl.constexpr,
     CP_RANK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -164,6 +203,9 @@ def _paged_attention_kernel(
     q_off = (qs + tok).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=m_valid[:, None], other=0.0)
     qpos = sl - ql + tok  # bottom-right alignment: the last query sees every key
+    s_scale = scale_log2
+    if KV_SCALED:  # e4m3 pages: this program's KV head's key scale joins the softmax scale
+        s_scale = scale_log2 * tl.load(k_scale_ptr + kvh)
 
     if CAUSAL:
         last_tok = tl.minimum(q0 + Q_PER_TILE, ql) - 1
@@ -197,7 +239,9 @@ def _paged_attention_kernel(
             page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
             kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if KV_SCALED:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * s_scale
         allowed = kmask[None, :]
         if CAUSAL:
             kpos = (
@@ -211,11 +255,15 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        if KV_SCALED:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if KV_SCALED:  # the value scale, once per output
+        out = out * tl.load(v_scale_ptr + kvh)
     t_glob = (qs + tok).to(tl.int64)
     if NUM_SPLITS == 1:
         o_off = t_glob * stride_ot + head * stride_oh
@@ -294,8 +342,11 @@ def paged_attention(
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_interleave: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``.
+    """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
+    take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``).
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
@@ -325,6 +376,9 @@ def paged_attention(
         part_lse = out
     lse_arg = lse if lse is not None else out  # an unused pointer when no LSE is written
     kv_lens = local_seq_lens if local_seq_lens is not None else seq_lens
+    scaled = key_cache.dtype == torch.float8_e4m3fn
+    if scaled and (k_scale is None or v_scale is None):
+        raise ValueError("paged_attention over float8_e4m3fn pages needs k_scale and v_scale")
     _paged_attention_kernel[(n_tiles, hkv, num_splits)](
         query,
         key_cache,
@@ -339,6 +393,8 @@ def paged_attention(
         query_start_loc,
         tile_row,
         tile_q0,
+        k_scale if scaled else seq_lens,
+        v_scale if scaled else seq_lens,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -365,6 +421,7 @@ def paged_attention(
         CP=cp_size,
         CP_RANK=cp_rank if cp_size > 1 else 0,
         INTERLEAVE=cp_interleave if cp_size > 1 else 1,
+        KV_SCALED=scaled,
         num_warps=num_warps,
         num_stages=num_stages,
     )
