@@ -511,8 +511,8 @@ class DiffusionKVAllocator:
         self._generation += 1
         res.allocation = snapshot
         for i, key, block in offers:
-            if cache.room() <= 0 or block not in res.private:
-                continue
+            if key in cache or cache.room() <= 0 or block not in res.private:
+                continue  # a key cached already keeps its block: nothing to make room for
             if cache.max_blocks is not None and len(cache) >= cache.max_blocks:
                 self.pool.free(cache.evict(1))
             if cache.publish(key, block):
