@@ -36,11 +36,12 @@ longest leading run of keys that is cached -- the snapshot declares them as the 
 ``cached_prefix_len``, read-only -- takes a reference to each, and allocates only the rest;
 when the pool is short it evicts unreferenced cached blocks, least recently used first.
 Once the request has written its prefix, :meth:`DiffusionKVAllocator.publish` seals the rest
-of its keyed blocks (a new snapshot whose ``cached_prefix_len`` covers them, installed on the
-worker first) and caches them under their keys, so later requests hit them while it is still
-live. ``free`` drops the request's references; its unpublished blocks go back to the pool,
-its cached ones stay until evicted. A snapshot references a cached block only under the key
-it was published with.
+of its keyed blocks (a new snapshot whose ``cached_prefix_len`` covers them, handed first to
+the worker's :meth:`~diffusion_kv.core.runner.RunnerBackend.seal`, which refuses a request it
+does not hold or tokens its rows never wrote) and caches them under their keys, so later
+requests hit them while it is still live. ``free`` drops the request's references; its
+unpublished blocks go back to the pool, its cached ones stay until evicted. A snapshot
+references a cached block only under the key it was published with.
 """
 
 from __future__ import annotations
@@ -481,10 +482,10 @@ class DiffusionKVAllocator:
     ) -> RequestAllocation | None:
         """Seal and cache the keyed prefix blocks ``request_id`` has written (call once its
         prefill step ran). Builds a snapshot one generation newer whose ``cached_prefix_len``
-        covers every keyed block, hands it to ``install`` (the worker's; an exception leaves
-        the allocator unchanged and propagates), then caches each block whose key is not cached
-        yet, while the cap leaves room. Returns the new snapshot; None when there is nothing to
-        seal (no prefix caching, no keys, or sealed already)."""
+        covers every keyed block, hands it to ``install`` (the worker's ``seal``; an exception
+        leaves the allocator unchanged and propagates), then caches each block whose key is not
+        cached yet, while the cap leaves room. Returns the new snapshot; None when there is
+        nothing to seal (no prefix caching, no keys, or sealed already)."""
         _check_id(request_id, "publish")
         res = self._reserved.get(request_id)
         if res is None:
@@ -511,8 +512,8 @@ class DiffusionKVAllocator:
         self._generation += 1
         res.allocation = snapshot
         for i, key, block in offers:
-            if cache.room() <= 0 or block not in res.private:
-                continue
+            if key in cache or cache.room() <= 0 or block not in res.private:
+                continue  # a key cached already keeps its block: nothing to make room for
             if cache.max_blocks is not None and len(cache) >= cache.max_blocks:
                 self.pool.free(cache.evict(1))
             if cache.publish(key, block):

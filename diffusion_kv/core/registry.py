@@ -500,6 +500,22 @@ class RowRegistry:
         self._high_water = max(self._high_water, gen)
         return True
 
+    def seal(self, snapshot: RequestAllocation) -> bool:
+        """Take ``snapshot`` only as a seal of a request this registry holds (what prefix
+        caching's publish hands over): :class:`StateError` when the request is not installed --
+        its rows never wrote the tokens the seal declares computed, and a fresh install would
+        declare them all the same -- and otherwise exactly :meth:`install`."""
+        if (
+            self.mode is KVCacheMode.PAGED
+            and isinstance(snapshot, RequestAllocation)
+            and snapshot.request_id not in self._states
+        ):
+            raise StateError(
+                f"cannot seal request {snapshot.request_id!r}: it is not installed, so its rows wrote "
+                "none of the tokens the seal would declare computed"
+            )
+        return self.install(snapshot)
+
     @staticmethod
     def _is_seal(old: RequestAllocation, new: RequestAllocation) -> bool:
         """``new`` differs from ``old`` only by larger ``cached_prefix_len`` on some rows."""

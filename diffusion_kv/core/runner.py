@@ -679,6 +679,14 @@ class RunnerBackend:
         c = self.config
         return registry.install(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
+    def seal(self, snapshot: RequestAllocation) -> bool:
+        """Seal an installed request's grown cached prefix (the ``install`` to hand
+        :meth:`~diffusion_kv.core.allocator.DiffusionKVAllocator.publish`): a request this worker
+        does not hold is a :class:`StateError` (:meth:`RowRegistry.seal`)."""
+        registry = self._require()[0]
+        c = self.config
+        return registry.seal(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
+
     def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
         """Clear the rows of requests (one id, ``(id, generation)``, or an iterable of them)."""
         if self.registry is None:

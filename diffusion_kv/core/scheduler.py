@@ -795,7 +795,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 continue
             self._runtime.deactivate()  # sealing changes what the rows may write
             try:
-                self.allocator.publish(rid, self.runner.install)
+                self.allocator.publish(rid, self.runner.seal)
             except Exception as exc:
                 refused[rid] = f"sealing its prefix for the prefix cache failed: {type(exc).__name__}: {exc}"
         return refused

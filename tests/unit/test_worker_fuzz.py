@@ -1,25 +1,50 @@
-"""Model-based fuzz of the whole worker path: allocator + registry + runtime + ``cpu`` forward.
+"""Model-based fuzz of the whole worker path: allocator, prefix cache, registry, runtime, cpu forward.
 
-A seeded random driver issues valid and invalid operations — reservations (good and malformed),
-installs (fresh, replays of old snapshots, late snapshots of requests retired for good, forged
-overlapping or repeated block ids, cached prefixes shared read-only), denoise steps in any
-order (prefill, denoise before prefill, writes into a cached prefix), removals (by id, by
-generation, for good through a generation, malformed), scheduler frees in the wrong order,
-double frees, scheduler restarts (a new allocator on the live worker), reaping of rows no
-reservation owns, cache bindings (the worker's caches are host tensors — disjoint slices or
-interleaved halves of one buffer — and random bindings of a second worker, aliased ones
-included), and injected plugin faults (metadata builder, a layer's K/V writer, BlockTables). An
-independent model — block refcounts, reservations, generations, tombstones — predicts every
-outcome. After every operation:
+A seeded random driver issues valid and invalid operations — reservations (good and malformed,
+with prefix keys drawn from a few shared key chains), installs (fresh, replays of old snapshots,
+late snapshots of requests retired for good, forged overlapping or repeated block ids, pinned
+prefixes shared read-only), denoise steps in any order (prefill, denoise before prefill, writes
+into a cached prefix), removals (by id, by generation, for good through a generation,
+malformed), scheduler frees in the wrong order, double frees, scheduler restarts (a new
+allocator and prefix cache on the live worker), reaping of rows no reservation owns, cache
+bindings (the worker's caches are host tensors — disjoint slices or interleaved halves of one
+buffer — and random bindings of a second worker, aliased ones included), and injected plugin
+faults (metadata builder, a layer's K/V writer, BlockTables). Prefix caching adds:
+
+* publish: seal and cache a request's keyed blocks once its prefill wrote them (the worker takes
+  the seal, then the blocks are cached while the cap leaves room, evicting idle ones at the
+  cap); too early — rows that never wrote their keyed tokens, or a request the worker does not
+  hold — the worker refuses with StateError and nothing changes;
+* hit: reserve and install a request whose leading keys are cached while their publisher is
+  still live: the cached blocks come back read-only as its cached prefix;
+* evict: a reservation under pool pressure evicts idle cached blocks, least recently used first
+  (never one it hits), or waits with nothing evicted;
+* replay: re-install the pre-seal snapshot of a sealed request: refused as stale.
+
+The driver frees in the wrong order and delivers late snapshots, but never a late snapshot of
+a freed request that would write a block published since (noted and skipped): the worker
+cannot know a block is cached, and a scheduler retires a request before freeing it.
+
+An independent model — block refcounts, reservations, generations, tombstones, and the prefix
+cache's key -> block map, reference counts, idle LRU and each cached block's published content —
+predicts every outcome. After every operation:
 
 * no block is written by one live row while another live row holds it, and every block's
   holders are the model's refcount;
-* no block leaks: the pool's free list plus every reservation is the whole pool;
-* a rejected operation left registry, allocator and every cache byte-identical;
-* every paged output equals dense attention over that row's own K/V (per layer).
+* no block leaks: the pool's free list, every reservation's own blocks and the cached blocks are
+  disjoint (no block is both free and cached) and together the whole pool;
+* the prefix cache is the model's (``blocks()``, ``stats()``, ``refs``, the idle order), every
+  cached key's references are the reservations holding it, and ``blocks_held`` counts the rest;
+* no live row writes a cached block, and a cached block's K/V in every layer stays what its
+  publisher wrote (the pages are checked against the publisher's own K/V at publish and
+  snapshotted) until it is evicted;
+* a rejected operation left registry, allocator, prefix cache and every cache byte-identical;
+* every paged output equals dense attention over that row's own K/V (per layer); a hit row's
+  cached prefix is its publisher's K/V.
 
 At the end every reservation is retired and freed, every snapshot ever issued is replayed, and
-what the allocator does not reserve is reaped: the worker holds zero rows and zero blocks.
+what the allocator does not reserve is reaped: the worker holds zero rows and zero blocks, every
+cached block is idle, and pool plus cache account for every block until the cache is emptied.
 
 ``DKV_FUZZ_OPS`` (default 10,000 in all) and ``DKV_FUZZ_SEED`` (a list of seeds) widen a run.
 """
@@ -28,7 +53,8 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -44,6 +70,7 @@ from diffusion_kv.core.allocator import (
     SequenceRequest,
 )
 from diffusion_kv.core.errors import GenerationError, NativeBackendError, StateError, ValidationError
+from diffusion_kv.core.prefix_cache import PrefixCache
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.core.scheduler import reap_unreserved
@@ -57,10 +84,19 @@ LAYERS = ("l0", "l1")
 NUM_BLOCKS, MAX_LEN, ROWS_PER_REQ, MAX_SEQS = 40, 24, 2, 4
 WORKER_ROWS = ROWS_PER_REQ * MAX_SEQS
 RIDS = ("r0", "r1", "r2", "r3", "r4", "r5")
-PREFIX_POOL = 4  # blocks the scheduler's prefix cache holds (declared computed, shared read-only)
+PINNED, PINNED_BLOCKS = "pinned", 4  # blocks the scheduler pins (computed elsewhere, shared read-only)
+CACHE_CAP = 4  # blocks the prefix cache may keep (few: publishing at the cap evicts)
+CHAINS = 3  # shared content: a sequence's prefix keys are a leading run of one chain
+STATS = ("cached_blocks", "idle_blocks", "hit_blocks", "published_blocks", "evictions")
 
 TOTAL_OPS = int(os.environ.get("DKV_FUZZ_OPS", "10000"))
 SEEDS = [int(s) for s in os.environ.get("DKV_FUZZ_SEED", "1,2,3,4").split(",")]
+
+
+def chain(c: int, n: int) -> tuple[bytes, ...]:
+    """The keys of the first ``n`` blocks of content chain ``c``: the same bytes for the same
+    content, so every prefix of a chain is a prefix of its keys."""
+    return tuple(f"chain{c}-{i}".encode() for i in range(n))
 
 
 # --- a cpu platform whose parts can be told to fail ---------------------------------------------
@@ -115,15 +151,24 @@ class RowModel:
     blocks: tuple[int, ...]
     written: set[int]
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> logical K, V [seq_len, HKV, D]
+    hit: bool = False  # its cached prefix holds blocks the prefix cache published
 
     def writes_block(self, index: int) -> bool:
         return index >= self.cached // BS
 
 
 @dataclass
+class Reservation:
+    request: KVRequest
+    snap: RequestAllocation  # the allocator's current snapshot of it
+    private: list[int]  # blocks the pool gave it alone: what ``free`` returns
+    held: list[list[bytes]]  # per sequence, the cached keys it references (hits, then published)
+
+
+@dataclass
 class Model:
     free: set[int]  # the pool's free block ids
-    reserved: dict[str, tuple[KVRequest, list[int]]] = field(default_factory=dict)
+    reserved: dict[str, Reservation] = field(default_factory=dict)
     generation: int = 0
     installed: dict[str, tuple[RequestAllocation, int]] = field(
         default_factory=dict
@@ -135,6 +180,14 @@ class Model:
     history: dict[str, list[RequestAllocation]] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)  # block -> live rows holding it
     high_water: int = -1  # the highest generation the worker installed, recorded or retired
+    presealed: dict[str, RequestAllocation] = field(default_factory=dict)  # rid -> before its seal
+    # the prefix cache
+    cache: dict[bytes, int] = field(default_factory=dict)  # key -> block
+    crefs: dict[bytes, int] = field(default_factory=dict)  # key -> reservations referencing it
+    idle: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # crefs 0, LRU first
+    pages: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> K/V when published
+    publisher: dict[bytes, str] = field(default_factory=dict)
+    cstats: Counter[str] = field(default_factory=Counter)
 
     def hold(self, row: RowModel, sign: int) -> None:
         for b in row.blocks:
@@ -182,6 +235,47 @@ class Model:
                 others.append(writes)
         return False
 
+    # -- the prefix cache ----------------------------------------------------------------------
+
+    def lookup(self, keys: tuple[bytes, ...]) -> list[bytes]:
+        """The longest leading run of ``keys`` that is cached."""
+        out: list[bytes] = []
+        for key in keys:
+            if key not in self.cache:
+                break
+            out.append(key)
+        return out
+
+    def acquire(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self.crefs[key] += 1
+            self.idle.pop(key, None)
+
+    def release(self, keys: list[bytes]) -> None:
+        """Drop one reference to each key; the last key of a chain goes idle first."""
+        for key in reversed(keys):
+            self.crefs[key] -= 1
+            assert self.crefs[key] >= 0
+            if not self.crefs[key]:
+                self.idle[key] = None
+
+    def evict(self, keys: list[bytes]) -> None:
+        """Idle ``keys`` leave the cache; their blocks go back to the pool."""
+        for key in keys:
+            del self.idle[key]
+            del self.crefs[key]
+            block = self.cache.pop(key)
+            self.pages.pop(block)
+            self.publisher.pop(key)
+            assert block not in self.free
+            self.free.add(block)
+            self.cstats["evictions"] += 1
+
+    def forget_cache(self) -> None:
+        """A scheduler that starts over starts with an empty prefix cache."""
+        for d in (self.cache, self.crefs, self.idle, self.pages, self.publisher, self.cstats):
+            d.clear()
+
 
 def key_of(row: PagedRow) -> tuple[str, int]:
     """The model's key of a sequence row."""
@@ -210,6 +304,24 @@ def best_fit(free: set[int], n: int) -> list[int]:
 
 def repeated(snap: RequestAllocation) -> bool:
     return any(len(set(s.block_ids[0])) != len(s.block_ids[0]) for s in snap.sequences)
+
+
+def is_seal(old: RequestAllocation, new: RequestAllocation) -> bool:
+    """``new`` only grows some rows' cached prefix over ``old`` (an independent restatement)."""
+    if old.contexts != new.contexts or len(old.sequences) != len(new.sequences):
+        return False
+    grew = False
+    for a, b in zip(old.sequences, new.sequences, strict=True):
+        if replace(a, cached_prefix_len=0) != replace(b, cached_prefix_len=0):
+            return False
+        if b.cached_prefix_len < a.cached_prefix_len:
+            return False
+        grew |= b.cached_prefix_len > a.cached_prefix_len
+    return grew
+
+
+def used_blocks(snap: RequestAllocation) -> list[int]:
+    return list(dict.fromkeys(b for s in snap.sequences for b in s.block_ids[0]))
 
 
 # --- the driver --------------------------------------------------------------------------------
@@ -245,39 +357,63 @@ class Fuzz:
         assert self.runner.registry is not None and self.runner.translator is not None
         self.registry = self.runner.registry
         self.bt: FlakyBlockTables = self.registry.block_tables  # type: ignore[assignment]
+        self.caches = [caches[n] for n in LAYERS]
+        self.model = Model(free=set(range(NUM_BLOCKS)))
+        self.pinned_request = KVRequest(PINNED, (SequenceRequest(0, PINNED_BLOCKS * BS, 0),))
+        self.pinned_blocks = list(range(PINNED_BLOCKS))
+        self.new_scheduler()
+        for cache in self.caches:
+            cache[:, self.pinned_blocks] = torch.randn(cache[:, self.pinned_blocks].shape, generator=self.gen)
+        self.counts: dict[str, int] = {}
+
+    def new_scheduler(self) -> None:
+        """A pool, a prefix cache and an allocator over them; the pinned blocks reserved first
+        (they come back as the same ids)."""
+        m = self.model
         self.pool = FreeListPool(NUM_BLOCKS)
+        self.cache = PrefixCache(max_blocks=CACHE_CAP)
         self.alloc = DiffusionKVAllocator(
             block_size=BS,
             max_model_len=MAX_LEN,
             max_rows_per_request=ROWS_PER_REQ,
             worker_rows=WORKER_ROWS,
             pool=self.pool,
+            prefix_cache=self.cache,
         )
-        self.model = Model(free=set(range(NUM_BLOCKS)))
-        # The scheduler's prefix cache: blocks it holds for good, with content computed elsewhere.
-        prefix = self.alloc.reserve(KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),)))
-        assert prefix is not None
-        self.prefix_blocks = list(prefix.sequences[0].block_ids[0])
-        self.model.generation = 1
-        self.prefix_request = KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),))
-        self.model.reserved["prefix-cache"] = (
-            KVRequest("prefix-cache", (SequenceRequest(0, PREFIX_POOL * BS, 0),)),
-            self.prefix_blocks,
-        )
-        self.model.free -= set(range(PREFIX_POOL))
-        for cache in self.runner.kv_caches.values():
-            assert isinstance(cache, torch.Tensor)
-            cache[:, self.prefix_blocks] = torch.randn(cache[:, self.prefix_blocks].shape, generator=self.gen)
-        self.counts: dict[str, int] = {}
+        self.alloc.advance_generation(self.runner.generation_high_water)
+        m.generation = max(m.high_water, 0)
+        pinned = self.alloc.reserve(self.pinned_request)
+        m.generation += 1
+        assert pinned is not None and pinned.allocation_generation == m.generation
+        assert list(pinned.sequences[0].block_ids[0]) == best_fit(m.free, PINNED_BLOCKS) == self.pinned_blocks
+        m.free -= set(self.pinned_blocks)
+        m.reserved[PINNED] = Reservation(self.pinned_request, pinned, list(self.pinned_blocks), [[]])
 
     # -- state ---------------------------------------------------------------------------------
 
     def state(self) -> tuple[Any, ...]:
-        caches = [c.clone() for c in self.runner.kv_caches.values()]  # type: ignore[union-attr]
-        return (state_of(self.registry), dict(self.alloc._reserved), sorted(self.pool._free), caches)
+        reservations = {
+            rid: (r.request, r.allocation, tuple(r.block_ids), tuple(r.private), tuple(map(tuple, r.held)))
+            for rid, r in self.alloc._reserved.items()
+        }
+        cached = (
+            sorted((k, e.block, e.refs) for k, e in self.cache._entries.items()),
+            list(self.cache._idle),
+            self.cache.stats(),
+        )
+        snapshots = {rid: self.registry.snapshot_of(rid) for rid in self.registry.installed_requests()}
+        return (
+            state_of(self.registry),
+            snapshots,
+            reservations,
+            self.alloc.generation,
+            cached,
+            sorted(self.pool._free),
+            [c.clone() for c in self.caches],
+        )
 
     def same(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-        return a[:3] == b[:3] and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True))
+        return a[:-1] == b[:-1] and all(torch.equal(x, y) for x, y in zip(a[-1], b[-1], strict=True))
 
     def note(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -286,7 +422,11 @@ class Fuzz:
         assert self.same(before, self.state()), f"{what}: a rejection changed state"
         self.note(f"rejected {what}")
 
-    # -- operations ----------------------------------------------------------------------------
+    def pages(self, block: int) -> torch.Tensor:
+        """A block's K/V in every layer: [layer, k/v, BS, HKV, D]."""
+        return torch.stack([c[:, block] for c in self.caches])
+
+    # -- reservations ----------------------------------------------------------------------------
 
     def random_request(self, rid: str) -> KVRequest:
         n = self.rng.choice((1, 2))
@@ -294,8 +434,53 @@ class Fuzz:
         for i in range(n):
             p = self.rng.randint(1, 14)
             t = self.rng.randint(1, min(8, MAX_LEN - p))
-            seqs.append(SequenceRequest(i, p, t))
+            keyed = p >= BS and self.rng.random() < 0.7
+            keys = chain(self.rng.randrange(CHAINS), self.rng.randint(1, p // BS)) if keyed else ()
+            seqs.append(SequenceRequest(i, p, t, prefix_keys=keys))
         return KVRequest(rid, tuple(seqs))
+
+    def reserve(self, request: KVRequest) -> RequestAllocation | None:
+        """Reserve a request not reserved yet; the model predicts the hits, the evictions and
+        the blocks, or a wait that changed nothing."""
+        m, rid = self.model, request.request_id
+        assert rid not in m.reserved
+        needs = [-(-(s.prefix_len + s.target_len) // BS) for s in request.sequences]
+        rows_used = sum(len(r.request.sequences) for r in m.reserved.values())
+        hits = [m.lookup(s.prefix_keys) for s in request.sequences]
+        keep = {k for h in hits for k in h}
+        need = sum(needs) - sum(len(h) for h in hits)
+        short = need - len(m.free)
+        evictable = [k for k in m.idle if k not in keep]
+        before = self.state()
+        snap = self.alloc.reserve(request)
+        if len(request.sequences) > WORKER_ROWS - rows_used or short > len(evictable):
+            assert snap is None and self.same(before, self.state())
+            rows = len(request.sequences) > WORKER_ROWS - rows_used
+            self.note("reserve: wait" + ("" if rows or short <= 0 else " (too few idle cached blocks)"))
+            return None
+        assert snap is not None
+        if short > 0:
+            m.evict(evictable[:short])
+            self.note("evicted under pool pressure")
+        taken = best_fit(m.free, need)
+        m.free -= set(taken)
+        for h in hits:
+            m.acquire(h)
+            m.cstats["hit_blocks"] += len(h)
+        m.generation += 1
+        assert snap.allocation_generation == m.generation
+        cursor = 0
+        for s, n, h in zip(snap.sequences, needs, hits, strict=True):
+            fresh = n - len(h)
+            row = tuple(m.cache[k] for k in h) + tuple(taken[cursor : cursor + fresh])
+            assert s.block_ids[0] == row, "allocator handed out other blocks"
+            assert s.cached_prefix_len == len(h) * BS
+            cursor += fresh
+        m.reserved[rid] = Reservation(request, snap, list(taken), [list(h) for h in hits])
+        m.history.setdefault(rid, []).append(snap)
+        if keep:
+            self.note("reserve: prefix hit")
+        return snap
 
     def op_reserve(self) -> None:
         m, rid = self.model, self.rng.choice(RIDS)
@@ -310,6 +495,9 @@ class Fuzz:
                     KVRequest(
                         rid, (SequenceRequest(0, 1, 1), SequenceRequest(1, 1, 1), SequenceRequest(2, 1, 1))
                     ),
+                    KVRequest(rid, (SequenceRequest(0, 7, 1, prefix_keys=chain(0, 2)),)),  # 2 keys > 7 tokens
+                    KVRequest(rid, (SequenceRequest(0, 9, 1, prefix_keys=chain(0, 1) * 2),)),  # a key twice
+                    KVRequest(rid, (SequenceRequest(0, 9, 1, prefix_keys=("chain0-0",)),)),  # type: ignore[arg-type]
                 ]
             )
             before = self.state()
@@ -317,55 +505,100 @@ class Fuzz:
                 self.alloc.reserve(bad)
             self.rejected(before, "malformed reservation")
             return
-        request = (
-            m.reserved[rid][0] if rid in m.reserved and self.rng.random() < 0.5 else self.random_request(rid)
-        )
+        res = m.reserved.get(rid)
+        request = res.request if res is not None and self.rng.random() < 0.5 else self.random_request(rid)
         before = self.state()
-        if rid in m.reserved:
-            if request != m.reserved[rid][0]:
+        if res is not None:
+            if request != res.request:
                 with pytest.raises(AdmissionError, match="already reserved with a different shape"):
                     self.alloc.reserve(request)
                 self.rejected(before, "reservation under a reserved id")
                 return
-            snap = self.alloc.reserve(request)
-            m.generation += 1
-            assert snap is not None and snap.allocation_generation == m.generation
-            m.history.setdefault(rid, []).append(snap)
-            self.note("re-reserve")
+            self.re_reserve(rid)
             return
-        needs = [-(-(s.prefix_len + s.target_len) // BS) for s in request.sequences]
-        rows_used = sum(len(r.sequences) for r, _ in m.reserved.values())
-        snap = self.alloc.reserve(request)
-        if len(request.sequences) > WORKER_ROWS - rows_used or sum(needs) > len(m.free):
-            assert snap is None and self.same(before, self.state())
-            self.note("reserve: wait")
+        snap = self.reserve(request)
+        if snap is None:
             return
-        assert snap is not None
-        taken = best_fit(m.free, sum(needs))
-        m.free -= set(taken)
-        m.generation += 1
-        assert snap.allocation_generation == m.generation
-        cursor = 0
-        for s, n in zip(snap.sequences, needs, strict=True):
-            assert list(s.block_ids[0]) == taken[cursor : cursor + n], "allocator handed out other blocks"
-            cursor += n
-        m.reserved[rid] = (request, taken)
-        if self.rng.random() < 0.3:  # a prefix-cache hit: leading blocks come from the prefix cache
-            snap = self.with_cached_prefix(snap)
-        m.history.setdefault(rid, []).append(snap)
+        if self.rng.random() < 0.3 and not any(s.prefix_keys for s in request.sequences):
+            m.history[rid][-1] = self.with_pinned_prefix(snap)  # leading blocks: the pinned ones
         self.note("reserve")
 
-    def with_cached_prefix(self, snap: RequestAllocation) -> RequestAllocation:
+    def re_reserve(self, rid: str) -> None:
+        """Reserve a reserved request again: its snapshot under a new generation."""
+        m = self.model
+        res = m.reserved[rid]
+        snap = self.alloc.reserve(res.request)
+        m.generation += 1
+        assert snap == RequestAllocation(rid, m.generation, res.snap.sequences, res.snap.contexts)
+        res.snap = snap
+        m.history[rid].append(snap)
+        self.note("re-reserve")
+
+    def with_pinned_prefix(self, snap: RequestAllocation) -> RequestAllocation:
         seqs = []
         for s in snap.sequences:
-            k = min(self.rng.choice((1, 2)), s.prefix_len // BS, PREFIX_POOL)
-            blocks = tuple(self.prefix_blocks[:k]) + s.block_ids[0][k:]
+            k = min(self.rng.choice((1, 2)), s.prefix_len // BS, PINNED_BLOCKS)
+            blocks = tuple(self.pinned_blocks[:k]) + s.block_ids[0][k:]
             seqs.append(
                 SequenceAllocation(
                     s.sequence_id, s.prefix_len, s.target_len, s.seq_len, (blocks,), cached_prefix_len=k * BS
                 )
             )
         return RequestAllocation(snap.request_id, snap.allocation_generation, tuple(seqs))
+
+    def op_hit(self) -> None:
+        """Reserve and install a request whose leading keys are cached while their publisher
+        still holds them: the cached blocks come back read-only as its cached prefix."""
+        m = self.model
+        spare = [r for r in RIDS if r not in m.reserved]
+        live = [
+            c
+            for c in range(CHAINS)
+            if (key := chain(c, 1)[0]) in m.cache
+            and (pub := m.reserved.get(m.publisher[key])) is not None
+            and any(key in h for h in pub.held)
+        ]
+        if not spare or not live:
+            return
+        c = self.rng.choice(live)
+        n = self.rng.randint(1, 3)
+        p = self.rng.randint(n * BS, 14)
+        seqs = [SequenceRequest(0, p, self.rng.randint(1, min(8, MAX_LEN - p)), prefix_keys=chain(c, n))]
+        if self.rng.random() < 0.3:
+            seqs.append(replace(self.random_request("x").sequences[0], sequence_id=1))
+        snap = self.reserve(KVRequest(self.rng.choice(spare), tuple(seqs)))
+        if snap is None:
+            return
+        assert snap.sequences[0].cached_prefix_len >= BS, "a cached leading key did not hit"
+        self.note("hit while its publisher is live")
+        self.install(snap, "hit", faults=False)
+
+    def sized(self, rid: str, n: int) -> KVRequest:
+        """A request without prefix keys that needs exactly ``n`` blocks (one or two rows)."""
+        most = MAX_LEN // BS
+        seqs = []
+        for i, size in enumerate([n] if n <= most else [most, n - most]):
+            t = self.rng.randint(1, min(8, size * BS - 1))
+            seqs.append(SequenceRequest(i, size * BS - t, t))
+        return KVRequest(rid, tuple(seqs))
+
+    def op_evict(self) -> None:
+        """Reserve a little more than the pool has free while idle cached blocks exist (a filler
+        reservation first when the pool has plenty): the allocator evicts the least recently
+        used of them, never one the request hits, or waits, evicting nothing."""
+        m = self.model
+        holding = [r for r, res in m.reserved.items() if any(res.held)]
+        if not m.idle and holding:  # a request holding cached blocks finishes: they may go idle
+            self.finish(self.rng.choice(holding))
+        spare = [r for r in RIDS if r not in m.reserved]
+        most = 2 * (MAX_LEN // BS)
+        if not m.idle or not spare:
+            return
+        if len(m.free) >= most and len(spare) > 1:
+            self.reserve(self.sized(spare.pop(), min(most, len(m.free) - self.rng.randint(0, 2))))
+        want = len(m.free) + self.rng.randint(1, len(m.idle) + 1)  # one more than idle: a wait
+        if want <= most:
+            self.reserve(self.sized(self.rng.choice(spare), want))
 
     def forged(self) -> RequestAllocation | None:
         """A snapshot that must be refused: a repeated block, or a block another live row writes
@@ -430,28 +663,66 @@ class Fuzz:
             return
         self.install(snap, kind)
 
-    def install(self, snap: RequestAllocation, kind: str, faults: bool = True) -> None:
+    def predict(
+        self, snap: RequestAllocation, fault: bool, seal: bool = False
+    ) -> tuple[type[Exception] | None, str]:
+        """What the worker must answer to ``snap`` (independent of the registry): the error it
+        raises (None: taken) and the outcome. ``seal``: the allocator's publish hands it over,
+        which only a request the worker holds can take."""
         m = self.model
-        fault = faults and self.rng.random() < 0.05
-        before = self.state()
         rid, gen = snap.request_id, snap.allocation_generation
         current = m.installed.get(rid)
-        expected: type[Exception] | None
         if repeated(snap):
-            expected = ValidationError
-        elif current is not None:
-            same = snap.content_key() == current[0].content_key()
-            expected = GenerationError if (gen < current[1] or not same) else None
-        elif rid in m.removed and gen <= m.removed[rid]:
-            expected = GenerationError
+            return ValidationError, "repeated block"
+        if current is None and seal:
+            return StateError, "not installed"
+        if current is not None:
+            if gen < current[1]:
+                return GenerationError, "stale"
+            if snap.content_key() == current[0].content_key():
+                return None, "no-op"
+            if gen > current[1] and is_seal(current[0], snap):
+                for s in snap.sequences:
+                    row = m.rows[(rid, s.sequence_id)]
+                    if (
+                        s.cached_prefix_len > row.cached
+                        and not set(range(s.cached_prefix_len)) <= row.written
+                    ):
+                        return StateError, "never written"
+                return None, "sealed"
+            return GenerationError, "conflicting"
+        if rid in m.removed and gen <= m.removed[rid]:
             if rid in m.finished and gen > m.finished[rid]:
-                kind = "late snapshot of a finished request"  # newer than it ran at: refused all the same
-        elif m.conflicts(snap) or len(snap.sequences) > WORKER_ROWS - len(m.row_index):
-            expected = ValidationError
-        else:
-            expected = NativeBackendError if fault else None
-        if expected is None or expected is NativeBackendError:
-            self.bt.fail_apply = fault and current is None
+                return GenerationError, "late snapshot of a finished request"  # refused all the same
+            return GenerationError, "removed"
+        if m.conflicts(snap) or len(snap.sequences) > WORKER_ROWS - len(m.row_index):
+            return ValidationError, "ownership"
+        return (NativeBackendError, "fault") if fault else (None, "installed")
+
+    def over_cached(self, snap: RequestAllocation) -> bool:
+        """Would ``snap`` — of a request the scheduler no longer reserves with these blocks (a
+        late delivery) — write a block published since? A scheduler retires a request on the
+        worker before it frees its blocks, so such a snapshot never reaches a worker; the driver
+        does not send it (what it would write is no longer the request's)."""
+        res = self.model.reserved.get(snap.request_id)
+        if res is not None and [s.block_ids for s in res.snap.sequences] == [
+            s.block_ids for s in snap.sequences
+        ]:
+            return False
+        return any(
+            b in self.model.pages for s in snap.sequences for b in s.block_ids[0][s.cached_prefix_len // BS :]
+        )
+
+    def install(self, snap: RequestAllocation, kind: str, faults: bool = True) -> None:
+        fault = faults and self.rng.random() < 0.05
+        before = self.state()
+        expected, outcome = self.predict(snap, fault)
+        if outcome == "late snapshot of a finished request":
+            kind = outcome
+        if expected is None and outcome == "installed" and self.over_cached(snap):
+            self.note("late snapshot over a cached block: not sent")
+            return
+        self.bt.fail_apply = expected is NativeBackendError
         if expected is not None:
             with pytest.raises(expected):
                 self.registry.install(snap)
@@ -459,28 +730,41 @@ class Fuzz:
             self.rejected(before, f"{kind} install ({expected.__name__})")
             return
         result = self.registry.install(snap)
-        self.bt.fail_apply = False
-        if current is not None:
-            assert result is False
+        assert result is (outcome == "installed")
+        self.taken(snap, outcome)
+        self.note(f"{kind}: {outcome}")
+
+    def taken(self, snap: RequestAllocation, outcome: str) -> None:
+        """The model of a snapshot the worker took (``outcome`` as predicted)."""
+        m = self.model
+        rid, gen = snap.request_id, snap.allocation_generation
+        m.high_water = max(m.high_water, gen)
+        if outcome == "no-op":
+            current = m.installed[rid]
             m.installed[rid] = (current[0], max(gen, current[1]))
-            m.high_water = max(m.high_water, gen)
-            self.note("install: no-op")
             return
-        assert result is True
+        if outcome == "sealed":
+            for s in snap.sequences:
+                m.rows[(rid, s.sequence_id)].cached = s.cached_prefix_len
+            m.installed[rid] = (snap, gen)
+            return
+        assert outcome == "installed"
         used = set(m.row_index.values())
         free_rows = [r for r in range(WORKER_ROWS) if r not in used]
         for s, row in zip(snap.sequences, free_rows, strict=False):
             key = (rid, s.sequence_id)
             m.row_index[key] = row
             kv = {}
-            for name in LAYERS:
+            hit = False
+            for li, name in enumerate(LAYERS):
                 k = torch.full((s.seq_len, HKV, D), float("nan"))
                 v = torch.full((s.seq_len, HKV, D), float("nan"))
-                cache = self.runner.kv_caches[name]
-                assert isinstance(cache, torch.Tensor)
-                for t in range(s.cached_prefix_len):  # declared computed: what the pages hold now
+                for t in range(s.cached_prefix_len):  # declared computed: what its pages hold
                     b = s.block_ids[0][t // BS]
-                    k[t], v[t] = cache[0, b, t % BS], cache[1, b, t % BS]
+                    # a published block: its publisher's K/V (the invariants keep the pages so)
+                    page = m.pages[b] if b in m.pages else self.pages(b)
+                    hit |= b in m.pages
+                    k[t], v[t] = page[li, 0, t % BS], page[li, 1, t % BS]
                 kv[name] = (k, v)
             m.rows[key] = RowModel(
                 s.prefix_len,
@@ -489,13 +773,114 @@ class Fuzz:
                 s.block_ids[0],
                 set(range(s.cached_prefix_len)),
                 kv,
+                hit,
             )
             m.hold(m.rows[key], +1)
         m.installed[rid] = (snap, gen)
         m.removed.pop(rid, None)
         m.finished.pop(rid, None)
-        m.high_water = max(m.high_water, gen)
-        self.note(f"{kind}: installed")
+
+    # -- prefix caching ----------------------------------------------------------------------------
+
+    def op_publish(self) -> None:
+        """Seal and cache a request's keyed blocks: once its prefill wrote them, or too early."""
+        m = self.model
+        keyed = [r for r, res in m.reserved.items() if any(s.prefix_keys for s in res.request.sequences)]
+        if not keyed:
+            return
+        unsealed = [
+            r
+            for r in keyed
+            if any(
+                len(s.prefix_keys) * BS > a.cached_prefix_len
+                for s, a in zip(m.reserved[r].request.sequences, m.reserved[r].snap.sequences, strict=True)
+            )
+        ]
+        held = [r for r in unsealed if r in m.installed]
+        roll = self.rng.random()
+        if roll < 0.75 and unsealed:
+            # the scheduler's path: installed (a generation newer than any removal of it), its
+            # prefill ran, then published; or too early: published before the prefill
+            rid = self.rng.choice(unsealed)
+            if rid not in m.installed:
+                self.re_reserve(rid)
+                self.install(m.reserved[rid].snap, "install before publish", faults=False)
+            current = m.installed.get(rid)
+            if (
+                roll < 0.6
+                and current is not None
+                and current[0].content_key() == m.reserved[rid].snap.content_key()
+            ):
+                self.op_step(rid)
+        else:  # whatever the worker holds of it, if anything
+            rid = self.rng.choice(held if held and roll < 0.9 else keyed)
+        res = m.reserved[rid]
+        offers: list[tuple[int, bytes, int]] = []
+        seqs = list(res.snap.sequences)
+        for i, (s, a) in enumerate(zip(res.request.sequences, res.snap.sequences, strict=True)):
+            cut = len(s.prefix_keys) * BS
+            if cut > a.cached_prefix_len:
+                first = a.cached_prefix_len // BS
+                offers += [(i, s.prefix_keys[b], a.block_ids[0][b]) for b in range(first, len(s.prefix_keys))]
+                seqs[i] = replace(a, cached_prefix_len=cut)
+        before = self.state()
+        if not offers:
+            assert self.alloc.publish(rid, self.runner.seal) is None
+            assert self.same(before, self.state())
+            self.note("publish: nothing to seal")
+            return
+        seal = RequestAllocation(rid, m.generation + 1, tuple(seqs), res.snap.contexts)
+        expected, outcome = self.predict(seal, fault=False, seal=True)
+        if expected is not None:
+            why = {"not installed": "not installed", "never written": "never written"}.get(outcome)
+            with pytest.raises(expected, match=why):
+                self.alloc.publish(rid, self.runner.seal)
+            self.rejected(before, f"publish ({outcome})")
+            return
+        assert outcome in ("sealed", "no-op")  # no-op: the worker holds these rows sealed already
+        assert self.alloc.publish(rid, self.runner.seal) == seal
+        m.generation += 1
+        self.taken(seal, outcome)
+        m.presealed[rid] = res.snap
+        res.snap = seal
+        m.history[rid].append(seal)
+        for i, key, block in offers:
+            if key in m.cache:
+                self.note("publish: key cached already")
+                continue
+            if CACHE_CAP - len(m.cache) + len(m.idle) <= 0:
+                self.note("publish: cache full")
+                continue
+            if len(m.cache) >= CACHE_CAP:
+                m.evict([next(iter(m.idle))])
+                self.note("evicted at the cap")
+            # the pages hold what the publisher wrote: that is what every hit will read
+            row = m.rows[(rid, res.request.sequences[i].sequence_id)]
+            j = row.blocks.index(block)
+            page = self.pages(block).clone()
+            span = slice(j * BS, (j + 1) * BS)
+            wrote = torch.stack([torch.stack((row.kv[n][0][span], row.kv[n][1][span])) for n in LAYERS])
+            assert torch.equal(page, wrote), f"block {block} does not hold what its publisher {rid!r} wrote"
+            m.cache[key], m.crefs[key], m.pages[block], m.publisher[key] = block, 1, page, rid
+            m.cstats["published_blocks"] += 1
+            res.private.remove(block)
+            res.held[i].append(key)
+        self.note("publish")
+
+    def op_replay(self) -> None:
+        """Re-install the snapshot a sealed request had before its seal (stale: refused) or the
+        one it has now (a no-op)."""
+        m = self.model
+        sealed = [r for r in sorted(m.presealed) if r in m.installed]
+        if not sealed:
+            return
+        rid = self.rng.choice(sealed)
+        if self.rng.random() < 0.7:
+            snap = m.presealed[rid]
+            assert self.predict(snap, fault=False) == (GenerationError, "stale")
+            self.install(snap, "pre-seal replay")
+        else:
+            self.install(m.installed[rid][0], "sealed replay")
 
     def op_remove(self) -> None:
         m = self.model
@@ -574,30 +959,59 @@ class Fuzz:
         self.note("reaped")
 
     def op_restart(self) -> None:
-        """The scheduler side starts over on the live worker: a new pool and allocator (every
-        reservation forgotten), continuing above the worker's generations; the prefix cache is
-        reserved again (its blocks come back as the same ids)."""
+        """The scheduler side starts over on the live worker: a new pool, prefix cache and
+        allocator (every reservation and cached block forgotten), continuing above the worker's
+        generations; the pinned blocks are reserved again (they come back as the same ids)."""
         m = self.model
-        self.pool = FreeListPool(NUM_BLOCKS)
-        self.alloc = DiffusionKVAllocator(
-            block_size=BS,
-            max_model_len=MAX_LEN,
-            max_rows_per_request=ROWS_PER_REQ,
-            worker_rows=WORKER_ROWS,
-            pool=self.pool,
-        )
         assert self.runner.generation_high_water == m.high_water
-        self.alloc.advance_generation(self.runner.generation_high_water)
         m.reserved.clear()
+        m.forget_cache()
         m.free = set(range(NUM_BLOCKS))
-        m.generation = max(m.high_water, 0)
-        prefix = self.alloc.reserve(self.prefix_request)
-        m.generation += 1
-        assert prefix is not None and prefix.allocation_generation == m.generation
-        assert list(prefix.sequences[0].block_ids[0]) == best_fit(m.free, PREFIX_POOL) == self.prefix_blocks
-        m.free -= set(self.prefix_blocks)
-        m.reserved["prefix-cache"] = (self.prefix_request, self.prefix_blocks)
+        self.new_scheduler()
         self.note("restart")
+
+    def finish(self, rid: str) -> None:
+        """The scheduler's terminal path: retire on the worker through its generation, then free
+        (its own blocks go back to the pool, its cached ones lose a reference)."""
+        m = self.model
+        assert self.runner.retire(rid, m.generation) == len(
+            m.installed[rid][0].sequences if rid in m.installed else ()
+        )
+        m.retire(rid, m.generation)
+        res = m.reserved.pop(rid)
+        assert self.alloc.free(rid) == len(res.private)
+        m.free |= set(res.private)
+        for keys in res.held:
+            m.release(keys)
+        self.note("finished")
+
+    def op_free(self) -> None:
+        m = self.model
+        roll = self.rng.random()
+        before = self.state()
+        if roll < 0.2:  # double frees and duplicates straight into the pool
+            used = [b for res in m.reserved.values() for b in res.private]
+            choices = [[b] for b in sorted(m.free)[:3]] + ([[used[0], used[0]]] if used else [])
+            if not choices:
+                return
+            with pytest.raises(ValidationError):
+                self.pool.free(self.rng.choice(choices))
+            self.rejected(before, "pool double free")
+            return
+        live = [r for r in m.reserved if r != PINNED]
+        if not live:
+            return
+        rid = self.rng.choice(live)
+        # the scheduler should release after the worker removed the rows; sometimes it does not
+        if rid in m.installed and self.rng.random() < 0.7:
+            return
+        res = m.reserved.pop(rid)
+        assert self.alloc.free(rid) == len(res.private)
+        assert self.alloc.free(rid) == 0
+        m.free |= set(res.private)
+        for keys in res.held:
+            m.release(keys)
+        self.note("free" + (" (worker still holds)" if rid in m.installed else ""))
 
     def op_bind(self) -> None:
         """Bind random host caches to a second worker; the model decides, by enumerating the
@@ -649,39 +1063,18 @@ class Fuzz:
         assert self.same(before, self.state())
         self.note(f"binding accepted ({kind})")
 
-    def op_free(self) -> None:
-        m = self.model
-        roll = self.rng.random()
-        before = self.state()
-        if roll < 0.2:  # double frees and duplicates straight into the pool
-            used = [b for _, blocks in m.reserved.values() for b in blocks]
-            choices = [[b] for b in sorted(m.free)[:3]] + ([[used[0], used[0]]] if used else [])
-            if not choices:
-                return
-            with pytest.raises(ValidationError):
-                self.pool.free(self.rng.choice(choices))
-            self.rejected(before, "pool double free")
-            return
-        live = [r for r in m.reserved if r != "prefix-cache"]
-        if not live:
-            return
-        rid = self.rng.choice(live)
-        # the scheduler should release after the worker removed the rows; sometimes it does not
-        if rid in m.installed and self.rng.random() < 0.7:
-            return
-        _, blocks = m.reserved.pop(rid)
-        assert self.alloc.free(rid) == len(blocks)
-        assert self.alloc.free(rid) == 0
-        m.free |= set(blocks)
-        self.note("free" + (" (worker still holds)" if rid in m.installed else ""))
-
-    def op_step(self) -> None:
+    def op_step(self, rid: str | None = None) -> None:
+        """A step of random installed requests at a random phase (``rid``: that request's
+        prefill, without faults, as the scheduler runs it)."""
         m = self.model
         if not m.installed:
             return
-        rids = self.rng.sample(sorted(m.installed), self.rng.randint(1, len(m.installed)))
-        step = self.rng.choice((0, 0, 1, 2, 5))
-        into_cached = self.rng.random() < 0.1
+        if rid is None:
+            rids = self.rng.sample(sorted(m.installed), self.rng.randint(1, len(m.installed)))
+            step = self.rng.choice((0, 0, 1, 2, 5))
+            into_cached = self.rng.random() < 0.1
+        else:
+            rids, step, into_cached = [rid], 0, False
         keys = [(rid, s.sequence_id) for rid in rids for s in m.installed[rid][0].sequences]
         prefill = tuple(
             PagedRow(k[0], m.rows[k].seq_len - start, m.rows[k].seq_len, start, sequence_id=k[1])
@@ -699,8 +1092,8 @@ class Fuzz:
             for k in keys
         )
         rows = prefill if step == 0 else denoise
-        builder_fault = self.rng.random() < 0.04
-        write_fault = self.rng.random() < 0.04
+        builder_fault = self.rng.random() < 0.04 and rid is None
+        write_fault = self.rng.random() < 0.04 and rid is None
         expected: tuple[type[Exception], str] | None = None
         for r in rows:
             row = m.rows[key_of(r)]
@@ -759,6 +1152,8 @@ class Fuzz:
                 )
             offset += r.query_len
         self.note("step" + (" (write fault)" if write_fault else ""))
+        if outputs and any(m.rows[key_of(r)].hit for r in rows):
+            self.note("step over a prefix hit")
 
     # -- invariants ----------------------------------------------------------------------------
 
@@ -776,10 +1171,39 @@ class Fuzz:
                     )
         expected = {b: sorted(((k[0], k[1], None), w) for k, w in hs) for b, hs in m.holders().items()}
         assert {b: sorted(hs) for b, hs in held.items()} == expected
-        reserved = [b for _, blocks in m.reserved.values() for b in blocks]
-        assert len(reserved) == len(set(reserved)) and set(reserved).isdisjoint(m.free)
-        assert len(reserved) + self.pool.num_free == NUM_BLOCKS, "a block leaked"
+        # every block is free, a reservation's own, or cached: exactly one of them
+        private = [b for res in m.reserved.values() for b in res.private]
+        cached = set(m.cache.values())
+        assert len(private) == len(set(private)) and len(cached) == len(m.cache)
+        assert (
+            set(private).isdisjoint(m.free) and set(private).isdisjoint(cached) and cached.isdisjoint(m.free)
+        )
         assert sorted(self.pool._free) == sorted(m.free)
+        assert set(self.cache.blocks()).isdisjoint(self.pool._free), "a block is both free and cached"
+        assert len(private) + len(cached) + self.pool.num_free == NUM_BLOCKS, "a block leaked"
+        for rid, res in m.reserved.items():
+            assert self.alloc.blocks_of(rid) == used_blocks(res.snap)
+        # the prefix cache is the model's
+        assert self.cache.blocks() == {m.cache[k]: m.crefs[k] for k in m.cache}
+        assert all(self.cache.refs(k) == m.crefs[k] and self.cache.key_of(b) == k for k, b in m.cache.items())
+        assert list(self.cache._idle) == list(m.idle), "the eviction order differs"
+        assert self.cache.stats() == {
+            **{s: m.cstats[s] for s in STATS},
+            "cached_blocks": len(m.cache),
+            "idle_blocks": len(m.idle),
+        }
+        holding = Counter(k for res in m.reserved.values() for keys in res.held for k in keys)
+        assert holding == +Counter(m.crefs), "a cached key's references are not the reservations holding it"
+        assert set(m.idle) == {k for k, n in m.crefs.items() if not n}
+        assert self.alloc.blocks_held == NUM_BLOCKS - len(m.free) - len(m.idle)
+        # a cached block: nobody writes it, and it holds what its publisher wrote
+        for b in cached:
+            assert not any(w for _, w in held.get(b, ())), f"a live row writes cached block {b}"
+        if cached:
+            blocks = sorted(cached)
+            now = torch.stack([c[:, blocks] for c in self.caches])
+            then = torch.stack([m.pages[b] for b in blocks], dim=2)
+            assert torch.equal(now, then), "a cached block's K/V changed since it was published"
         assert {k: v for k, v in self.registry.rows.items()} == {
             (r, s, None): i for (r, s), i in m.row_index.items()
         }
@@ -789,8 +1213,7 @@ class Fuzz:
         for (rid, sid), row in m.rows.items():
             spans = self.registry.written_spans((rid, sid, None))
             assert {t for a, b in spans for t in range(a, b)} == row.written
-        refs = {b: len(self.registry.holders_of(0, b)) for b in range(NUM_BLOCKS)}
-        assert {b: n for b, n in refs.items() if n} == m.refs, "a block's holders differ from its refcount"
+        assert {b: len(hs) for b, hs in held.items()} == m.refs, "a block's holders differ from its refcount"
         assert sum(m.refs.values()) == sum(len(r.blocks) for r in m.rows.values())
         assert self.registry.generation_high_water == m.high_water
         assert {r: self.registry.removed_generation(r) for r in m.removed} == m.removed
@@ -800,16 +1223,11 @@ class Fuzz:
 
     def drain(self) -> None:
         """Retire and free every reservation (the scheduler's terminal path), replay every
-        snapshot ever issued, reap what no reservation owns: zero rows, zero blocks held."""
+        snapshot ever issued, reap what no reservation owns: zero rows, zero blocks held; every
+        cached block is idle, and evicting them all returns the pool to all but the pinned."""
         m = self.model
-        for rid in sorted(set(m.reserved) - {"prefix-cache"}):
-            assert self.runner.retire(rid, m.generation) == len(
-                m.installed[rid][0].sequences if rid in m.installed else ()
-            )
-            m.retire(rid, m.generation)
-            _, blocks = m.reserved.pop(rid)
-            assert self.alloc.free(rid) == len(blocks)
-            m.free |= set(blocks)
+        for rid in sorted(set(m.reserved) - {PINNED}):
+            self.finish(rid)
             self.check()
         snapshots = [snap for hist in m.history.values() for snap in hist]
         for snap in snapshots:
@@ -820,7 +1238,13 @@ class Fuzz:
         assert self.registry.rows == {} and self.registry.installed_requests() == ()
         assert self.registry.free_rows == tuple(range(WORKER_ROWS)) and m.refs == {}
         assert all(not self.registry.holders_of(0, b) for b in range(NUM_BLOCKS))
-        assert self.pool.num_free == NUM_BLOCKS - PREFIX_POOL and self.alloc.reserved() == ("prefix-cache",)
+        assert self.alloc.reserved() == (PINNED,) and self.alloc.blocks_held == PINNED_BLOCKS
+        assert all(n == 0 for n in self.cache.blocks().values()) and self.cache.num_idle == len(self.cache)
+        assert self.pool.num_free + len(self.cache) == NUM_BLOCKS - PINNED_BLOCKS
+        self.pool.free(self.cache.evict(len(self.cache)))
+        m.evict(list(m.idle))
+        self.check()
+        assert len(self.cache) == 0 and self.pool.num_free == NUM_BLOCKS - PINNED_BLOCKS
 
 
 def dense_reference(q: torch.Tensor, row: RowModel, layer: str, start: int) -> torch.Tensor:
@@ -836,8 +1260,8 @@ def dense_reference(q: torch.Tensor, row: RowModel, layer: str, start: int) -> t
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-OPS = ("reserve", "install", "install", "step", "step", "step", "remove", "free", "reap")
-RARE = (("restart", 0.006), ("bind", 0.01))  # per operation, instead of one of OPS
+OPS = ("reserve", "install", "install", "step", "step", "remove", "free", "reap", "publish", "hit")
+RARE = (("restart", 0.006), ("bind", 0.01), ("evict", 0.04), ("replay", 0.03))  # instead of one of OPS
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -873,5 +1297,15 @@ def test_worker_holds_its_guarantees_under_random_operations(seed: int) -> None:
         "binding (",
         "binding accepted",
         "final replay",
+        "publish |",
+        "publish (never written)",
+        "publish (not installed)",
+        "reserve: prefix hit",
+        "hit while its publisher is live",
+        "hit: installed",
+        "step over a prefix hit",
+        "evicted under pool pressure",
+        "evicted at the cap",
+        "pre-seal replay install (GenerationError)",
     ):
         assert kind in seen, f"seed {seed}: no '{kind}' outcome in {ops} operations: {seen}"
