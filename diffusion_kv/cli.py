@@ -38,6 +38,8 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache")
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8")
+"""``--kv-cache-dtype`` choices (``diffusion_kv.core.kv_quant``; ``fp8`` is ``fp8_e4m3``)."""
 """``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
 
 
@@ -367,6 +369,7 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         attention_modes=frozenset({AttentionMode.CAUSAL, AttentionMode.PIECEWISE}),
         ulysses_degree=args.ulysses,
         dcp_size=args.dcp,
+        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, dtype),
     )
     reasons = platform.not_supported_reasons(requirements)
     if reasons:
@@ -385,7 +388,20 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         inject_fault=args.inject_fault,
+        kv_cache_dtype=requirements.kv_cache_dtype,
     )
+
+
+def _kv_cache_dtype(name: str, dtype: Any) -> Any:
+    """``--kv-cache-dtype`` for a model computing in ``dtype`` (None: the model's own), or a
+    UsageError."""
+    from diffusion_kv.core.errors import ValidationError
+    from diffusion_kv.core.kv_quant import parse_kv_cache_dtype, resolve_cache_dtype
+
+    try:
+        return resolve_cache_dtype(dtype, parse_kv_cache_dtype(name), "--kv-cache-dtype")
+    except ValidationError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoConfig) -> int:
@@ -522,6 +538,7 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         shared_prefixes=args.shared_prefixes,
         prefix_caching=args.prefix_caching,
         max_cached_blocks=args.max_cached_blocks,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
     show = not args.json and not args.no_progress
     if show:
@@ -537,8 +554,12 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         print(format_stream(result))
     if not result.agree:
         print(
-            f"diffusion-kv: error: a request's paged output disagrees with its dense run (max abs diff "
-            f"{result.max_abs_diff:.3g} > {result.tolerance:g})",
+            "diffusion-kv: error: a request's paged output disagrees with its dense run "
+            + (
+                f"(max abs diff {result.max_abs_diff:.3g} > {result.tolerance:g})"
+                if result.kv_cache_dtype == "auto"
+                else f"(cosine similarity {result.min_cosine_similarity:.6f} below the fp8 bound)"
+            ),
             file=sys.stderr,
         )
         return EXIT_ERROR
@@ -663,6 +684,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if bad_blocks:
         rules = ", ".join(str(r) for r in platform.capabilities.kernel_block_sizes)
         problems.append(f"--block-sizes {','.join(map(str, bad_blocks))} (supported: {rules})")
+    from diffusion_kv.core.kv_quant import QUANTIZED_CACHE_DTYPES, cache_dtype_name, parse_kv_cache_dtype
+
+    cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype)
+    quantized: tuple[Any, ...] = ()
+    if cache_dtype is not None and cache_dtype not in QUANTIZED_CACHE_DTYPES:
+        problems.append(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: the bench measures 16-bit pages in the model's dtype always; "
+            "this option adds a quantised cache dtype (fp8_e4m3) beside them"
+        )
+    elif cache_dtype is not None:
+        if cache_dtype not in platform.capabilities.kv_cache_dtypes:
+            problems.append(
+                f"--kv-cache-dtype {cache_dtype_name(cache_dtype)} (no backend of the platform declares it)"
+            )
+        quantized = (cache_dtype,)
     if problems:
         raise UsageError(f"platform {platform.name!r} cannot serve " + "; ".join(problems))
     try:
@@ -675,6 +711,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             gqa={"both": (False, True), "no": (False,), "only": (True,)}[args.gqa],
             dtype=dtype,
             min_ms=args.min_ms,
+            kv_cache_dtypes=quantized,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -766,6 +803,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dense cache's length for the memory comparison",
     )
     d.add_argument("--seed", type=non_negative_int, default=0)
+    d.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPE_NAMES,
+        default="auto",
+        help="the pages' dtype: auto (the model's), or fp8_e4m3 (1 byte per element, per-KV-head scales "
+        "1.0; agreement then checked by cosine similarity >= 0.999); the selected backend must declare it",
+    )
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument(
@@ -870,6 +914,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--min-ms", type=positive_float, default=20.0, help="minimum duration of one timed repetition"
+    )
+    b.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPE_NAMES,
+        default="auto",
+        help="fp8_e4m3: also measure e4m3 pages beside the model dtype's (attention variants with their "
+        "error against 16-bit pages, end-to-end latent difference, stream capacity at equal pool memory)",
     )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--output", default=None, help="also write the report to this file")

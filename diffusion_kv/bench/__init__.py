@@ -35,6 +35,9 @@ class BenchConfig:
     dtype: torch.dtype | None = None
     min_ms: float = 20.0
     host_iters: int = 200
+    kv_cache_dtypes: tuple[torch.dtype, ...] = ()
+    """Quantised cache dtypes measured beside the 16-bit pages (attention variants, end to end,
+    stream capacity); empty: none."""
 
     def __post_init__(self) -> None:
         if self.sizes not in ("auto", "small", "full"):
@@ -94,7 +97,17 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
         for i, case in enumerate(cases):
             say(f"attention {i + 1}/{len(cases)}: {case.name}")
             try:
-                results.append(attention.run_case(platform, case, device, dtype, bw, min_ms=config.min_ms))
+                results.append(
+                    attention.run_case(
+                        platform,
+                        case,
+                        device,
+                        dtype,
+                        bw,
+                        min_ms=config.min_ms,
+                        kv_cache_dtypes=config.kv_cache_dtypes,
+                    )
+                )
             except Exception as exc:  # one failing case is reported; the others still run
                 results.append({"case": case.name, "error": f"{type(exc).__name__}: {exc}"})
                 say(f"  failed: {type(exc).__name__}: {exc}")
@@ -126,7 +139,10 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             continue
         say(title)
         try:
-            report[section] = run(platform, device, dtype, sizes)
+            extra: dict[str, Any] = {}
+            if section in ("e2e", "stream"):
+                extra["kv_cache_dtypes"] = config.kv_cache_dtypes
+            report[section] = run(platform, device, dtype, sizes, **extra)
         except Exception as exc:  # reported, and the command exits 1
             errors[section] = f"{type(exc).__name__}: {exc}"
     errors.update({r["case"]: r["error"] for r in report.get("attention", []) if "error" in r})
@@ -175,6 +191,13 @@ def format_report(report: dict[str, Any]) -> str:
                         else ""
                     )
                     + (f", {p['ratio_vs_peer']:.2f}x the peer" if "ratio_vs_peer" in p else "")
+                    + (
+                        f", {p['ratio_vs_16bit_paged']:.2f}x its 16-bit pages; error vs them max "
+                        f"{p['max_abs_err_vs_16bit_paged']:.3g} mean {p['mean_abs_err_vs_16bit_paged']:.3g} "
+                        f"(cosine {p['cosine_vs_16bit_paged']:.6f})"
+                        if "ratio_vs_16bit_paged" in p
+                        else ""
+                    )
                     + ("" if p["agrees"] else f"  DISAGREES (max diff {p['max_abs_diff']:.3g})")
                 )
             peer = r.get("peer")
@@ -215,6 +238,17 @@ def format_report(report: dict[str, Any]) -> str:
             f"{e['speedup_eager']:.2f}x (target >= {e['target_speedup']:.2f}x; ideal {e['ideal_speedup']:.2f}x)"
             + ("" if e["agrees"] else f"  DISAGREES (max diff {e['max_abs_diff']:.3g})")
         )
+        for name, qe in e.get("kv_cache_dtypes", {}).items():
+            if "error" in qe:
+                lines.append(f"  {name} pages: {qe['error']}")
+                continue
+            lines.append(
+                f"  {name} pages: paged step {_fmt_ms(qe['paged_step_ms'])} ms -> {qe['speedup']:.2f}x dense, "
+                f"{qe['ratio_vs_16bit_paged']:.2f}x the 16-bit paged step; KV {qe['kv_bytes_paged'] / 2**20:.1f} vs "
+                f"{qe['kv_bytes_paged_16bit'] / 2**20:.1f} MiB; final latent cosine to 16-bit paged "
+                f"{qe['cosine_vs_16bit_paged']:.6f} (bound >= {qe['cosine_bound']}), max abs diff "
+                f"{qe['max_abs_diff_vs_16bit_paged']:.3g}" + ("" if qe["agrees"] else "  DISAGREES")
+            )
     if "stream" in report:
         st = report["stream"]
         s, q = st["stream"], st["sequential"]
@@ -229,6 +263,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"{s['peak_blocks']}/{st['pool_blocks']}"
             + ("" if st["agree"] else f"  DISAGREES (max diff {st['max_abs_diff']:.3g})")
         )
+        for name, cap in st.get("capacity", {}).items():
+            a, b = cap["model_dtype"], cap[name]
+            lines.append(
+                f"  capacity at equal pool memory ({cap['pool_fraction']:.0%} of what the requests need in the model "
+                f"dtype): {a['max_running']} requests at once ({a['pool_blocks']} blocks) vs {b['max_running']} with "
+                f"{name} pages ({b['pool_blocks']} blocks) -> {cap['concurrency_ratio']:.2f}x"
+            )
         if "eager" in st:
             ea = st["eager"]
             lines.append(

@@ -24,6 +24,7 @@ import torch
 from diffusion_kv.bench.timing import synchronize, time_device
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
@@ -179,7 +180,12 @@ class PagedSetup:
 
 
 def build_setup(
-    platform: Platform, case: AttentionCase, device: torch.device, dtype: torch.dtype, seed: int = 0
+    platform: Platform,
+    case: AttentionCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> PagedSetup:
     S, R = case.seq_len, case.rows
     runner = RunnerBackend(
@@ -190,6 +196,7 @@ def build_setup(
             max_num_seqs=1,
             max_num_batched_tokens=R * S,
             device=device,
+            kv_cache_dtype=kv_cache_dtype or "auto",
         ),
     )
     runner.register_kv_cache_layers(
@@ -243,7 +250,11 @@ def run_case(
     bandwidth_gbs: float | None,
     *,
     min_ms: float = 20.0,
+    kv_cache_dtypes: tuple[torch.dtype, ...] = (),
 ) -> dict[str, Any]:
+    """Dense SDPA backends, then every paged backend over the same K/V; with ``kv_cache_dtypes``
+    also every backend declaring one of them, its pages quantised (variant ``NAME fp8_e4m3``):
+    time, ratio to the same backend's 16-bit pages, and the error against its 16-bit output."""
     setup = build_setup(platform, case, device, dtype)  # the dense side's tensors
     setup.runner.remove(["bench"])
     scale = case.head_size**-0.5
@@ -283,6 +294,7 @@ def run_case(
     result["best_dense"] = {"backend": best[0], "ms": best[1], "tflops": case.flops() / best[1] / 1e9}
     reference = dense_out.transpose(1, 2).reshape_as(setup.query).float()
     out = torch.empty_like(setup.query)
+    outputs: dict[str, torch.Tensor] = {}
     peer_source: tuple[PagedSetup, Any, tuple[torch.Tensor, torch.Tensor]] | None = None
     for candidate in platform.candidate_backends():
         variant = candidate.name
@@ -311,6 +323,7 @@ def run_case(
         fn()
         synchronize(device)
         diff = float((out.float() - reference).abs().max())
+        outputs[variant] = out.float().clone()
         ms = time_device(fn, device, min_ms=min_ms)
         entry: dict[str, Any] = {
             "ms": ms,
@@ -331,6 +344,58 @@ def run_case(
             peer_source = (paged, batch, pages)  # the same pages, for the peer below
         else:
             paged.runner.remove(["bench"])
+    for cache_dtype in kv_cache_dtypes:
+        for candidate in platform.candidate_backends():
+            if cache_dtype not in candidate.capabilities.kv_cache_dtypes or not candidate.is_available():
+                continue
+            variant = f"{candidate.name} {cache_dtype_name(cache_dtype)}"
+            try:
+                with _env({ENV_BACKEND: f"{platform.name}:{candidate.name}"}):
+                    quant = build_setup(platform, case, device, dtype, kv_cache_dtype=cache_dtype)
+                    q_translator = quant.runner.translator
+                    assert q_translator is not None
+                    q_batch = q_translator.prepare(quant.denoise_rows)
+            except Exception as exc:
+                result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                continue
+            q_md = q_batch.attn_metadata[LAYER]
+
+            def q_fn(
+                md: Any = q_md,
+                backend: Any = quant.runner.backends[0],
+                layer: Any = quant.runner.layers[LAYER],
+                cache: Any = quant.runner.kv_caches[LAYER],
+                setup: PagedSetup = quant,
+            ) -> torch.Tensor:
+                got: torch.Tensor = backend.forward(layer, setup.query, cache, md, out)
+                return got
+
+            q_fn()
+            synchronize(device)
+            got = out.float()
+            base = outputs.get(candidate.name, reference)
+            err = (got - base).abs()
+            cos = float(torch.nn.functional.cosine_similarity(got.flatten(), base.flatten(), dim=0))
+            ms = time_device(q_fn, device, min_ms=min_ms)
+            same = result["paged"].get(candidate.name, {})
+            entry = {
+                "ms": ms,
+                "tflops": case.flops() / ms / 1e9,
+                "ratio_vs_best_dense": ms / best[1],
+                "kv_cache_dtype": cache_dtype_name(cache_dtype),
+                "max_abs_err_vs_16bit_paged": float(err.max()),
+                "mean_abs_err_vs_16bit_paged": float(err.mean()),
+                "cosine_vs_16bit_paged": cos,
+                "max_abs_diff": float((got - reference).abs().max()),
+                "agrees": cos >= 0.999,
+            }
+            if "ms" in same:
+                entry["ratio_vs_16bit_paged"] = ms / same["ms"]
+            for attr in ("backend", "reason", "num_splits", "block_m", "block_n"):
+                if hasattr(q_md, attr):
+                    entry[attr] = getattr(q_md, attr)
+            result["paged"][variant] = entry
+            quant.runner.remove(["bench"])
     peer = _time_peer(case, peer_source, reference, best[1], device, dtype, min_ms)
     if peer is not None:
         result["peer"] = peer

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.models.stream import StreamConfig, run_stream
+from diffusion_kv.core.kv_quant import cache_dtype_name
+from diffusion_kv.models.stream import StreamConfig, run_stream, serve, setup_stream
 from diffusion_kv.platforms.interface import Platform
 
 FULL = dict(
@@ -26,8 +27,50 @@ SMALL = dict(requests=6, prefix_len=128, target_len=32, steps=4, hidden=64, head
 TARGET_SPEEDUP = 2.0
 
 
+def capacity(
+    platform: Platform, cfg: StreamConfig, kv_cache_dtype: torch.dtype, pool_fraction: float = 0.5
+) -> dict[str, Any]:
+    """The same requests served together from a pool of equal memory (``pool_fraction`` of what
+    they need at once in the model's dtype), its pages in the model's dtype and in
+    ``kv_cache_dtype``: how many run at once, peak blocks, the pool's bytes (eager, no warm-up:
+    what is compared is admission, not speed)."""
+    out: dict[str, Any] = {"pool_fraction": pool_fraction}
+    for label, cache in (("model_dtype", None), (cache_dtype_name(kv_cache_dtype), kv_cache_dtype)):
+        c = dataclasses.replace(
+            cfg, pool_fraction=pool_fraction, kv_cache_dtype=cache, graphs=False, warmup=False
+        )
+        st = setup_stream(platform, c, None)
+        run = serve(
+            st.model,
+            st.runner,
+            st.allocator(False),
+            st.requests,
+            st.inputs,
+            c,
+            max_running=st.concurrency,
+            arrival_gap=0,
+            graphs=False,
+            label=label,
+        )
+        out[label] = {
+            "pool_blocks": st.pool_blocks,
+            "pool_bytes": st.pool_blocks * st.runner.kv_bytes_per_block(),
+            "max_running": run.max_running,
+            "peak_blocks": run.peak_blocks,
+            "ticks": run.ticks,
+        }
+    first, second = out["model_dtype"], out[cache_dtype_name(kv_cache_dtype)]
+    out["concurrency_ratio"] = second["max_running"] / first["max_running"]
+    return out
+
+
 def stream_throughput(
-    platform: Platform, device: torch.device, dtype: torch.dtype, sizes: str, block_size: int | None = None
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: str,
+    block_size: int | None = None,
+    kv_cache_dtypes: tuple[torch.dtype, ...] = (),
 ) -> dict[str, Any]:
     shape = FULL if sizes == "full" else SMALL
     cfg = StreamConfig(
@@ -49,4 +92,10 @@ def stream_throughput(
             k: eager.as_dict()[k] for k in ("stream", "sequential", "speedup", "agree", "max_abs_diff")
         }
         out["eager"]["meets_target"] = eager.speedup >= TARGET_SPEEDUP
+    out["capacity"] = {
+        cache_dtype_name(d): capacity(
+            platform, dataclasses.replace(cfg, requests=max(shape["requests"], 8)), d
+        )
+        for d in kv_cache_dtypes
+    }
     return out

@@ -40,6 +40,7 @@ import torch
 
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool
 from diffusion_kv.core.graphs import CapturedStep
+from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.prefix_cache import ContentSpan, PrefixCache
@@ -53,7 +54,15 @@ from diffusion_kv.core.scheduler import (
     StepReport,
 )
 from diffusion_kv.models.buckets import BucketGraphs, default_buckets
-from diffusion_kv.models.demo import TOLERANCE, _sync, build_model, combine_guidance, max_difference
+from diffusion_kv.models.demo import (
+    FP8_COSINE_BOUND,
+    TOLERANCE,
+    _sync,
+    build_model,
+    combine_guidance,
+    cosine,
+    max_difference,
+)
 from diffusion_kv.models.demo import DemoConfig as _DemoConfig
 from diffusion_kv.models.tiny_dit import TinyDiT
 from diffusion_kv.platforms.interface import Platform
@@ -98,6 +107,11 @@ class StreamConfig:
     workload no prefix repeats, so this measures what caching costs when nothing hits."""
     max_cached_blocks: int | None = None
     """Cap on the blocks the prefix cache keeps (None: the pool is the only limit)."""
+    kv_cache_dtype: torch.dtype | None = None
+    """The pages' dtype (None: the model's). The pool holds the same bytes either way (blocks of a
+    smaller dtype are smaller, so it has more of them), and with a quantised cache every request
+    agrees with its dense run when their final latents' cosine similarity is at least
+    ``FP8_COSINE_BOUND``."""
     repeats: int = 1
     """With prefix caching: how many times the stream is served with and without the cache,
     alternating; each figure is from its fastest run (capture time apart)."""
@@ -485,6 +499,10 @@ class StreamResult:
     prefix_cache: dict[str, Any] | None = None
     """With prefix caching: the stream against the same stream with caching off (module
     docstring)."""
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_block: int = 0
+    min_cosine_similarity: float = 1.0
+    """Over every request, of its final latent against its dense run's."""
 
     @property
     def speedup(self) -> float:
@@ -577,6 +595,8 @@ def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | N
     max_len = max(r.seq_len for r in requests)
     per_request = [r.cfg_rows * cdiv(r.seq_len, block) for r in requests]
     pool_blocks = max(max(per_request), math.ceil(cfg.pool_fraction * sum(per_request)))
+    if cfg.kv_cache_dtype is not None and cfg.kv_cache_dtype != cfg.dtype:  # equal pool memory
+        pool_blocks *= cfg.dtype.itemsize // cfg.kv_cache_dtype.itemsize
     concurrency = min(cfg.max_running, len(requests))
     runner = RunnerBackend(
         platform,
@@ -588,6 +608,7 @@ def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | N
                 sorted((r.step_tokens(0) for r in requests), reverse=True)[:concurrency]
             ),
             device=device,
+            kv_cache_dtype=cfg.kv_cache_dtype or "auto",
         ),
     )
     mc = model.cfg
@@ -653,12 +674,15 @@ def run_stream(
             again = go(concurrency, cfg.arrival_gap, "stream", None)
             stream = again if _busy(again) < _busy(stream) else stream
     diffs = []
+    cosines = []
     rows = []
     for r in requests:
         ref = dense_run(model, r, inputs[r.request_id], cfg.guidance)
         d_stream = float(max_difference(ref, stream.latents[r.request_id]).item())
         d_seq = float(max_difference(ref, sequential.latents[r.request_id]).item())
         diffs.extend([d_stream, d_seq])
+        cos = min(cosine(ref, stream.latents[r.request_id]), cosine(ref, sequential.latents[r.request_id]))
+        cosines.append(cos)
         rows.append(
             dict(
                 request_id=r.request_id,
@@ -668,6 +692,7 @@ def run_stream(
                 cfg_rows=r.cfg_rows,
                 max_abs_diff_stream=d_stream,
                 max_abs_diff_sequential=d_seq,
+                cosine_similarity=cos,
             )
         )
     tol = TOLERANCE.get(cfg.dtype, 1e-1)
@@ -684,6 +709,9 @@ def run_stream(
             )
         prefix_cache = prefix_report(cfg, stream, uncached, vs_uncached, tol, work)
     worst = max(diffs)
+    quantized = cfg.kv_cache_dtype is not None and cfg.kv_cache_dtype != cfg.dtype
+    if prefix_cache is not None and quantized:  # both runs read the same e4m3 pages
+        prefix_cache["agrees"] = prefix_cache["max_abs_diff_vs_uncached"] == 0.0 or prefix_cache["agrees"]
     return StreamResult(
         platform=platform.name,
         device=str(device),
@@ -693,11 +721,14 @@ def run_stream(
         requests=rows,
         max_abs_diff=worst,
         tolerance=tol,
-        agree=worst <= tol,
+        agree=min(cosines) >= FP8_COSINE_BOUND if quantized else worst <= tol,
         stream=_run_record(stream, len(requests), work),
         sequential=_run_record(sequential, len(requests), work),
         target_token_steps=work,
         prefix_cache=prefix_cache,
+        kv_cache_dtype=cache_dtype_name(cfg.kv_cache_dtype if quantized else None),
+        kv_bytes_per_block=runner.kv_bytes_per_block(),
+        min_cosine_similarity=min(cosines),
     )
 
 
@@ -764,7 +795,13 @@ def format_stream(r: StreamResult) -> str:
     lines = [
         f"platform: {r.platform} (device {r.device}, {r.dtype}), block size {r.block_size}, pool {r.pool_blocks} blocks",
         f"requests ({len(r.requests)}, prefix+target x CFG rows): {shapes}",
-        f"max |dense - paged| over every request: {r.max_abs_diff:.3g} (tolerance {r.tolerance:g}) -> "
+        (
+            f"max |dense - paged| over every request: {r.max_abs_diff:.3g} (tolerance {r.tolerance:g}) -> "
+            if r.kv_cache_dtype == "auto"
+            else f"KV cache {r.kv_cache_dtype} ({r.kv_bytes_per_block} bytes per block, pool memory as with the "
+            f"model's dtype): lowest final-latent cosine similarity to dense {r.min_cosine_similarity:.6f} "
+            f"(bound >= {FP8_COSINE_BOUND}), max |dense - paged| {r.max_abs_diff:.3g} -> "
+        )
         + ("AGREE" if r.agree else "DISAGREE"),
         f"stream: {s['wall_ms']:.0f} ms, {s['requests_per_s']:.2f} requests/s, {s['target_tokens_per_s']:.0f} "
         f"target tokens/s; {s['ticks']} steps, up to {s['max_running']} requests at once, {s['preparations']} "
