@@ -93,9 +93,7 @@ def stream_throughput(
         }
         out["eager"]["meets_target"] = eager.speedup >= TARGET_SPEEDUP
     out["capacity"] = {
-        cache_dtype_name(d): capacity(
-            platform, dataclasses.replace(cfg, requests=max(shape["requests"], 8)), d
-        )
+        cache_dtype_name(d): capacity(platform, dataclasses.replace(cfg, requests=16, max_running=16), d)
         for d in kv_cache_dtypes
     }
     return out
