@@ -161,6 +161,7 @@ def _caps_line(status: PlatformStatus) -> str:
     return (
         f"dtypes={','.join(caps['dtypes'])} head_sizes={heads} blocks={';'.join(caps['kernel_block_sizes'])} "
         f"(default {status.default_block_size}) slots={','.join(caps['slot_mapping_dtypes'])} "
+        f"kv_cache={','.join(caps.get('kv_cache_dtypes', ['auto']))} "
         f"modes={','.join(caps['attention_modes'])} flags={','.join(flags) or '-'} backends={backends or '-'}"
     )
 

@@ -84,20 +84,21 @@ def resolve_cache_dtype(compute: torch.dtype, requested: torch.dtype | None, wha
 
 
 def _per_head(value: object, heads: int, what: str) -> list[float]:
+    problem = f"{what} must be a finite positive number or {heads} of them (one per KV head); got {value!r}"
     if isinstance(value, bool):
-        raise ValidationError(f"{what} must be a positive number or one per KV head; got {value!r}")
+        raise ValidationError(problem)
     if isinstance(value, (int, float)):
         values = [float(value)] * heads
     elif isinstance(value, torch.Tensor):
         values = [float(x) for x in value.detach().to("cpu", torch.float64).reshape(-1).tolist()]
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        values = [float(x) if not isinstance(x, bool) else float("nan") for x in value]
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
+            raise ValidationError(problem)
+        values = [float(x) for x in value]
     else:
-        raise ValidationError(f"{what} must be a positive number or one per KV head; got {value!r}")
+        raise ValidationError(problem)
     if len(values) != heads or any(not (v > 0 and v < float("inf")) for v in values):
-        raise ValidationError(
-            f"{what} must be a finite positive number or {heads} of them (one per KV head); got {value!r}"
-        )
+        raise ValidationError(problem)
     return values
 
 

@@ -1,0 +1,160 @@
+"""fp8_e4m3 KV pages: the cache dtype as a capability, scales, quantisation, the cpu reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from diffusion_kv.core.capabilities import Capabilities, Requirements, capability_reasons
+from diffusion_kv.core.errors import UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.kv_quant import (
+    FP8_E4M3,
+    FP8_MAX,
+    KVScales,
+    dequantize,
+    fake_quantize,
+    parse_kv_cache_dtype,
+    quantize,
+    resolve_cache_dtype,
+)
+from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.platforms.cpu import CpuPlatform
+from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+
+
+def runner(kv_cache_dtype: object = "fp8_e4m3", **spec: object) -> RunnerBackend:
+    r = RunnerBackend(
+        CpuPlatform(),
+        RunnerConfig(
+            max_model_len=64, max_rows_per_request=1, max_num_seqs=2, max_num_batched_tokens=128,
+            kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+        ),
+    )  # fmt: skip
+    r.register_kv_cache_layers({"l0": PagedLayerSpec(4, 2, 16, torch.float32, **spec)})  # type: ignore[arg-type]
+    return r
+
+
+def test_names_parse_and_refuse() -> None:
+    assert parse_kv_cache_dtype("auto") is None
+    assert parse_kv_cache_dtype("fp8") == parse_kv_cache_dtype("fp8_e4m3") == FP8_E4M3
+    assert parse_kv_cache_dtype(torch.bfloat16) == torch.bfloat16
+    for bad in ("int8", torch.float32, 8, None):
+        with pytest.raises(
+            ValidationError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8_e4m3"
+        ):
+            parse_kv_cache_dtype(bad)
+    assert resolve_cache_dtype(torch.bfloat16, torch.bfloat16, "x") is None
+    assert resolve_cache_dtype(torch.float32, FP8_E4M3, "x") == FP8_E4M3
+    with pytest.raises(
+        ValidationError, match="x: kv_cache_dtype float16 differs from the layer dtype bfloat16"
+    ):
+        resolve_cache_dtype(torch.bfloat16, torch.float16, "x")
+
+
+def test_quantize_rounds_clamps_and_counts() -> None:
+    scale = torch.tensor([0.5, 2.0])
+    x = torch.tensor([[[0.5, 300.0, -1000.0]], [[1.0, 1000.0, 3.0]]]).reshape(1, 2, 3)
+    counter = torch.zeros((), dtype=torch.int64)
+    q = quantize(x, scale, counter)
+    assert q.dtype == FP8_E4M3
+    # head 0: 1.0, 600 -> 448 (clamped), -2000 -> -448; head 1: 0.5, 500 -> 448, 1.5
+    assert q.float().tolist() == [[[1.0, 448.0, -448.0], [0.5, 448.0, 1.5]]]
+    assert int(counter) == 3
+    assert dequantize(q, scale, torch.float32).tolist() == [[[0.5, 224.0, -224.0], [1.0, 896.0, 3.0]]]
+    y = torch.randn(64, 2, 32)
+    assert torch.equal(fake_quantize(y, scale), dequantize(quantize(y, scale), scale, y.dtype))
+    rel = ((fake_quantize(y, torch.ones(2)) - y).abs() / y.abs().clamp_min(2**-6)).max()
+    assert rel <= 2**-4  # round to nearest with 3 mantissa bits
+
+
+def test_scales_are_checked_set_in_place_and_count() -> None:
+    sc = KVScales(2, torch.device("cpu"), 0.5, [1.0, 2.0], "l0")
+    assert sc.k_scale.tolist() == [0.5, 0.5] and sc.v_scale.tolist() == [1.0, 2.0]
+    k_ptr = sc.k_scale.data_ptr()
+    sc.set([0.25, 0.125], 3.0)
+    assert sc.k_scale.data_ptr() == k_ptr and sc.k_scale.tolist() == [0.25, 0.125]
+    for bad in (0.0, -1.0, [1.0], [1.0, float("nan")], "1", True):
+        with pytest.raises(ValidationError, match="layer 'l0' k_scale must be a finite positive number or 2"):
+            sc.set(bad, 1.0)
+    assert sc.k_scale.tolist() == [0.25, 0.125]  # nothing changed by a refused set
+    assert KVScales.from_amax(torch.tensor([448.0, 4.48])) == pytest.approx([1.0, 0.01])
+    assert sc.saturations() == (0, 0)
+
+
+def test_capability_and_requirement() -> None:
+    caps = CpuReferenceBackend.capabilities
+    assert capability_reasons(caps, Requirements(dtype=torch.float32, kv_cache_dtype=FP8_E4M3)) == []
+    plain = Capabilities(dtypes=frozenset({torch.float32}), head_sizes=None, kernel_block_sizes=(16,))
+    assert capability_reasons(plain, Requirements(dtype=torch.float32, kv_cache_dtype=FP8_E4M3)) == [
+        "kv_cache_dtype=fp8_e4m3 (pages hold the compute dtype only)"
+    ]
+    assert capability_reasons(plain, Requirements(dtype=torch.float32, kv_cache_dtype=torch.float32)) == []
+    assert plain.summary()["kv_cache_dtypes"] == ["auto"] and caps.summary()["kv_cache_dtypes"] == [
+        "auto",
+        "fp8_e4m3",
+    ]
+    bad = Capabilities(
+        dtypes=frozenset({torch.float32}), head_sizes=None, kernel_block_sizes=(16,), kv_cache_dtypes={1}
+    )  # type: ignore[arg-type]
+    assert any("kv_cache_dtypes must be a frozenset of torch.dtype" in p for p in bad.problems())
+
+
+def test_runner_sizes_pages_by_the_cache_dtype_and_picks_a_declaring_backend() -> None:
+    r = runner(k_scale=[0.1, 0.2])
+    layout = r.initialize_kv_cache(num_blocks=4, block_size=16)
+    assert type(r.backends[0]).name == "reference"  # cpu:sdpa does not declare fp8: skipped, not served
+    assert layout.groups[0].spec.bytes_per_token() == 2 * 2 * 16 * 1
+    assert r.kv_bytes_per_block() == 16 * 2 * 2 * 16
+    assert r.kv_caches["l0"].dtype == FP8_E4M3
+    sc = r.layers["l0"].kv_scales
+    assert (
+        sc is not None
+        and sc.k_scale.tolist() == pytest.approx([0.1, 0.2])
+        and sc.v_scale.tolist() == [1.0, 1.0]
+    )
+    plain = runner("auto")
+    plain.initialize_kv_cache(num_blocks=4, block_size=16)
+    assert plain.kv_bytes_per_block() == 4 * r.kv_bytes_per_block() and plain.layers["l0"].kv_scales is None
+
+
+def test_runner_refuses_bad_cache_settings() -> None:
+    with pytest.raises(ValidationError, match="kv_cache_dtype must be one of"):
+        runner("int4")
+    with pytest.raises(
+        ValidationError, match="layer 'l0': kv_cache_dtype bfloat16 differs from the layer dtype float32"
+    ):
+        runner("bfloat16")
+    with pytest.raises(ValidationError, match="layer 'l0' v_scale must be a finite positive number or 2"):
+        runner(v_scale=[1.0, 2.0, 3.0])
+
+
+def test_a_forced_backend_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", "cpu:sdpa")
+    with pytest.raises(UnsupportedRequirementsError, match="kv_cache_dtype=fp8_e4m3"):
+        runner()
+
+
+def test_cli_demo_fp8_json_and_usage() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "diffusion_kv.cli", "demo", "--kv-cache-dtype", "fp8_e4m3", "--prefix", "64",
+            "--target", "16", "--steps", "3", "--hidden", "64", "--heads", "2", "--layers", "2", "--json",
+        ],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["kv_cache_dtype"] == "fp8_e4m3" and out["agree"] is True and out["cosine_similarity"] >= 0.999
+    assert out["kv_bytes_per_token"] == {"float32": 2 * 2 * 32 * 4 * 2, "fp8_e4m3": 2 * 2 * 32 * 2}
+    assert out["kv_bytes_paged"] == out["blocks_used"] * 16 * 2 * 2 * 32 * 2  # one byte per element
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusion_kv.cli", "demo", "--kv-cache-dtype", "float16"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--kv-cache-dtype: kv_cache_dtype float16 differs from the layer dtype float32" in proc.stderr
+    assert FP8_MAX == 448.0
