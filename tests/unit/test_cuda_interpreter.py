@@ -40,10 +40,15 @@ pytestmark = [
 
 
 def interpreted(base: type[CudaPagedBackend]) -> type[PagedBackend]:
-    """``base`` on the CPU under Triton's interpreter, float32 allowed."""
+    """``base`` on the CPU under Triton's interpreter, float32 allowed. e4m3 pages are left out:
+    the interpreter's float8 conversions do not round to nearest (Triton 3.6 turns -0.4941 into
+    -0.25), so the fp8 kernels are checked on the GPU only (tests/gpu); here the kit checks that
+    the undeclared cache dtype is refused."""
 
     class Interpreted(base):  # type: ignore[valid-type,misc]
-        capabilities = dataclasses.replace(base.capabilities, dtypes=frozenset({torch.float32}))
+        capabilities = dataclasses.replace(
+            base.capabilities, dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset()
+        )
 
         @classmethod
         def is_available(cls) -> Availability:
