@@ -34,6 +34,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _round_e4m3(x):
+    """``x`` (float32, within +-448) rounded to the nearest e4m3 value, ties to even, still in
+    float32: the cast to float8 that follows is then exact. (Triton converts float32 to e4m3
+    through float16, and rounding twice differs from rounding once in rare cases; torch's
+    ``.to(torch.float8_e4m3fn)`` rounds once.) Normal range: keep 3 of the 23 mantissa bits;
+    below 2**-6 the e4m3 step is 2**-9: add and subtract 1.5 * 2**14 (a zero keeps its sign)."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    small = (x + 24576.0) - 24576.0
+    small = tl.where(small == 0.0, x * 0.0, small)  # keep the sign of a zero, as torch does
+    return tl.where(tl.abs(x) < 0.015625, small, normal)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -80,8 +95,8 @@ def _write_kv_kernel(
                 tl.atomic_add(saturated_ptr, k_over.to(tl.int64))
             if v_over > 0:
                 tl.atomic_add(saturated_ptr + 1, v_over.to(tl.int64))
-            k = tl.minimum(tl.maximum(kf, -448.0), 448.0)
-            v = tl.minimum(tl.maximum(vf, -448.0), 448.0)
+            k = _round_e4m3(tl.minimum(tl.maximum(kf, -448.0), 448.0))
+            v = _round_e4m3(tl.minimum(tl.maximum(vf, -448.0), 448.0))
         tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=hm[:, None])
         tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=hm[:, None])
 
