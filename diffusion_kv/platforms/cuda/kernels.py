@@ -33,6 +33,11 @@ import triton.language as tl
 # --------------------------------------------------------------------------------------------
 
 
+FP8_VIA_F16 = False
+"""How the attention kernel widens e4m3 pages: directly to the query dtype, or through float16
+(exact either way; which is faster is measured by ``benchmarks/fp8_widening.py``)."""
+
+
 @triton.jit
 def _round_e4m3(x):
     """``x`` (float32, within +-448) rounded to the nearest e4m3 value, ties to even, still in
@@ -194,6 +199,7 @@ def _paged_attention_kernel(
     CP_RANK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    FP8_VIA_F16: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -255,7 +261,7 @@ def _paged_attention_kernel(
             kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         if KV_SCALED:
-            k = k.to(q.dtype)
+            k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * s_scale
         allowed = kmask[None, :]
         if CAUSAL:
@@ -271,7 +277,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         if KV_SCALED:
-            v = v.to(q.dtype)
+            v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -437,6 +443,7 @@ def paged_attention(
         CP_RANK=cp_rank if cp_size > 1 else 0,
         INTERLEAVE=cp_interleave if cp_size > 1 else 1,
         KV_SCALED=scaled,
+        FP8_VIA_F16=FP8_VIA_F16,
         num_warps=num_warps,
         num_stages=num_stages,
     )
