@@ -26,7 +26,7 @@ import torch
 from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
-from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf
+from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf, Requirements
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.versions import (
@@ -253,6 +253,16 @@ class VllmFlashAttnBackend(VllmPagedBackend):
         supports_ulysses=True,
     )
     vllm_backend: ClassVar[str | None] = "FLASH_ATTN"
+
+    @classmethod
+    def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+        reasons = super().not_supported_reasons(requirements)
+        if requirements.kv_cache_dtype not in (None, requirements.dtype):
+            reasons.append(
+                "vLLM FlashAttention's fp8 path (q/k/v descale factors) is not wired into this backend yet; "
+                "the cuda platform's own paged/triton backends serve fp8_e4m3 pages"
+            )
+        return reasons
 
     @classmethod
     def _environment_reason(cls) -> str | None:

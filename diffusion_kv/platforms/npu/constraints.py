@@ -181,6 +181,12 @@ def unverified_notes(requirements: Requirements) -> list[str]:
             f"dtype={dtype_name(requirements.dtype)} is unverified on Ascend: the TND documentation of "
             f"{FIA_V1} lists bfloat16 only"
         )
+    if requirements.kv_cache_dtype not in (None, requirements.dtype):
+        notes.append(
+            f"kv_cache_dtype={dtype_name(requirements.kv_cache_dtype)} is not wired on Ascend: {SCATTER} in "
+            f"{DOCS_FILE} lists fp8 cache dtypes and {FIA_V1} takes key/value_antiquant_scale, but neither "
+            "path is implemented or hardware-checked by this plugin"
+        )
     if requirements.head_size in UNVERIFIED_HEAD_SIZES:
         notes.append(
             f"head_size={requirements.head_size} is unverified on Ascend: the TND documentation of "
