@@ -960,14 +960,14 @@ def test_a_seal_the_worker_refuses_fails_the_request_and_publishes_nothing(
         pool=FreeListPool(48),
         prefix_cache=PrefixCache(),
     )
-    install = runner.install
+    seal = runner.seal
 
     def refuse_seals(snapshot: RequestAllocation) -> bool:
         if any(s.cached_prefix_len for s in snapshot.sequences):
             raise StateError("injected seal refusal")
-        return install(snapshot)
+        return seal(snapshot)
 
-    monkeypatch.setattr(runner, "install", refuse_seals)
+    monkeypatch.setattr(runner, "seal", refuse_seals)
     with DiffusionScheduler(runner, alloc, model_id="m") as sched:
         sched.submit(shared("a"))
         report = sched.step(TwoLayerModel(runner))
