@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.bench.stream import bench_config
 from diffusion_kv.core.scheduler import DiffusionScheduler, StepBatch
 from diffusion_kv.models.demo import _sync
 from diffusion_kv.models.stream import StreamConfig, StreamModel, model_identity, run_stream, setup_stream
@@ -97,15 +98,7 @@ def prefix_cache_bench(
     platform: Platform, device: torch.device, dtype: torch.dtype, sizes: str, block_size: int | None = None
 ) -> dict[str, Any]:
     shape = FULL if sizes == "full" else SMALL
-    base = StreamConfig(
-        **shape,  # type: ignore[arg-type]
-        dtype=dtype,
-        block_size=block_size,
-        arrival_gap=1,
-        max_running=shape["requests"],
-        pool_fraction=1.0,
-    )
-    base = dataclasses.replace(base, repeats=3)
+    base = dataclasses.replace(bench_config(shape, dtype, block_size), repeats=3)
     shared_cfg = dataclasses.replace(base, shared_prefixes=1)
     prefill = prefill_step_ms(platform, shared_cfg, device)
     shared = run_stream(platform, shared_cfg, device=device)

@@ -27,6 +27,19 @@ SMALL = dict(requests=6, prefix_len=128, target_len=32, steps=4, hidden=64, head
 TARGET_SPEEDUP = 2.0
 
 
+def bench_config(shape: dict[str, int], dtype: torch.dtype, block_size: int | None) -> StreamConfig:
+    """The bench's stream: ``shape``'s requests arriving one step apart, all allowed at once, a
+    pool that holds them all."""
+    return StreamConfig(
+        **shape,  # type: ignore[arg-type]
+        dtype=dtype,
+        block_size=block_size,
+        arrival_gap=1,
+        max_running=shape["requests"],
+        pool_fraction=1.0,
+    )
+
+
 def capacity(
     platform: Platform, cfg: StreamConfig, kv_cache_dtype: torch.dtype, pool_fraction: float = 0.5
 ) -> dict[str, Any]:
@@ -73,14 +86,7 @@ def stream_throughput(
     kv_cache_dtypes: tuple[torch.dtype, ...] = (),
 ) -> dict[str, Any]:
     shape = FULL if sizes == "full" else SMALL
-    cfg = StreamConfig(
-        **shape,  # type: ignore[arg-type]
-        dtype=dtype,
-        block_size=block_size,
-        arrival_gap=1,
-        max_running=shape["requests"],
-        pool_fraction=1.0,
-    )
+    cfg = bench_config(shape, dtype, block_size)
     result = run_stream(platform, cfg, device=device)
     out = result.as_dict()
     out["shape"] = shape

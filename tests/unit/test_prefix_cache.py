@@ -560,6 +560,19 @@ H, HKV, D = 4, 2, 8
 LAYERS = ("l0", "l1")
 
 
+def cached_allocator(runner: RunnerBackend, num_blocks: int = 48) -> DiffusionKVAllocator:
+    """An allocator with a prefix cache describing ``runner``'s worker."""
+    assert runner.layout is not None
+    return DiffusionKVAllocator(
+        block_size=BS,
+        max_model_len=MAX_LEN,
+        max_rows_per_request=2,
+        worker_rows=runner.layout.max_num_reqs,
+        pool=FreeListPool(num_blocks),
+        prefix_cache=PrefixCache(),
+    )
+
+
 def make_runner(
     block: int = 4, num_blocks: int = 32, max_len: int = 64, modes: dict[str, AttentionMode] | None = None
 ) -> RunnerBackend:
@@ -906,14 +919,7 @@ def test_a_full_attention_layer_disables_prefix_keys(monkeypatch: pytest.MonkeyP
 def test_prefix_caching_needs_a_model_id() -> None:
     runner = make_runner(block=BS, num_blocks=48, max_len=MAX_LEN)
     assert runner.layout is not None
-    alloc = DiffusionKVAllocator(
-        block_size=BS,
-        max_model_len=MAX_LEN,
-        max_rows_per_request=2,
-        worker_rows=runner.layout.max_num_reqs,
-        pool=FreeListPool(48),
-        prefix_cache=PrefixCache(),
-    )
+    alloc = cached_allocator(runner)
     for bad in (None, ""):
         with pytest.raises(
             ValidationError,
@@ -952,14 +958,7 @@ def test_a_seal_the_worker_refuses_fails_the_request_and_publishes_nothing(
 ) -> None:
     runner = make_runner(block=BS, num_blocks=48, max_len=MAX_LEN)
     assert runner.layout is not None
-    alloc = DiffusionKVAllocator(
-        block_size=BS,
-        max_model_len=MAX_LEN,
-        max_rows_per_request=2,
-        worker_rows=runner.layout.max_num_reqs,
-        pool=FreeListPool(48),
-        prefix_cache=PrefixCache(),
-    )
+    alloc = cached_allocator(runner)
     seal = runner.seal
 
     def refuse_seals(snapshot: RequestAllocation) -> bool:
