@@ -416,8 +416,9 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
         build_parallel_groups,
         init_distributed_from_env,
     )
-    from diffusion_kv.models.demo import format_result, text_progress
+    from diffusion_kv.models.demo import format_result
     from diffusion_kv.models.parallel_demo import check_parallel_config, run_parallel_demo
+    from diffusion_kv.progress import ProgressDisplay, demo_progress
 
     if "WORLD_SIZE" not in os.environ:
         raise UsageError("--ulysses N, --cfg-parallel and --dcp N run under torchrun (WORLD_SIZE is not set)")
@@ -466,23 +467,19 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
         except DiffusionKVError as exc:
             print(f"diffusion-kv: error (rank {rank}): {exc}", file=sys.stderr)
             return EXIT_ERROR
-        show = rank == 0 and not args.json and not args.no_progress
-        if show:
-            split = (
-                f"DCP {args.dcp}, interleave {args.dcp_interleave}"
-                if dcp is not None
-                else f"Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size}"
-            )
-            print(
-                f"diffusion-kv demo on platform {platform.name!r}, {world.size} ranks ({split})",
-                file=sys.stderr,
-            )
+        display = ProgressDisplay(enabled=rank == 0 and not args.json and not args.no_progress)
+        split = (
+            f"DCP {args.dcp}, interleave {args.dcp_interleave}"
+            if dcp is not None
+            else f"Ulysses {groups.ulysses.size} x CFG-parallel {groups.cfg.size}"
+        )
+        display.say(f"diffusion-kv demo on platform {platform.name!r}, {world.size} ranks ({split})")
         result = run_parallel_demo(
             platform,
             cfg,
             groups,
             device,
-            progress=text_progress() if show else None,
+            progress=demo_progress(display) if display.enabled else None,
             dcp=dcp,
             dcp_interleave=args.dcp_interleave,
         )
@@ -506,7 +503,8 @@ def _cmd_demo_parallel(args: argparse.Namespace, platform: Platform, cfg: DemoCo
 
 def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platform) -> int:
     """``demo --stream N``: N requests of mixed shapes served together (continuous batching)."""
-    from diffusion_kv.models.stream import StreamConfig, format_stream, run_stream, text_progress
+    from diffusion_kv.models.stream import StreamConfig, format_stream, run_stream
+    from diffusion_kv.progress import ProgressDisplay, stream_progress
 
     problems = []
     if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
@@ -541,14 +539,13 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         max_cached_blocks=args.max_cached_blocks,
         kv_cache_dtype=cfg.kv_cache_dtype,
     )
-    show = not args.json and not args.no_progress
-    if show:
-        print(
-            f"diffusion-kv demo --stream {args.stream} on platform {platform.name!r}: the requests one after "
-            "another, then served together",
-            file=sys.stderr,
-        )
-    result = run_stream(platform, stream_cfg, progress=text_progress() if show else None)
+    display = ProgressDisplay(enabled=not args.json and not args.no_progress)
+    display.say(
+        f"diffusion-kv demo --stream {args.stream} on platform {platform.name!r}: the requests one after "
+        "another, then served together"
+    )
+    result = run_stream(platform, stream_cfg, progress=stream_progress(display) if display.enabled else None)
+    display.close()
     if args.json:
         print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
     else:
@@ -575,7 +572,8 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from diffusion_kv.models.demo import format_result, run_demo, text_progress
+    from diffusion_kv.models.demo import format_result, run_demo
+    from diffusion_kv.progress import ProgressDisplay, demo_progress
 
     platform = _select(args.platform, warn=_stderr_warning)
     cfg = _demo_config(args, platform)
@@ -594,10 +592,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"{', '.join(stream_only)} applies to --stream only")
     if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
         return _cmd_demo_parallel(args, platform, cfg)
-    show = not args.json and not args.no_progress
-    if show:
-        print(f"diffusion-kv demo on platform {platform.name!r}", file=sys.stderr)
-    result = run_demo(platform, cfg, progress=text_progress() if show else None)
+    display = ProgressDisplay(enabled=not args.json and not args.no_progress)
+    display.say(f"diffusion-kv demo on platform {platform.name!r}")
+    result = run_demo(platform, cfg, progress=demo_progress(display) if display.enabled else None)
+    display.close()
     if args.json:
         print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
     else:
@@ -654,7 +652,8 @@ def _plot_saved_report(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from diffusion_kv.bench import BenchConfig, format_report, run_bench, text_progress
+    from diffusion_kv.bench import BenchConfig, format_report, run_bench
+    from diffusion_kv.progress import ProgressDisplay, bench_progress
 
     if args.output:
         _check_writable(args.output)
@@ -716,9 +715,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    progress = None if args.no_progress else text_progress()
-    if progress:
-        progress(f"platform {platform.name!r}, sections {','.join(config.sections)}")
+    display = ProgressDisplay(enabled=not args.no_progress)
+    progress = bench_progress(display) if display.enabled else None
+    display.say(f"[bench] platform {platform.name!r}, sections {','.join(config.sections)}")
     try:
         report = run_bench(platform, config, progress)
     except ValueError as exc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import platform as _pyplatform
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -286,16 +285,8 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def text_progress(stream: Any = sys.stderr) -> Progress:
-    def say(message: str) -> None:
-        stream.write(f"[bench] {message}\n")
-        stream.flush()
-
-    return say
-
-
 def parse_list(text: str, cast: Callable[[str], Any]) -> tuple[Any, ...]:
     return tuple(cast(x) for x in text.split(",") if x)
 
 
-__all__: Sequence[str] = ("SECTIONS", "BenchConfig", "format_report", "run_bench", "text_progress")
+__all__: Sequence[str] = ("SECTIONS", "BenchConfig", "format_report", "run_bench")

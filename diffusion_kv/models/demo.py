@@ -8,7 +8,6 @@ translator, the platform's BlockTables, metadata builder, backend and caches) ->
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -377,18 +376,6 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     if not bool(torch.isfinite(y).all()):
         return 0.0
     return float(torch.nn.functional.cosine_similarity(x, y, dim=0).item())
-
-
-def text_progress(stream: Any = sys.stderr) -> Progress:
-    def show(mode: str, i: int, n: int) -> None:
-        width = 24
-        filled = int(width * i / n)
-        stream.write(f"\r{mode:>5} [{'#' * filled}{'.' * (width - filled)}] step {i}/{n}")
-        if i == n:
-            stream.write("\n")
-        stream.flush()
-
-    return show
 
 
 def format_result(r: DemoResult) -> str:

@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -771,19 +770,6 @@ def prefix_report(
         "tolerance": tol,
         "agrees": max_diff <= tol,
     }
-
-
-def text_progress(stream: Any = sys.stderr) -> Progress:
-    def show(label: str, report: StepReport, done: int, total: int) -> None:
-        stream.write(
-            f"\r{label:>10}: step {report.tick + 1:>4}, {report.rows:>3} rows / {report.tokens:>6} tokens, "
-            f"blocks {report.blocks_in_use}/{report.blocks_total}, done {done}/{total}   "
-        )
-        if done == total:
-            stream.write("\n")
-        stream.flush()
-
-    return show
 
 
 def format_stream(r: StreamResult) -> str:
