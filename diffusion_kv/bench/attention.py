@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,7 +26,7 @@ from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
-from diffusion_kv.platforms.interface import ENV_BACKEND, Platform
+from diffusion_kv.platforms.interface import Platform
 
 LAYER = "bench.attn"
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -122,20 +120,6 @@ def attention_cases(
     return cases
 
 
-@contextmanager
-def _env(overrides: Mapping[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def dense_backends(device: torch.device) -> list[tuple[str, Any]]:
     from torch.nn.attention import SDPBackend
 
@@ -186,6 +170,7 @@ def build_setup(
     dtype: torch.dtype,
     seed: int = 0,
     kv_cache_dtype: torch.dtype | None = None,
+    backend: str | None = None,
 ) -> PagedSetup:
     S, R = case.seq_len, case.rows
     runner = RunnerBackend(
@@ -197,6 +182,7 @@ def build_setup(
             max_num_batched_tokens=R * S,
             device=device,
             kv_cache_dtype=kv_cache_dtype or "auto",
+            backend=backend,
         ),
     )
     runner.register_kv_cache_layers(
@@ -303,11 +289,10 @@ def run_case(
             result["paged"][variant] = {"error": f"unavailable: {found.reason}"}
             continue
         try:  # a worker with this backend forced, over the same data
-            with _env({ENV_BACKEND: f"{platform.name}:{variant}"}):
-                paged = build_setup(platform, case, device, dtype)
-                translator = paged.runner.translator
-                assert translator is not None
-                batch = translator.prepare(paged.denoise_rows)
+            paged = build_setup(platform, case, device, dtype, backend=variant)
+            translator = paged.runner.translator
+            assert translator is not None
+            batch = translator.prepare(paged.denoise_rows)
         except Exception as exc:  # a backend that cannot serve the shape is a reported reason
             result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
             continue
@@ -350,11 +335,12 @@ def run_case(
                 continue
             variant = f"{candidate.name} {cache_dtype_name(cache_dtype)}"
             try:
-                with _env({ENV_BACKEND: f"{platform.name}:{candidate.name}"}):
-                    quant = build_setup(platform, case, device, dtype, kv_cache_dtype=cache_dtype)
-                    q_translator = quant.runner.translator
-                    assert q_translator is not None
-                    q_batch = q_translator.prepare(quant.denoise_rows)
+                quant = build_setup(
+                    platform, case, device, dtype, kv_cache_dtype=cache_dtype, backend=candidate.name
+                )
+                q_translator = quant.runner.translator
+                assert q_translator is not None
+                q_batch = q_translator.prepare(quant.denoise_rows)
             except Exception as exc:
                 result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
                 continue

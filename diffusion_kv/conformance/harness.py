@@ -1,8 +1,8 @@
 """A worker built the way a real one is, for the conformance kit.
 
 :class:`PagedHarness` builds a :class:`~diffusion_kv.core.runner.RunnerBackend` for one
-platform (the backend is chosen by the platform's priority list, so ``DIFFUSION_KV_BACKEND``
-forces the one under test), lets a case install rows with a chosen physical block placement,
+platform (``backend_choice`` names the one under test; without it the platform's priority list
+chooses), lets a case install rows with a chosen physical block placement,
 run layers, and inspect every K/V write and attention call.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
-from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.backend import BackendChoice, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.layout import cdiv
@@ -93,6 +93,8 @@ class PagedHarness:
     cp_interleave: int = 1
     dcp_merger: PartialMerger | None = None
     kv_cache_dtype: torch.dtype | str = "auto"
+    backend_choice: BackendChoice = None
+    """The backend under test (None: the platform's priority list picks)."""
     k_scale: float | Sequence[float] = 1.0
     v_scale: float | Sequence[float] = 1.0
     _next_block: int = field(default=0, init=False)
@@ -112,6 +114,7 @@ class PagedHarness:
                 cp_interleave=self.cp_interleave,
                 slot_mapping_dtype=self.slot_mapping_dtype,
                 kv_cache_dtype=self.kv_cache_dtype,
+                backend=self.backend_choice,
             ),
             dcp_merger=self.dcp_merger,
         )

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.platforms.interface import ENV_BACKEND, Platform, Requirements
+from diffusion_kv.platforms.interface import Platform, Requirements
 
 MATRIX: list[str] = []
 """Lines the capability-matrix case records; printed in the terminal summary."""
@@ -63,15 +63,13 @@ def choose_backend(platform: Platform, name: str | None) -> type[PagedBackend]:
 
 
 @pytest.fixture
-def dkv_backend(
-    dkv_platform: Platform, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[type[PagedBackend]]:
-    """The backend under test, forced for the case through ``DIFFUSION_KV_BACKEND``."""
+def dkv_backend(dkv_platform: Platform, request: pytest.FixtureRequest) -> Iterator[type[PagedBackend]]:
+    """The backend under test; every case's worker is built with it as its backend choice
+    (``RunnerConfig.backend``), so nothing touches the environment."""
     backend = choose_backend(dkv_platform, request.config.getoption("--dkv-backend"))
     reasons = dkv_platform.backend_reasons(backend, Requirements())
     if reasons:
         pytest.skip(f"{dkv_platform.name}:{backend.name}: {'; '.join(reasons)}")
-    monkeypatch.setenv(ENV_BACKEND, f"{dkv_platform.name}:{backend.name}")
     yield backend
 
 

@@ -86,6 +86,7 @@ def harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
         block_size=block,
         attention_modes=frozenset({mode}),
     )
+    kw.setdefault("backend_choice", backend)
     kw.setdefault("max_model_len", max(256, 4 * int(block)))  # type: ignore[call-overload]
     kw.setdefault("num_blocks", 4 * (int(kw["max_model_len"]) // int(block) + 1))  # type: ignore[call-overload]
     h = PagedHarness(platform, **kw)  # type: ignore[arg-type]
@@ -1045,5 +1046,5 @@ def test_undeclared_kv_cache_dtype_is_refused(dkv_platform: Platform, dkv_backen
     with pytest.raises(DiffusionKVError):
         PagedHarness(
             dkv_platform, dtype=dtype, head_size=pick_head_size(dkv_backend), kv_cache_dtype=FP8_E4M3,
-            block_size=pick_block_size(dkv_platform, dkv_backend),
+            block_size=pick_block_size(dkv_platform, dkv_backend), backend_choice=dkv_backend,
         )  # fmt: skip

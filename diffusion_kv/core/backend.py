@@ -259,6 +259,11 @@ class PagedBackend(abc.ABC):
         )
 
 
+BackendChoice = str | type[PagedBackend] | None
+"""Which backend to use: its name, its class, or None (the platform's priority list, where
+``DIFFUSION_KV_BACKEND`` may name one)."""
+
+
 class BackendProvider(Protocol):
     """What the runner needs of a platform: its name, device and per-group backend choice."""
 
@@ -273,5 +278,8 @@ class BackendProvider(Protocol):
     def not_supported_reasons(self, requirements: Requirements) -> list[str]: ...
 
     def select_backend(
-        self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
+        self,
+        requirements: Requirements,
+        compatible_with: Sequence[type[PagedBackend]] = (),
+        force: BackendChoice = None,
     ) -> type[PagedBackend]: ...

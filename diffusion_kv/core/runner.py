@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation
-from diffusion_kv.core.backend import BackendProvider, GroupContext, PagedBackend
+from diffusion_kv.core.backend import BackendChoice, BackendProvider, GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.capabilities import AttentionMode, Requirements
@@ -107,6 +107,10 @@ class RunnerConfig:
     cfg_parallel_rank: int = 0
     slot_mapping_dtype: torch.dtype | None = None
     """Slot dtype of the BlockTables (default: int64 where every chosen backend takes it)."""
+    backend: BackendChoice = None
+    """The backend every KV-cache group uses: its name or class (None: the platform's priority
+    list picks per group; ``DIFFUSION_KV_BACKEND=<platform>:<backend>`` is only this default).
+    A choice that cannot serve a group is refused with its reasons, never replaced."""
     kv_cache_dtype: torch.dtype | str = "auto"
     """The pages' dtype: ``auto`` (each layer's own), or ``fp8_e4m3`` (``float8_e4m3fn``: one byte
     per element, per-KV-head scales; ``diffusion_kv.core.kv_quant``); a backend must declare it."""
@@ -261,6 +265,14 @@ class RunnerBackend:
                     f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
                 )
         cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
+        choice = config.backend
+        if choice is not None and not (
+            (isinstance(choice, str) and choice.strip())
+            or (isinstance(choice, type) and issubclass(choice, PagedBackend))
+        ):
+            raise ValidationError(
+                f"RunnerConfig.backend must be a backend name, a PagedBackend class or None; got {choice!r}"
+            )
         wanted = config.device if config.device is not None else platform.device()
         try:
             device = resolve_device(wanted)
@@ -546,7 +558,11 @@ class RunnerBackend:
         chosen: list[type[PagedBackend]] = []
         for group in layout.groups:
             layer = self.layers[group.layer_names[0]]
-            chosen.append(self.platform.select_backend(self._requirements(layer, group.block_size), chosen))
+            chosen.append(
+                self.platform.select_backend(
+                    self._requirements(layer, group.block_size), chosen, force=self.config.backend
+                )
+            )
         return chosen
 
     def _dcp_merger(self) -> PartialMerger | None:

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend, allocate_pages
+from diffusion_kv.core.backend import BackendChoice, GroupContext, KVPageLayout, PagedBackend, allocate_pages
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.capabilities import (
     AttentionMode,
@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 ENV_BACKEND = "DIFFUSION_KV_BACKEND"
+"""``<platform>:<backend>``: the default of the backend choice (``RunnerConfig.backend``)."""
 
 
 def forced_backend(platform: str) -> str | None:
@@ -226,18 +227,42 @@ class Platform(abc.ABC):
             return []
         return [f"{b.name}: {r}" for b, reasons in candidates for r in reasons] or ["no paged backend"]
 
+    def _forced(self, force: BackendChoice) -> tuple[str | type[PagedBackend], str] | None:
+        """The backend to force and who forces it: ``force`` when given (a name or a class),
+        else ``DIFFUSION_KV_BACKEND``'s choice for this platform (its default), else None."""
+        if force is None:
+            name = forced_backend(self.name)
+            return (name, ENV_BACKEND) if name is not None else None
+        if isinstance(force, str) and force.strip():
+            return force.strip(), "the backend choice"
+        if isinstance(force, type) and issubclass(force, PagedBackend):
+            return force, "the backend choice"
+        raise ValidationError(
+            f"a backend choice is a backend name or a PagedBackend class; got {type(force).__name__} {force!r}"
+        )
+
     def _candidates(
-        self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
+        self,
+        requirements: Requirements,
+        compatible_with: Sequence[type[PagedBackend]] = (),
+        force: BackendChoice = None,
     ) -> list[tuple[type[PagedBackend], list[str]]]:
         requirements = _check_requirements(requirements)
         compatible_with = _check_backends(compatible_with)
-        forced = forced_backend(self.name)
+        forced = self._forced(force)
         candidates = self.candidate_backends()
         if forced is not None:
-            named = [b for b in candidates if b.name == forced]
+            choice, who = forced
+            if isinstance(choice, str):
+                named = [b for b in candidates if b.name == choice]
+            else:
+                named = [b for b in candidates if b is choice] or (
+                    [choice] if choice.platform in ("", self.name) else []
+                )
             if not named:
+                label = choice if isinstance(choice, str) else f"{choice.__name__} ({choice.name!r})"
                 raise ConfigurationError(
-                    f"{ENV_BACKEND} forces backend {forced!r} on platform {self.name!r}, which has "
+                    f"{who} forces backend {label!r} on platform {self.name!r}, which has "
                     f"{[b.name for b in candidates]}"
                 )
             candidates = tuple(named)
@@ -269,11 +294,16 @@ class Platform(abc.ABC):
         return out
 
     def select_backend(
-        self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
+        self,
+        requirements: Requirements,
+        compatible_with: Sequence[type[PagedBackend]] = (),
+        force: BackendChoice = None,
     ) -> type[PagedBackend]:
         """The highest-priority backend serving ``requirements`` (and sharing BlockTables and a
-        slot dtype with ``compatible_with``, the backends already chosen for other groups)."""
-        candidates = self._candidates(requirements, compatible_with)
+        slot dtype with ``compatible_with``, the backends already chosen for other groups).
+        ``force`` (a backend name or class) limits the candidates to that one; without it,
+        ``DIFFUSION_KV_BACKEND`` does (the variable is only the default of the choice)."""
+        candidates = self._candidates(requirements, compatible_with, force)
         for backend, reasons in candidates:
             if not reasons:
                 return backend
@@ -281,8 +311,9 @@ class Platform(abc.ABC):
             f"No paged backend of platform {self.name!r} supports the requested requirements:",
             f"  requirements: {requirements.describe()}",
         ]
-        if forced_backend(self.name) is not None:
-            lines.append(f"  ({ENV_BACKEND} limits the candidates to one)")
+        forced = self._forced(force)
+        if forced is not None:
+            lines.append(f"  ({forced[1]} limits the candidates to one)")
         for backend, reasons in candidates:
             lines.append(
                 f"  `{self.name}:{backend.name}` (priority {backend.priority}) is not supported because:"
@@ -290,11 +321,11 @@ class Platform(abc.ABC):
             lines.extend(f"      {reason}" for reason in reasons)
         raise UnsupportedRequirementsError("\n".join(lines))
 
-    def explain(self, requirements: Requirements | None = None) -> list[str]:
+    def explain(self, requirements: Requirements | None = None, force: BackendChoice = None) -> list[str]:
         """Every backend in priority order, with whether it would be chosen and why not."""
         req = _check_requirements(requirements) if requirements is not None else Requirements()
         try:
-            candidates = self._candidates(req)
+            candidates = self._candidates(req, (), force)
         except ConfigurationError as exc:
             return [f"{self.name}: {exc}"]
         chosen = next((b for b, reasons in candidates if not reasons), None)
@@ -303,9 +334,10 @@ class Platform(abc.ABC):
             + (f"selects backend {chosen.name!r}" if chosen else "no backend serves")
             + f" for {req.describe()}"
         ]
-        forced = forced_backend(self.name)
+        forced = self._forced(force)
         if forced is not None:
-            lines.append(f"  {ENV_BACKEND} forces {forced!r}")
+            choice = forced[0] if isinstance(forced[0], str) else forced[0].name
+            lines.append(f"  {forced[1]} forces {choice!r}")
         for backend, reasons in candidates:
             verdict = (
                 "selected" if backend is chosen else ("supported" if not reasons else "; ".join(reasons))

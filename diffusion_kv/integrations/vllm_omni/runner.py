@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.backend import BackendChoice, PagedBackend
 from diffusion_kv.core.batch import KVCache
 from diffusion_kv.core.capabilities import AttentionMode, Requirements
 from diffusion_kv.core.errors import StateError, UnknownLayerError, UnsupportedFeatureError, ValidationError
@@ -157,12 +157,15 @@ class _OmniProvider:
         return derived
 
     def select_backend(
-        self, requirements: Requirements, compatible_with: Sequence[type[PagedBackend]] = ()
+        self,
+        requirements: Requirements,
+        compatible_with: Sequence[type[PagedBackend]] = (),
+        force: BackendChoice = None,
     ) -> type[PagedBackend]:
         originals = [self._originals.get(b, b) for b in compatible_with]
         if not compatible_with:
             self.chosen = []
-        chosen = self.inner.select_backend(requirements, originals)
+        chosen = self.inner.select_backend(requirements, originals, force)
         self.chosen.append(chosen)
         return self._derived(chosen)
 

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from diffusion_kv.core.backend import BackendChoice
 from diffusion_kv.core.errors import PlatformUnavailableError
 from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform, Requirements
 from diffusion_kv.platforms.npu.constraints import KERNEL_BLOCK_SIZE, UNVERIFIED_SUMMARY
@@ -115,9 +116,9 @@ class NpuPlatform(Platform):
                     reasons.extend(check(runtime))
         return reasons
 
-    def explain(self, requirements: Requirements | None = None) -> list[str]:
+    def explain(self, requirements: Requirements | None = None, force: BackendChoice = None) -> list[str]:
         """The platform's backend list (see :meth:`Platform.explain`), then what is unverified."""
-        return [*super().explain(requirements), f"  {UNVERIFIED_SUMMARY}"]
+        return [*super().explain(requirements, force), f"  {UNVERIFIED_SUMMARY}"]
 
     def bind_vllm_runtime(self, vllm_config: Any, attn_groups: Any, kv_cache_config: Any) -> None:
         """Hand over the embedding vLLM host's objects the vllm-ascend backend needs
