@@ -84,6 +84,52 @@ class PluginFailure(Exception):
         self.printed = printed
 
 
+REMOVED_NAMES: frozenset[str] = frozenset(
+    {
+        "KVWritePolicy",
+        "MetadataBuilder",
+        "PagedAttentionBackend",
+        "PartialAttentionBackend",
+        "REQUIRED_MEMBERS",
+        "REQUIRED_ATTRIBUTES",
+        "kv_write_policy",
+        "metadata_builder",
+        "paged_backend",
+        "kv_cache_shape",
+        "backend_variants",
+    }
+)
+"""Names of the plugin API before the ``PagedBackend`` contract (``docs/migration.md`` maps each
+to its replacement)."""
+
+MIGRATION_DOC = "docs/migration.md"
+
+
+def older_api_name(exc: BaseException) -> str | None:
+    """The removed diffusion-kv name ``exc`` (an import or attribute failure) is about, if any."""
+    ours = (isinstance(exc, ImportError) and (exc.name or "").startswith("diffusion_kv")) or (
+        isinstance(exc, AttributeError) and "diffusion_kv" in str(exc)
+    )
+    if not ours:
+        return None
+    text = str(exc)
+    for name in sorted(REMOVED_NAMES):
+        if f"'{name}'" in text:
+            return name
+    return None
+
+
+def _import_fix(failure: PluginFailure, default: str) -> str:
+    """``default``, or, for a plugin importing a removed name, the migration page."""
+    removed = older_api_name(failure.original)
+    if removed is None:
+        return default
+    return (
+        f"the plugin was written for an older diffusion-kv API ({removed!r} was removed); port it with "
+        f"{MIGRATION_DOC}, which maps every removed name to its replacement"
+    )
+
+
 def safe_repr(obj: object, how: Callable[[object], str] = repr) -> str:
     """``repr(obj)`` (or ``how(obj)``), or a placeholder when that raises."""
     try:
@@ -512,7 +558,9 @@ class PluginSet:
             try:
                 obj, printed = guarded(ep.load)
             except PluginFailure as failure:
-                error = PluginLoadError(f"{where} failed to import: {failure}. Fix: install what it needs")
+                error = PluginLoadError(
+                    f"{where} failed to import: {failure}. Fix: {_import_fix(failure, 'install what it needs')}"
+                )
                 error.__cause__ = failure.original
                 self.backend_records.append(BackendRecord(ep.name, text, dist, None, error))
                 continue
@@ -608,10 +656,10 @@ class PluginSet:
         try:
             obj, printed = guarded(ep.load)
         except PluginFailure as failure:
-            error = PluginLoadError(
-                f"{where} failed to import: {failure}. Fix: install what the plugin needs, or leave it "
-                f"out with {ENV_PLUGINS}=<names to load>"
+            fix = _import_fix(
+                failure, f"install what the plugin needs, or leave it out with {ENV_PLUGINS}=<names to load>"
             )
+            error = PluginLoadError(f"{where} failed to import: {failure}. Fix: {fix}")
             error.__cause__ = failure.original
             return PluginRecord(ep.name, (text,), (dist,), None, error)
         note = _printed_note(printed, "at import")
