@@ -4,10 +4,14 @@ Run the kit against any installed platform and one of its paged backends::
 
     pytest --pyargs diffusion_kv.conformance --dkv-platform NAME [--dkv-backend BACKEND]
 
-``--dkv-backend`` defaults to the platform's highest-priority usable backend; the fixture
-forces it for each case with ``DIFFUSION_KV_BACKEND``. The cases derive what they run from
-the backend's declared capabilities and skip, with the backend's own reasons, what it does
-not declare; the terminal summary prints the matrix of what ran and what was skipped.
+``--dkv-backend`` defaults to the platform's highest-priority usable backend; every case builds
+its worker with it as the backend choice (``RunnerConfig.backend``; the environment is left
+alone). The cases derive what they run from the backend's declared capabilities and skip, with
+the backend's own reasons, what it does not declare. The terminal summary tells the truth about
+every cell: the counts of passed, failed and skipped kit cases, and, when the session runs only
+the kit, one line per case (parametrisations included) with its outcome and, for a skip or a
+failure, the reason; then the declared-capability matrix (dtype x head size, slot dtypes, GQA
+ratios), each combination passed or skipped with the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +25,37 @@ from diffusion_kv.platforms.interface import Platform, Requirements
 
 MATRIX: list[str] = []
 """Lines the capability-matrix case records; printed in the terminal summary."""
+KIT_MODULE = "diffusion_kv.conformance.test_paged_attention"
+CELLS: list[tuple[str, str, str]] = []
+"""``(outcome, case, reason)`` of every kit case this session ran."""
+_KIT: dict[str, str] = {}  # node id -> case name, for the kit's items
+_KIT_ONLY: list[bool] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kit = {
+        item.nodeid: item.name
+        for item in items
+        if getattr(getattr(item, "function", None), "__module__", None) == KIT_MODULE
+    }
+    _KIT.update(kit)
+    _KIT_ONLY[:] = [bool(items) and len(kit) == len(items)]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    case = _KIT.get(report.nodeid)
+    if case is None or not (report.when == "call" or (report.when == "setup" and not report.passed)):
+        return
+    if report.skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        CELLS.append(("skipped", case, reason.removeprefix("Skipped: ")))
+    elif report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = str(getattr(crash, "message", "")) or report.longreprtext
+        CELLS.append(("failed", case, message.strip().splitlines()[0][:200] if message.strip() else ""))
+    else:
+        CELLS.append(("passed", case, ""))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -74,6 +109,15 @@ def dkv_backend(dkv_platform: Platform, request: pytest.FixtureRequest) -> Itera
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if CELLS:
+        counts = {o: sum(1 for c in CELLS if c[0] == o) for o in ("passed", "failed", "skipped")}
+        terminalreporter.section("diffusion-kv conformance cases")
+        terminalreporter.write_line(
+            f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+        )
+        if _KIT_ONLY and _KIT_ONLY[0]:
+            for outcome, case, reason in CELLS:
+                terminalreporter.write_line(f"  {outcome:<8} {case}" + (f": {reason}" if reason else ""))
     if MATRIX:
         terminalreporter.section("diffusion-kv conformance matrix")
         for line in MATRIX:

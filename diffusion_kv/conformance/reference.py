@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.piecewise import dense_piecewise_mask
 
 
@@ -42,7 +43,12 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
+def tolerance(dtype: torch.dtype, backend: type[PagedBackend] | None = None) -> dict[str, float]:
+    """The kit's ``atol``/``rtol`` for ``dtype``: the backend's declared ``tolerances`` entry
+    when it has one, else the default for the dtype."""
+    if backend is not None and dtype in backend.tolerances:
+        atol, rtol = backend.tolerances[dtype]
+        return {"atol": float(atol), "rtol": float(rtol)}
     if dtype == torch.float64:
         return {"atol": 1e-9, "rtol": 1e-9}
     if dtype == torch.float32:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -129,6 +129,11 @@ class PagedBackend(abc.ABC):
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
     page_layout: ClassVar[KVPageLayout] = KVPageLayout.COMBINED
+
+    tolerances: ClassVar[Mapping[torch.dtype, tuple[float, float]]] = {}
+    """``(atol, rtol)`` per compute dtype the conformance kit compares this backend's output
+    with, where its kernels accumulate in lower precision than the kit's defaults assume
+    (``diffusion_kv.conformance.reference.tolerance``); a dtype not listed uses the default."""
 
     reorder_batch_threshold: int | None = None
     """When not None, the kernel wants rows with ``query_len <= threshold`` before longer rows

@@ -30,13 +30,15 @@ import contextlib
 import importlib.metadata
 import inspect
 import io
+import math
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
 from typing import Any, TypeVar
 
+import torch
 from stevedore import ExtensionManager, NamedExtensionManager
 
 from diffusion_kv.core.backend import KVPageLayout, PagedBackend
@@ -387,6 +389,17 @@ def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
             problems.append("declares supports_dcp but does not implement forward_partial")
     if not isinstance(getattr(obj, "page_layout", None), KVPageLayout):
         problems.append(f"page_layout must be a KVPageLayout; got {getattr(obj, 'page_layout', None)!r}")
+    tolerances = getattr(obj, "tolerances", None)
+    if not isinstance(tolerances, Mapping) or not all(
+        isinstance(dtype, torch.dtype)
+        and isinstance(pair, tuple)
+        and len(pair) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in pair)
+        for dtype, pair in tolerances.items()
+    ):
+        problems.append(
+            f"tolerances must map torch dtypes to (atol, rtol) pairs of finite numbers >= 0; got {tolerances!r}"
+        )
     return problems
 
 
