@@ -120,6 +120,19 @@ def attention_cases(
     return cases
 
 
+def _native_choice(md: Any) -> dict[str, Any]:
+    """What a backend's metadata says it chose (the cuda backends' way and launch settings), for
+    the report: ``backend`` is the way's name."""
+    out: dict[str, Any] = {}
+    way = getattr(md, "way", None)
+    if way is not None:
+        out["backend"] = getattr(way, "value", str(way))
+    for attr in ("reason", "num_splits", "block_m", "block_n"):
+        if hasattr(md, attr):
+            out[attr] = getattr(md, attr)
+    return out
+
+
 def dense_backends(device: torch.device) -> list[tuple[str, Any]]:
     from torch.nn.attention import SDPBackend
 
@@ -317,9 +330,7 @@ def run_case(
             "max_abs_diff": diff,
             "agrees": diff <= TOLERANCE.get(dtype, 5e-2),
         }
-        for attr in ("backend", "reason", "num_splits", "block_m", "block_n"):
-            if hasattr(md, attr):
-                entry[attr] = getattr(md, attr)
+        entry.update(_native_choice(md))
         if bandwidth_gbs:
             bound_ms = case.min_bytes(dtype.itemsize) / (bandwidth_gbs * 1e9) * 1e3
             entry["ratio_vs_bandwidth_bound"] = ms / bound_ms
@@ -377,9 +388,7 @@ def run_case(
             }
             if "ms" in same:
                 entry["ratio_vs_16bit_paged"] = ms / same["ms"]
-            for attr in ("backend", "reason", "num_splits", "block_m", "block_n"):
-                if hasattr(q_md, attr):
-                    entry[attr] = getattr(q_md, attr)
+            entry.update(_native_choice(q_md))
             result["paged"][variant] = entry
             quant.runner.remove(["bench"])
     peer = _time_peer(case, peer_source, reference, best[1], device, dtype, min_ms)

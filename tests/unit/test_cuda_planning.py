@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from diffusion_kv.core.translate import dcp_local_seq_lens
-from diffusion_kv.platforms.cuda.backend import choose_way, contiguous_run, dcp_causal_mask, sdpa_row_groups
+from diffusion_kv.platforms.cuda.backend import (
+    KernelWay,
+    choose_way,
+    contiguous_run,
+    dcp_causal_mask,
+    sdpa_row_groups,
+)
 
 CPU = torch.device("cpu")
 
@@ -34,9 +40,9 @@ def test_evenly_spaced_contiguous_rows_become_one_strided_view() -> None:
 
 
 def test_the_per_batch_way() -> None:
-    assert choose_way((1024, 1024), (5120, 5120), triton_ok=True)[0] == "sdpa"
-    assert choose_way((32,) * 8, (8192,) * 8, triton_ok=True)[0] == "triton"
-    assert choose_way((32,), (8192,), triton_ok=False) == ("sdpa", "Triton is not importable")
+    assert choose_way((1024, 1024), (5120, 5120), triton_ok=True)[0] is KernelWay.SDPA
+    assert choose_way((32,) * 8, (8192,) * 8, triton_ok=True)[0] is KernelWay.TRITON
+    assert choose_way((32,), (8192,), triton_ok=False) == (KernelWay.SDPA, "Triton is not importable")
 
 
 def test_dcp_row_groups_read_local_keys_and_skip_rows_without_any() -> None:

@@ -293,7 +293,7 @@ def test_tile_schedule_is_made_once_per_batch_shape(monkeypatch: pytest.MonkeyPa
 
     def schedule(rows: tuple[PagedRow, ...]) -> torch.Tensor:
         md = h.translator.prepare(rows).attn_metadata[layer]
-        assert md.backend == "triton" and md.tile_row is not None
+        assert md.way.value == "triton" and md.tile_row is not None
         tile_row: torch.Tensor = md.tile_row
         return tile_row
 

@@ -29,6 +29,7 @@ metadata.
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NamedTuple
@@ -252,7 +253,7 @@ class CudaPagedMetadata:
     page: int
     host_query_start_loc: tuple[int, ...]
     host_seq_lens: tuple[int, ...]
-    backend: str
+    way: KernelWay
     reason: str
     tile_row: torch.Tensor | None = None
     tile_q0: torch.Tensor | None = None
@@ -277,7 +278,7 @@ class CudaPagedMetadata:
 class _BatchPlan(NamedTuple):
     """What :meth:`CudaPagedBackend.build` decides from a batch's lengths alone."""
 
-    way: str
+    way: KernelWay
     reason: str
     extra: dict[str, Any]
     """The in-place way's tile schedule and launch settings (CudaPagedMetadata fields)."""
@@ -313,19 +314,30 @@ def cuda_available() -> Availability:
     return Availability(True, f"CUDA {torch.version.cuda}")
 
 
-def choose_way(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool) -> tuple[str, str]:
-    """``(way, reason)`` for one batch: ``triton`` (in place) or ``sdpa`` (gather + SDPA)."""
+class KernelWay(enum.Enum):
+    """How a cuda backend attends for one batch."""
+
+    TRITON = "triton"
+    """The Triton kernel reading the pages in place."""
+    SDPA = "sdpa"
+    """Gather each row's pages (or view them when contiguous), then torch SDPA (cuDNN)."""
+
+
+def choose_way(
+    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool
+) -> tuple[KernelWay, str]:
+    """``(way, reason)`` for one batch: in place (Triton) or gather + SDPA."""
     if not triton_ok:
-        return "sdpa", "Triton is not importable"
+        return KernelWay.SDPA, "Triton is not importable"
     max_q = max(query_lens)
     shapes = set(zip(query_lens, seq_lens, strict=True))
     if max_q >= 512 and len(shapes) <= 2:
         return (
-            "sdpa",
+            KernelWay.SDPA,
             f"compute-bound (max query_len {max_q} >= 512, {len(shapes)} row shape(s)): gather + SDPA",
         )
     return (
-        "triton",
+        KernelWay.TRITON,
         f"memory-bound or ragged (max query_len {max_q}, {len(shapes)} row shapes): in-place paged kernel",
     )
 
@@ -372,8 +384,8 @@ class CudaPagedBackend(PagedBackend):
         "per batch: Triton in place (memory-bound, ragged) or gather + SDPA (query_len >= 512, <= 2 row shapes)"
     )
     capabilities: ClassVar[Capabilities] = CAPABILITIES
-    way: ClassVar[str | None] = None
-    """``triton`` or ``sdpa`` to always take one way; None decides per batch."""
+    way: ClassVar[KernelWay | None] = None
+    """A way to take for every batch; None decides per batch."""
 
     @classmethod
     def is_available(cls) -> Availability:
@@ -381,7 +393,7 @@ class CudaPagedBackend(PagedBackend):
         if not found:
             return found
         triton = triton_available()
-        if cls.way == "triton" and not triton:
+        if cls.way is KernelWay.TRITON and not triton:
             return triton
         return Availability(
             True, f"{found.reason}; " + (triton.reason if triton else f"SDPA only ({triton.reason})")
@@ -391,7 +403,7 @@ class CudaPagedBackend(PagedBackend):
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
         reasons = super().not_supported_reasons(requirements)
         quant = requirements.kv_cache_dtype not in (None, requirements.dtype)
-        if quant and cls.way != "sdpa" and not triton_available():
+        if quant and cls.way is not KernelWay.SDPA and not triton_available():
             reasons.append(
                 f"kv_cache_dtype {requirements.kv_cache_dtype} needs Triton ({triton_available().reason})"
             )
@@ -431,13 +443,13 @@ class CudaPagedBackend(PagedBackend):
         if plan is not None:
             return plan
         if self.quantized:
-            way, reason = "triton", "e4m3 pages are read in place by the Triton kernel only"
+            way, reason = KernelWay.TRITON, "e4m3 pages are read in place by the Triton kernel only"
         elif self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
-        if way == "triton":
+        if way is KernelWay.TRITON:
             tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, seq, device)
             extra: dict[str, Any] = dict(
                 tile_row=tile_row,
@@ -499,7 +511,7 @@ class CudaPagedBackend(PagedBackend):
             return self._build_dcp(batch, qsl, seq, device)
         plan = self._plan(qsl, seq, device)
         extra = plan.extra
-        if plan.way != "triton":  # the page views depend on the placement, not only the shape
+        if plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
             g = self.group
             ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
             extra = dict(
@@ -523,13 +535,13 @@ class CudaPagedBackend(PagedBackend):
             local_dev = _to_device(host.to(torch.int32), device)
         lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
         if self.quantized:
-            way, reason = "triton", "e4m3 pages are read in place by the Triton kernel only"
+            way, reason = KernelWay.TRITON, "e4m3 pages are read in place by the Triton kernel only"
         elif self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         extra: dict[str, Any]
-        if way == "triton":
+        if way is KernelWay.TRITON:
             tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, local, device)
             extra = dict(
                 tile_row=tile_row,
@@ -572,7 +584,7 @@ class CudaPagedBackend(PagedBackend):
         batch: PagedBatch,
         qsl: tuple[int, ...],
         seq: tuple[int, ...],
-        way: str,
+        way: KernelWay,
         reason: str,
         extra: dict[str, Any],
         local_seq_lens: torch.Tensor | None = None,
@@ -586,7 +598,7 @@ class CudaPagedBackend(PagedBackend):
             page=self.group.kernel_block_size,
             host_query_start_loc=qsl,
             host_seq_lens=seq,
-            backend=way,
+            way=way,
             reason=reason,
             local_seq_lens=local_seq_lens,
             cp_size=self.cp_size,
@@ -657,7 +669,7 @@ class CudaPagedBackend(PagedBackend):
                 f"cuda metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's keys "
                 "is partial; use forward_partial and merge across the DCP group"
             )
-        if md.backend != "triton":
+        if md.way is not KernelWay.TRITON:
             return self._gather_sdpa(layer, query, kv_cache, md, out)
         result = out if out is not None else torch.empty_like(query)
         self._triton(layer, query, kv_cache, md, result, None)
@@ -670,7 +682,7 @@ class CudaPagedBackend(PagedBackend):
         log-sum-exp in natural log, ``-inf`` (and ``out`` 0) where no local key is visible.
         Without DCP the local keys are all keys and ``out`` equals :meth:`forward`'s."""
         md: CudaPagedMetadata = metadata
-        if md.backend != "triton":
+        if md.way is not KernelWay.TRITON:
             return self._gather_sdpa_partial(layer, query, kv_cache, md)
         result = torch.empty_like(query)
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
@@ -876,7 +888,7 @@ class TritonPagedBackend(CudaPagedBackend):
     name: ClassVar[str] = "triton"
     priority: ClassVar[int] = 150
     description: ClassVar[str] = "Triton kernel reading pages in place, split-KV"
-    way: ClassVar[str | None] = "triton"
+    way: ClassVar[KernelWay | None] = KernelWay.TRITON
 
 
 class SdpaPagedBackend(CudaPagedBackend):
@@ -896,4 +908,4 @@ class SdpaPagedBackend(CudaPagedBackend):
         supports_dcp=True,
         supports_graph_capture=True,
     )
-    way: ClassVar[str | None] = "sdpa"
+    way: ClassVar[KernelWay | None] = KernelWay.SDPA
