@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from diffusion_kv.core.errors import ValidationError
@@ -58,6 +59,23 @@ class PagedRow:
         return self.kv_start_pos + self.query_len == self.seq_len
 
 
+class Phase(enum.Enum):
+    """Where a row is in its request's denoise loop (one representation everywhere: the
+    scheduler, the runtime, the vLLM-Omni runner)."""
+
+    PREFILL = "prefill"
+    """The row writes and attends over its whole sequence (less a prefix-cache hit)."""
+    DENOISE = "denoise"
+    """The row writes its target and attends over its cached prefix pages."""
+
+    @staticmethod
+    def of_step(step: int) -> Phase:
+        """Step 0 is the prefill step; every later one denoises."""
+        if type(step) is not int or step < 0:
+            raise ValidationError(f"denoise step index must be an int >= 0; got {step!r}")
+        return Phase.PREFILL if step == 0 else Phase.DENOISE
+
+
 @dataclass(frozen=True)
 class PhaseRows:
     """Rows of one request-level denoise loop: step 0 uses ``prefill``, later steps ``denoise``."""
@@ -82,6 +100,7 @@ class PhaseRows:
             )
 
     def rows_for_step(self, step: int) -> tuple[PagedRow, ...]:
-        if type(step) is not int or step < 0:
-            raise ValidationError(f"denoise step index must be an int >= 0; got {step!r}")
-        return self.prefill if step == 0 else self.denoise
+        return self.rows_for(Phase.of_step(step))
+
+    def rows_for(self, phase: Phase) -> tuple[PagedRow, ...]:
+        return self.prefill if phase is Phase.PREFILL else self.denoise

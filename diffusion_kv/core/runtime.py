@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 from diffusion_kv.core.errors import StateError, ValidationError
-from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
 from diffusion_kv.core.translate import PreparedBatch, Translator
 
 
@@ -25,7 +25,7 @@ class PagedRuntime:
             raise ValidationError(f"PagedRuntime needs PhaseRows (or None); got {type(phases).__name__}")
         self.translator = translator
         self.phases = phases
-        self._phase: bool | None = None  # True: prefill, False: denoise
+        self._phase: Phase | None = None
         self._rows: tuple[PagedRow, ...] | None = None  # the composition ensure_rows activated
         self._activation: AbstractContextManager[PreparedBatch] | None = None
         self._closed = False
@@ -41,12 +41,11 @@ class PagedRuntime:
             raise StateError("the paged runtime is closed")
         if self.phases is None:
             raise StateError("this runtime steps explicit rows (ensure_rows); it has no phase rows")
-        rows = self.phases.rows_for_step(step)
-        prefill = step == 0
-        if self._phase is prefill:
+        phase = Phase.of_step(step)
+        if self._phase is phase:
             return self._active_batch()
-        batch = self._activate(rows)
-        self._phase = prefill
+        batch = self._activate(self.phases.rows_for(phase))
+        self._phase = phase
         return batch
 
     def ensure_rows(self, rows: Sequence[PagedRow]) -> PreparedBatch:

@@ -61,19 +61,12 @@ from diffusion_kv.core.prefix_cache import (
     covered_prefix,
 )
 from diffusion_kv.core.registry import KVCacheMode
-from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.rows import PagedRow, Phase
 from diffusion_kv.core.runner import RunnerBackend
 from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import PreparedBatch
 
 Span = tuple[int, int]
-
-
-class Phase(enum.Enum):
-    PREFILL = "prefill"
-    """The row writes and attends over its whole sequence."""
-    DENOISE = "denoise"
-    """The row writes its target and attends over its cached prefix pages."""
 
 
 class RequestStatus(enum.Enum):

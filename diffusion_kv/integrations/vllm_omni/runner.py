@@ -67,6 +67,7 @@ from diffusion_kv.core.errors import StateError, UnknownLayerError, UnsupportedF
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.parallel import DCPMerger, RankGroup
 from diffusion_kv.core.registry import KVCacheMode
+from diffusion_kv.core.rows import Phase
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.core.translate import PreparedBatch
 from diffusion_kv.integrations.vllm.backend import VllmPagedBackend
@@ -404,7 +405,7 @@ class DiffusionPagedAttentionRuntime:
     def __init__(self, adapter: DiffusionPagedAttentionAdapter, metadata: Any) -> None:
         self.adapter = adapter
         self.metadata = metadata
-        self._active_phase: bool | None = None
+        self._active_phase: Phase | None = None
         self._activation: AbstractContextManager[Any] | None = None
         self._closed = False
 
@@ -415,16 +416,16 @@ class DiffusionPagedAttentionRuntime:
             raise ValidationError(
                 f"Paged attention requires a non-negative denoise step index, got {step_idx!r}"
             )
-        is_prefill = step_idx == 0
-        rows = self.metadata.prefill_rows if is_prefill else self.metadata.denoise_rows
-        if self._active_phase == is_prefill:
+        phase = Phase.of_step(step_idx)
+        rows = self.metadata.prefill_rows if phase is Phase.PREFILL else self.metadata.denoise_rows
+        if self._active_phase is phase:
             return self.adapter
         self._deactivate()
         batch = self.adapter.prepare_batch(rows)
         activation = self.adapter.activate(batch)
         activation.__enter__()
         self._activation = activation
-        self._active_phase = is_prefill
+        self._active_phase = phase
         return self.adapter
 
     def _deactivate(self) -> None:
