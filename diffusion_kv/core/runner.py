@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -86,6 +86,14 @@ class ParallelConfig:
     ring_degree: int = 1
     allgather_degree: int = 1
     ulysses_mode: str = "strict"
+
+
+class WorkerParts(NamedTuple):
+    """The parts an initialised worker runs on, by name."""
+
+    registry: RowRegistry
+    translator: Translator
+    executor: PagedExecutor
 
 
 @dataclass(frozen=True)
@@ -684,14 +692,14 @@ class RunnerBackend:
 
     # -- per request --------------------------------------------------------------------------
 
-    def _require(self) -> tuple[RowRegistry, Translator, PagedExecutor]:
+    def _require(self) -> WorkerParts:
         if self.registry is None or self.translator is None or self.executor is None:
             raise StateError("the paged KV cache is not initialised")
-        return self.registry, self.translator, self.executor
+        return WorkerParts(self.registry, self.translator, self.executor)
 
     def install(self, snapshot: RequestAllocation) -> bool:
         """Install a snapshot (under CFG-parallel: only this rank's branch, validated first)."""
-        registry = self._require()[0]
+        registry = self._require().registry
         c = self.config
         return registry.install(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
@@ -699,7 +707,7 @@ class RunnerBackend:
         """Seal an installed request's grown cached prefix (the ``install`` to hand
         :meth:`~diffusion_kv.core.allocator.DiffusionKVAllocator.publish`): a request this worker
         does not hold is a :class:`StateError` (:meth:`RowRegistry.seal`)."""
-        registry = self._require()[0]
+        registry = self._require().registry
         c = self.config
         return registry.seal(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
@@ -745,7 +753,8 @@ class RunnerBackend:
         """A runtime for one denoise loop; closed (and deactivated) on exit."""
         if not isinstance(phases, PhaseRows):
             raise ValidationError(f"activate takes PhaseRows; got {type(phases).__name__}")
-        registry, translator, _ = self._require()
+        parts = self._require()
+        registry, translator = parts.registry, parts.translator
         if self.config.cfg_parallel_size > 1:
             installed = {r.request_id for r in (*phases.prefill, *phases.denoise)}
             branches = [s for s in map(registry.snapshot_of, sorted(installed)) if s is not None]
@@ -758,7 +767,7 @@ class RunnerBackend:
     def stepper(self) -> Iterator[PagedRuntime]:
         """A runtime for a scheduler that steps explicit rows, each request at its own phase
         (:meth:`PagedRuntime.ensure_rows`); closed (and deactivated) on exit."""
-        _, translator, _ = self._require()
+        translator = self._require().translator
         if self.config.cfg_parallel_size > 1:
             raise UnsupportedFeatureError(
                 "stepping explicit rows under CFG parallelism is not supported: pass this rank's rows "
@@ -776,7 +785,7 @@ class RunnerBackend:
         value: torch.Tensor,
         attn_metadata: Any | None = None,
     ) -> torch.Tensor:
-        return self._require()[2].forward(layer_name, query, key, value, attn_metadata)
+        return self._require().executor.forward(layer_name, query, key, value, attn_metadata)
 
     @property
     def supports_graph_capture(self) -> bool:
@@ -791,7 +800,7 @@ class RunnerBackend:
         """Record ``fn(*inputs)`` — one step of the model over the active batch — as a CUDA graph
         (see :mod:`diffusion_kv.core.graphs`); ``replay(*new_inputs)`` re-runs it."""
         check_capture_args(fn, inputs, warmups)
-        _, translator, _ = self._require()
+        translator = self._require().translator
         lacking = [b.name for b in self.backends if not b.capabilities.supports_graph_capture]
         if lacking:
             raise UnsupportedFeatureError(
