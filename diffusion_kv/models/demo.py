@@ -274,8 +274,8 @@ def _corrupt(runner: RunnerBackend, block_id: int) -> None:
     cache = runner.kv_caches[name]
     tensors = cache if isinstance(cache, tuple) else (cache[0],)
     page = tensors[0][block_id]
-    if page.dtype == torch.float8_e4m3fn:  # bump every byte: e4m3 codes change, none to nan
-        page.view(torch.uint8).bitwise_xor_(0x10)
+    if page.dtype == torch.float8_e4m3fn:  # the largest key: every query then attends to this block
+        page.copy_(torch.full(page.shape, 448.0, device=page.device).to(page.dtype))
     else:
         page.add_(1.0)
 

@@ -158,3 +158,16 @@ def test_cli_demo_fp8_json_and_usage() -> None:
     assert proc.returncode == 2
     assert "--kv-cache-dtype: kv_cache_dtype float16 differs from the layer dtype float32" in proc.stderr
     assert FP8_MAX == 448.0
+
+
+def test_cli_demo_fp8_catches_a_corrupted_block() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "diffusion_kv.cli", "demo", "--kv-cache-dtype", "fp8_e4m3", "--inject-fault",
+            "--prefix", "64", "--target", "16", "--steps", "3", "--hidden", "64", "--heads", "2", "--layers", "1",
+        ],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout
+    assert "DISAGREE" in proc.stdout
+    assert "final-latent cosine similarity" in proc.stderr and "below the fp8_e4m3 bound 0.999" in proc.stderr
