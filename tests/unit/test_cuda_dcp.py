@@ -227,7 +227,7 @@ def rank_partials(
             if active.segment_metadata
             else [batch.attn_metadata["layer.0"]]
         )
-        ways = [getattr(m, "backend", "reference") for m in native]
+        ways = [m.way.value if hasattr(m, "way") else "reference" for m in native]
     if mode is AttentionMode.CAUSAL and spans is None:
         md = batch.attn_metadata["layer.0"]
         with pytest.raises(ValidationError, match="DCP-sharded"):
