@@ -675,8 +675,9 @@ def run_stream(
     diffs = []
     cosines = []
     rows = []
+    refs = {r.request_id: dense_run(model, r, inputs[r.request_id], cfg.guidance) for r in requests}
     for r in requests:
-        ref = dense_run(model, r, inputs[r.request_id], cfg.guidance)
+        ref = refs[r.request_id]
         d_stream = float(max_difference(ref, stream.latents[r.request_id]).item())
         d_seq = float(max_difference(ref, sequential.latents[r.request_id]).item())
         diffs.extend([d_stream, d_seq])
@@ -700,7 +701,7 @@ def run_stream(
     if uncached is not None:
         vs_uncached = 0.0
         for r in requests:
-            ref = dense_run(model, r, inputs[r.request_id], cfg.guidance)
+            ref = refs[r.request_id]
             diffs.append(float(max_difference(ref, uncached.latents[r.request_id]).item()))
             vs_uncached = max(
                 vs_uncached,
