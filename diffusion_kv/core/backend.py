@@ -42,6 +42,7 @@ from diffusion_kv.core.capabilities import (
     capability_reasons,
 )
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
+from diffusion_kv.core.host import NO_HOST_REASON, HostRuntime
 
 if TYPE_CHECKING:
     from diffusion_kv.core.layout import CacheLayout
@@ -103,6 +104,8 @@ class GroupContext:
     layout: CacheLayout
     device: torch.device
     platform_name: str
+    host: HostRuntime | None = None
+    """The embedding host's runtime the runner was given (None: standalone)."""
 
     @property
     def num_kernel_blocks(self) -> int:
@@ -139,6 +142,17 @@ class PagedBackend(abc.ABC):
     """When not None, the kernel wants rows with ``query_len <= threshold`` before longer rows
     in causal groups; the translator enforces that order when a batch is prepared."""
 
+    needs_host: ClassVar[bool] = False
+    """The backend needs an embedding host's runtime (:class:`~diffusion_kv.core.host.HostRuntime`,
+    ``GroupContext.host``); without one, selection rules it out with that reason."""
+    uses_host_kernels: ClassVar[bool] = False
+    """The backend's kernels are the host's own attention backend (vLLM's, vllm-ascend's): a host
+    adapter keeps driving them through the host's own builder rather than wrapping this backend."""
+    host_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = None
+    """For ``uses_host_kernels`` backends: the host's KV-cache layout names the kernel reads
+    (vLLM's ``KVCacheLayout``, e.g. ``("LBHNC",)``); None: any. A host choosing the layout takes
+    the first."""
+
     # --- selection (class level) ------------------------------------------------------------
 
     @classmethod
@@ -155,6 +169,20 @@ class PagedBackend(abc.ABC):
     def block_tables_cls(cls) -> type[BlockTables]:
         """The BlockTables class the backend's metadata reads (one per worker)."""
         return TorchBlockTables
+
+    @classmethod
+    def host_reasons(cls, host: HostRuntime | None) -> list[str]:
+        """Every reason this backend cannot serve with ``host`` (None: no embedding host);
+        default: a ``needs_host`` backend needs one. Extend through ``super()`` for what the
+        backend needs of the host's objects."""
+        return [NO_HOST_REASON] if cls.needs_host and host is None else []
+
+    @classmethod
+    def prepare_worker(cls, host: HostRuntime | None) -> None:
+        """Once per worker process, before any instance, when this backend is the one the
+        platform selects (``Platform.init_worker``): vendor patches, resolving operators so a
+        missing one fails fast. Default: nothing."""
+        del host
 
     # --- one instance per KV-cache group --------------------------------------------------------
 
@@ -280,11 +308,12 @@ class BackendProvider(Protocol):
 
     def device(self) -> torch.device: ...
 
-    def not_supported_reasons(self, requirements: Requirements) -> list[str]: ...
+    def not_supported_reasons(self, requirements: Requirements, host: HostRuntime | None = None) -> list[str]: ...
 
     def select_backend(
         self,
         requirements: Requirements,
         compatible_with: Sequence[type[PagedBackend]] = (),
         force: BackendChoice = None,
+        host: HostRuntime | None = None,
     ) -> type[PagedBackend]: ...

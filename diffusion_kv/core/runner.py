@@ -38,7 +38,7 @@ import torch
 from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.backend import BackendChoice, BackendProvider, GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, block_table_width
 from diffusion_kv.core.capabilities import AttentionMode, Requirements
 from diffusion_kv.core.errors import (
     DiffusionKVError,
@@ -50,6 +50,7 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.execute import PagedExecutor
 from diffusion_kv.core.graphs import CapturedStep, check_capture_args
+from diffusion_kv.core.host import HostRuntime, check_host
 from diffusion_kv.core.kv_quant import (
     QUANTIZED_CACHE_DTYPES,
     KVScales,
@@ -229,11 +230,19 @@ class RunnerBackend:
     """Owns one worker's paged KV state; see the module docstring for the lifecycle."""
 
     def __init__(
-        self, platform: BackendProvider, config: RunnerConfig, *, dcp_merger: PartialMerger | None = None
+        self,
+        platform: BackendProvider,
+        config: RunnerConfig,
+        *,
+        dcp_merger: PartialMerger | None = None,
+        host: HostRuntime | None = None,
     ) -> None:
         """``dcp_merger`` merges partial attention across the DCP group when ``cp_size > 1``;
         by default a :class:`~diffusion_kv.core.parallel.DCPMerger` over the default
-        ``torch.distributed`` group is built at KV-cache initialisation."""
+        ``torch.distributed`` group is built at KV-cache initialisation. ``host`` is the
+        embedding host's runtime (:class:`~diffusion_kv.core.host.HostRuntime`): selection and
+        every backend instance (``GroupContext.host``) get it; None: standalone."""
+        host = check_host(host)
         missing = [
             m for m in ("name", "default_block_size", "device", "select_backend") if not hasattr(platform, m)
         ]
@@ -291,6 +300,7 @@ class RunnerBackend:
         self.dcp_merger = dcp_merger
         self.platform = platform
         self.config = config
+        self.host = host
         self.device = device
         self.cache_dtype: torch.dtype | None = cache_dtype
         """The requested cache dtype (None: each layer's own)."""
@@ -416,7 +426,7 @@ class RunnerBackend:
         for mode in sorted({g.mode for g in geometry.values()}, key=lambda m: m.value):
             layer = next(g for g in geometry.values() if g.mode is mode)
             requirements = self._requirements(layer)
-            reasons = self.platform.not_supported_reasons(requirements)
+            reasons = self.platform.not_supported_reasons(requirements, host=self.host)
             if reasons:
                 raise UnsupportedRequirementsError(
                     f"platform {self.platform.name!r} cannot serve these layers ({requirements.describe()}): "
@@ -535,7 +545,7 @@ class RunnerBackend:
                     raise ValidationError(
                         f"layer {name!r} does not match the spec of KV-cache group {g}: {group.spec}"
                     )
-        chosen = self._select_backends(layout)  # one per group, by the platform's priority list
+        chosen = self.select_backends(layout)  # one per group, by the platform's priority list
         kernels = []
         for g, (group, backend_cls) in enumerate(zip(layout.groups, chosen, strict=True)):
             kernel = backend_cls.capabilities.kernel_block_size_for(group.block_size)
@@ -562,13 +572,16 @@ class RunnerBackend:
         )
         return layout
 
-    def _select_backends(self, layout: CacheLayout) -> list[type[PagedBackend]]:
+    def select_backends(self, layout: CacheLayout) -> list[type[PagedBackend]]:
+        """The backend class each KV-cache group of ``layout`` gets (what
+        :meth:`initialize_kv_cache` builds; selection is deterministic, so a host may ask first,
+        e.g. to lay out caches it owns in the chosen page layouts). Changes nothing."""
         chosen: list[type[PagedBackend]] = []
         for group in layout.groups:
             layer = self.layers[group.layer_names[0]]
             chosen.append(
                 self.platform.select_backend(
-                    self._requirements(layer, group.block_size), chosen, force=self.config.backend
+                    self._requirements(layer, group.block_size), chosen, force=self.config.backend, host=self.host
                 )
             )
         return chosen
@@ -600,6 +613,7 @@ class RunnerBackend:
         part = self._plugin_part
         slot_dtypes = frozenset.intersection(*(b.capabilities.slot_mapping_dtypes for b in chosen))
         slot_dtype = torch.int64 if torch.int64 in slot_dtypes else torch.int32
+        align = self.host.block_table_alignment if self.host is not None else None
         if c.slot_mapping_dtype is not None:
             if c.slot_mapping_dtype not in slot_dtypes:
                 raise ValidationError(
@@ -615,7 +629,8 @@ class RunnerBackend:
                 max_num_reqs=layout.max_num_reqs,
                 max_num_batched_tokens=layout.max_num_batched_tokens,
                 max_num_blocks_per_group=[
-                    cdiv(layout.max_model_len, bs * c.cp_size) for bs in layout.block_sizes
+                    block_table_width(cdiv(layout.max_model_len, bs * c.cp_size), bs, align)
+                    for bs in layout.block_sizes
                 ],
                 device=self.device,
                 kernel_block_sizes=kernels,
@@ -638,6 +653,7 @@ class RunnerBackend:
                 layout=layout,
                 device=self.device,
                 platform_name=platform.name,
+                host=self.host,
             )
             backends.append(part(f"backend {backend_cls.name!r}", None, partial(backend_cls, context)))
         translator = Translator(

@@ -42,6 +42,7 @@ from diffusion_kv.core.capabilities import (
     capability_reasons,
 )
 from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.host import HostRuntime, check_host
 
 __all__ = [
     "ENV_BACKEND",
@@ -50,6 +51,7 @@ __all__ = [
     "BlockSizeRule",
     "Capabilities",
     "GroupContext",
+    "HostRuntime",
     "KVCache",
     "KVPageLayout",
     "LayerGeometry",
@@ -172,8 +174,12 @@ class Platform(abc.ABC):
             return torch.device("cpu")
         return torch.device(self.device_type, local_rank)
 
-    def init_worker(self) -> None:  # noqa: B027 - optional hook, intentionally empty
-        """Optional worker-initialisation steps (vendor patches, config). Default: nothing."""
+    def init_worker(self, host: HostRuntime | None = None) -> None:
+        """Worker initialisation: the ``prepare_worker`` of the backend the platform selects
+        (with ``host``, the embedding host's runtime, when there is one). Platforms extend it
+        through ``super()`` (fail fast on this machine first)."""
+        backend = self.select_backend(Requirements(), host=check_host(host))
+        backend.prepare_worker(host)
 
     # --- backends -------------------------------------------------------------------------------
 
@@ -190,12 +196,15 @@ class Platform(abc.ABC):
         """What the platform's backends cover together (display and coarse checks)."""
         return Capabilities.union([b.capabilities for b in self.candidate_backends()])
 
-    def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
-        """Every reason ``backend`` cannot serve ``requirements`` here; extend for checks only
-        the platform can make (a bound runtime, an emulator). A backend whose ``is_available``
-        or ``not_supported_reasons`` raises (``SystemExit`` included) or answers with the wrong
-        type is not served: that is its reason (an entry-point backend is also reported as
-        broken and skipped from then on)."""
+    def backend_reasons(
+        self, backend: type[PagedBackend], requirements: Requirements, host: HostRuntime | None = None
+    ) -> list[str]:
+        """Every reason ``backend`` cannot serve ``requirements`` here, with ``host`` (the
+        embedding host's runtime; None: standalone): its availability, its capabilities, its
+        ``host_reasons``; extend for checks only the platform can make (an emulator). A backend
+        whose ``is_available``, ``not_supported_reasons`` or ``host_reasons`` raises
+        (``SystemExit`` included) or answers with the wrong type is not served: that is its
+        reason (an entry-point backend is also reported as broken and skipped from then on)."""
         from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
 
         try:
@@ -206,23 +215,23 @@ class Platform(abc.ABC):
                 lambda r: isinstance(r, Availability),
                 "an Availability",
             )
-            if not found:
-                return [f"unavailable: {found.reason}"]
-            return list(
-                backend_call(
-                    backend,
-                    "not_supported_reasons()",
-                    lambda: backend.not_supported_reasons(requirements),
-                    lambda r: isinstance(r, list) and all(type(x) is str for x in r),
-                    "a list of strings",
+            strings = (lambda r: isinstance(r, list) and all(type(x) is str for x in r), "a list of strings")
+            reasons = (
+                [f"unavailable: {found.reason}"]
+                if not found
+                else backend_call(
+                    backend, "not_supported_reasons()", lambda: backend.not_supported_reasons(requirements), *strings
                 )
+            )
+            return list(reasons) + list(
+                backend_call(backend, "host_reasons()", lambda: backend.host_reasons(host), *strings)
             )
         except BackendCallError as exc:
             return [f"broken: its {exc.what} {exc.problem}"]
 
-    def not_supported_reasons(self, requirements: Requirements) -> list[str]:
-        """Empty when some backend serves ``requirements``; else every backend's reasons."""
-        candidates = self._candidates(_check_requirements(requirements))
+    def not_supported_reasons(self, requirements: Requirements, host: HostRuntime | None = None) -> list[str]:
+        """Empty when some backend serves ``requirements`` (with ``host``); else every backend's reasons."""
+        candidates = self._candidates(_check_requirements(requirements), host=host)
         if any(not reasons for _, reasons in candidates):
             return []
         return [f"{b.name}: {r}" for b, reasons in candidates for r in reasons] or ["no paged backend"]
@@ -246,8 +255,10 @@ class Platform(abc.ABC):
         requirements: Requirements,
         compatible_with: Sequence[type[PagedBackend]] = (),
         force: BackendChoice = None,
+        host: HostRuntime | None = None,
     ) -> list[tuple[type[PagedBackend], list[str]]]:
         requirements = _check_requirements(requirements)
+        host = check_host(host)
         compatible_with = _check_backends(compatible_with)
         forced = self._forced(force)
         candidates = self.candidate_backends()
@@ -270,7 +281,7 @@ class Platform(abc.ABC):
 
         out = []
         for backend in candidates:
-            reasons = self.backend_reasons(backend, requirements)
+            reasons = self.backend_reasons(backend, requirements, host)
             if not reasons or compatible_with:  # its BlockTables class is what a worker builds next
                 try:
                     tables = _block_tables_of(backend)
@@ -298,12 +309,15 @@ class Platform(abc.ABC):
         requirements: Requirements,
         compatible_with: Sequence[type[PagedBackend]] = (),
         force: BackendChoice = None,
+        host: HostRuntime | None = None,
     ) -> type[PagedBackend]:
         """The highest-priority backend serving ``requirements`` (and sharing BlockTables and a
-        slot dtype with ``compatible_with``, the backends already chosen for other groups).
-        ``force`` (a backend name or class) limits the candidates to that one; without it,
-        ``DIFFUSION_KV_BACKEND`` does (the variable is only the default of the choice)."""
-        candidates = self._candidates(requirements, compatible_with, force)
+        slot dtype with ``compatible_with``, the backends already chosen for other groups) with
+        ``host`` (the embedding host's runtime; backends that declare ``needs_host`` are ruled
+        out without one). ``force`` (a backend name or class) limits the candidates to that one;
+        without it, ``DIFFUSION_KV_BACKEND`` does (the variable is only the default of the
+        choice)."""
+        candidates = self._candidates(requirements, compatible_with, force, host)
         for backend, reasons in candidates:
             if not reasons:
                 return backend
@@ -321,11 +335,16 @@ class Platform(abc.ABC):
             lines.extend(f"      {reason}" for reason in reasons)
         raise UnsupportedRequirementsError("\n".join(lines))
 
-    def explain(self, requirements: Requirements | None = None, force: BackendChoice = None) -> list[str]:
+    def explain(
+        self,
+        requirements: Requirements | None = None,
+        force: BackendChoice = None,
+        host: HostRuntime | None = None,
+    ) -> list[str]:
         """Every backend in priority order, with whether it would be chosen and why not."""
         req = _check_requirements(requirements) if requirements is not None else Requirements()
         try:
-            candidates = self._candidates(req, (), force)
+            candidates = self._candidates(req, (), force, host)
         except ConfigurationError as exc:
             return [f"{self.name}: {exc}"]
         chosen = next((b for b, reasons in candidates if not reasons), None)

@@ -22,7 +22,6 @@ import pytest
 from diffusion_kv.platforms.interface import ENV_BACKEND
 from diffusion_kv.platforms.npu import NpuPlatform
 from diffusion_kv.platforms.npu.compat import ENV_ALLOW_UNTESTED_STACK
-from diffusion_kv.platforms.npu.runtime import unbind_vllm_runtime
 from diffusion_kv.testing import TorchNpuEmulator, emulated_torch_npu
 from diffusion_kv.testing.npu_contract import CONTRACT_ENV, WheelBinding, bind, load_contract, unbind
 
@@ -76,12 +75,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
 
 @pytest.fixture(autouse=True)
 def _clean_npu_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No forced backend, no stack escape hatch and no bound vLLM runtime, before and after."""
+    """No forced backend and no stack escape hatch (a host's runtime is a value: nothing to reset)."""
     monkeypatch.delenv(ENV_BACKEND, raising=False)
     monkeypatch.delenv(ENV_ALLOW_UNTESTED_STACK, raising=False)
-    unbind_vllm_runtime()
     yield
-    unbind_vllm_runtime()
 
 
 @pytest.fixture

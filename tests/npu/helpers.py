@@ -11,6 +11,7 @@ from diffusion_kv.core.backend import GroupContext
 from diffusion_kv.core.batch import LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.core.layout import single_group_layout
 
 
@@ -74,6 +75,7 @@ def group_context(
     slot_mapping_dtype: torch.dtype = torch.int32,
     index: int = 0,
     mode: AttentionMode = AttentionMode.CAUSAL,
+    host: HostRuntime | None = None,
 ) -> GroupContext:
     """The GroupContext the runner would hand a backend for one group of ``layers`` (built by
     hand, so a backend's own checks can be reached past selection)."""
@@ -112,4 +114,5 @@ def group_context(
         layout=layout,
         device=torch.device("cpu"),
         platform_name="npu",
+        host=host,
     )

@@ -28,7 +28,7 @@ from diffusion_kv.core.errors import (
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
-from diffusion_kv.integrations.vllm_ascend.backend import EMULATED_REASON, VllmAscendBackend
+from diffusion_kv.integrations.vllm_ascend.backend import EMULATED_REASON, NO_HOST_REASON, VllmAscendBackend
 from diffusion_kv.platforms.interface import (
     ENV_BACKEND,
     AttentionMode,
@@ -36,7 +36,7 @@ from diffusion_kv.platforms.interface import (
     KVPageLayout,
     Requirements,
 )
-from diffusion_kv.platforms.npu import NO_RUNTIME_REASON, NpuDirectBackend, NpuPlatform
+from diffusion_kv.platforms.npu import NpuDirectBackend, NpuPlatform
 from diffusion_kv.platforms.npu.constraints import CAPABILITIES, DOCUMENTED_LIMITS, UNVERIFIED_SUMMARY
 from diffusion_kv.platforms.npu.direct import NpuAttentionMetadata
 from diffusion_kv.platforms.npu.kernels import compressed_causal_mask
@@ -126,7 +126,7 @@ def test_detection_under_the_emulator(npu_emulator: TorchNpuEmulator) -> None:
     assert npu_emulator.calls == []
     assert platform.explain() == [
         "npu: selects backend 'direct' for (none)",
-        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_RUNTIME_REASON}",
+        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_HOST_REASON}",
         f"{DIRECT_LINE}: selected",
         UNVERIFIED_LINE,
     ]
@@ -175,12 +175,12 @@ def test_forcing_vllm_ascend_without_a_runtime_is_an_error(
         f"  ({ENV_BACKEND} limits the candidates to one)",
         "  `npu:vllm-ascend` (priority 200) is not supported because:",
         f"      unavailable: {EMULATED_REASON}",
-        f"      {NO_RUNTIME_REASON}",
+        f"      {NO_HOST_REASON}",
     ]
     assert platform.explain() == [
         "npu: no backend serves for (none)",
         f"  {ENV_BACKEND} forces 'vllm-ascend'",
-        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_RUNTIME_REASON}",
+        f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}; {NO_HOST_REASON}",
         UNVERIFIED_LINE,
     ]
     with pytest.raises(
@@ -197,7 +197,7 @@ def test_forcing_vllm_ascend_where_it_is_not_installed(monkeypatch: pytest.Monke
     monkeypatch.setenv(ENV_BACKEND, "npu:vllm-ascend")
     assert NpuPlatform().backend_reasons(VllmAscendBackend, Requirements()) == [
         "unavailable: vllm_ascend is not importable",
-        NO_RUNTIME_REASON,
+        NO_HOST_REASON,
     ]
     with pytest.raises(UnsupportedRequirementsError, match="unavailable: vllm_ascend is not importable"):
         NpuPlatform().select_backend(Requirements())
@@ -345,7 +345,7 @@ def test_platform_reasons_name_every_backend(npu_emulator: TorchNpuEmulator) -> 
     platform = NpuPlatform()
     assert platform.not_supported_reasons(Requirements(dtype=torch.float32, head_size=80)) == [
         f"vllm-ascend: unavailable: {EMULATED_REASON}",
-        f"vllm-ascend: {NO_RUNTIME_REASON}",
+        f"vllm-ascend: {NO_HOST_REASON}",
         "direct: dtype=float32 (supported: ['bfloat16'])",
         "direct: head_size=80 (supported: [128, 192])",
     ]

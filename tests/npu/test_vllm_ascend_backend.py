@@ -32,12 +32,14 @@ from diffusion_kv.core.errors import (
     UnsupportedRequirementsError,
     ValidationError,
 )
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.integrations.vllm_ascend import backend as vllm_ascend_backend
 from diffusion_kv.integrations.vllm_ascend.backend import (
     BUILD_KEYWORDS,
     EMULATED_REASON,
     LAYER_ATTRIBUTES,
+    NO_HOST_REASON,
     POOLING_REASON,
     VENDOR_USES,
     AscendBlockTablesAdapter,
@@ -46,10 +48,9 @@ from diffusion_kv.integrations.vllm_ascend.backend import (
     layer_index_problem,
 )
 from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, KVPageLayout, Requirements
-from diffusion_kv.platforms.npu import NO_RUNTIME_REASON, NpuDirectBackend, NpuPlatform
+from diffusion_kv.platforms.npu import NpuDirectBackend, NpuPlatform
 from diffusion_kv.platforms.npu.compat import SUPPORTED_VLLM_ASCEND_STACKS, AscendStack, UnsupportedStackError
 from diffusion_kv.platforms.npu.constraints import UNVERIFIED_SUMMARY
-from diffusion_kv.platforms.npu.runtime import VllmRuntime, bound_vllm_runtime
 from diffusion_kv.testing import TorchNpuEmulator
 
 from .helpers import BF16, common_batch, group_context, without_torch_npu
@@ -57,7 +58,7 @@ from .helpers import BF16, common_batch, group_context, without_torch_npu
 LAYER_NAME = "transformer.blocks.3.attn"
 LAYER = LayerGeometry(LAYER_NAME, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=BF16)
 KV_CONFIG = types.SimpleNamespace(num_blocks=4, kv_cache_groups=["GROUP-0"])
-RUNTIME = VllmRuntime(vllm_config="VLLM-CONFIG", attn_groups=[["ATTN-GROUP-0"]], kv_cache_config=KV_CONFIG)
+HOST = HostRuntime(config="VLLM-CONFIG", attn_groups=[["ATTN-GROUP-0"]], kv_cache_config=KV_CONFIG)
 DIRECT_LINE = f"  [100] direct — {NpuDirectBackend.description}"
 VLLM_ASCEND_LINE = f"  [200] vllm-ascend — {VllmAscendBackend.description}"
 POOLING_HOST = types.SimpleNamespace(model_config=types.SimpleNamespace(runner_type="pooling"))
@@ -240,57 +241,56 @@ def supported_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_ascend_backend, "installed_stack", lambda *_: SUPPORTED_VLLM_ASCEND_STACKS[0])
 
 
-def bind(runtime: VllmRuntime = RUNTIME) -> None:
-    NpuPlatform().bind_vllm_runtime(runtime.vllm_config, runtime.attn_groups, runtime.kv_cache_config)
-
-
-def make_backend(*layers: LayerGeometry, index: int = 0) -> VllmAscendBackend:
-    return VllmAscendBackend(group_context(layers or (LAYER,), index=index))
+def make_backend(*layers: LayerGeometry, index: int = 0, host: HostRuntime | None = HOST) -> VllmAscendBackend:
+    return VllmAscendBackend(group_context(layers or (LAYER,), index=index, host=host))
 
 
 # --- selection --------------------------------------------------------------------------------------
 
 
 @without_torch_npu
-def test_selected_only_with_a_bound_runtime(vendor: Vendor, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selected_only_with_a_host_runtime(vendor: Vendor, monkeypatch: pytest.MonkeyPatch) -> None:
     platform = NpuPlatform()
     assert VllmAscendBackend.is_available() == Availability(True, "vllm-ascend (version unknown)")
-    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == [NO_RUNTIME_REASON]
+    assert VllmAscendBackend.needs_host and VllmAscendBackend.uses_host_kernels
+    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == [NO_HOST_REASON]
     with pytest.raises(UnsupportedRequirementsError) as info:  # direct: no torch_npu on this machine
         platform.select_backend(Requirements())
     assert str(info.value).splitlines()[2:] == [
         "  `npu:vllm-ascend` (priority 200) is not supported because:",
-        f"      {NO_RUNTIME_REASON}",
+        f"      {NO_HOST_REASON}",
         "  `npu:direct` (priority 100) is not supported because:",
         "      unavailable: torch_npu is not installed",
     ]
-    platform.bind_vllm_runtime("VLLM-CONFIG", [["ATTN-GROUP-0"]], KV_CONFIG)
-    assert bound_vllm_runtime() == RUNTIME
-    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == []
-    assert platform.select_backend(Requirements(dtype=BF16, head_size=128)) is VllmAscendBackend
-    assert platform.explain() == [
+    assert platform.backend_reasons(VllmAscendBackend, Requirements(), HOST) == []
+    assert platform.select_backend(Requirements(dtype=BF16, head_size=128), host=HOST) is VllmAscendBackend
+    incomplete = HostRuntime(config="VLLM-CONFIG", kv_cache_config=KV_CONFIG, name="vLLM-Omni")
+    assert platform.backend_reasons(VllmAscendBackend, Requirements(), incomplete) == [
+        "the vLLM-Omni runtime lacks attn_groups: vllm-ascend's metadata builder and attention impl need the "
+        "host's vllm_config, attn_groups and kv_cache_config"
+    ]
+    assert platform.explain(host=HOST) == [
         "npu: selects backend 'vllm-ascend' for (none)",
         f"{VLLM_ASCEND_LINE}: selected",
         f"{DIRECT_LINE}: unavailable: torch_npu is not installed",
         f"  {UNVERIFIED_SUMMARY}",
     ]
     # the capability limits still apply to it
-    assert platform.backend_reasons(VllmAscendBackend, Requirements(head_size=80, num_heads=300)) == [
+    assert platform.backend_reasons(VllmAscendBackend, Requirements(head_size=80, num_heads=300), HOST) == [
         "head_size=80 (supported: [128, 192])",
         "num_heads=300 exceeds 256",
     ]
     monkeypatch.setenv(ENV_BACKEND, "npu:direct")
     with pytest.raises(UnsupportedRequirementsError, match="unavailable: torch_npu is not installed"):
-        platform.select_backend(Requirements())
+        platform.select_backend(Requirements(), host=HOST)
 
 
 def test_never_selected_under_the_emulator(vendor: Vendor, npu_emulator: TorchNpuEmulator) -> None:
-    bind()
     platform = NpuPlatform()
     assert VllmAscendBackend.is_available() == Availability(False, EMULATED_REASON)
-    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == [f"unavailable: {EMULATED_REASON}"]
-    assert platform.select_backend(Requirements()) is NpuDirectBackend
-    assert platform.explain()[1] == f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}"
+    assert platform.backend_reasons(VllmAscendBackend, Requirements(), HOST) == [f"unavailable: {EMULATED_REASON}"]
+    assert platform.select_backend(Requirements(), host=HOST) is NpuDirectBackend
+    assert platform.explain(host=HOST)[1] == f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}"
 
 
 @without_torch_npu
@@ -299,7 +299,6 @@ def test_a_worker_on_the_vllm_ascend_backend(
 ) -> None:
     """Selection through the runner: vllm-ascend's BlockTables, one backend for the group, and
     separate K/V pages [kernel_blocks, 128, Hkv, D]."""
-    bind()
     platform = NpuPlatform()
     runner = RunnerBackend(
         platform,
@@ -310,6 +309,7 @@ def test_a_worker_on_the_vllm_ascend_backend(
             max_num_batched_tokens=1024,
             device=torch.device("cpu"),
         ),
+        host=HOST,
     )
     runner.register_kv_cache_layers({LAYER_NAME: PagedLayerSpec(8, 2, 128, BF16, scale=0.5)})
     runner.initialize_kv_cache(num_blocks=6, block_size=256)
@@ -329,7 +329,6 @@ def test_a_worker_on_the_vllm_ascend_backend(
 
 @without_torch_npu
 def test_an_unsupported_installed_set_is_refused(vendor: Vendor) -> None:
-    bind()
     with pytest.raises(UnsupportedStackError) as info:  # this machine: no CANN, no torch_npu
         AscendBlockTablesAdapter(
             block_sizes=[128],
@@ -343,26 +342,25 @@ def test_an_unsupported_installed_set_is_refused(vendor: Vendor) -> None:
     with pytest.raises(UnsupportedStackError):
         make_backend()
     with pytest.raises(UnsupportedStackError):
-        VllmAscendBackend.init_worker()
+        VllmAscendBackend.prepare_worker(HOST)
     assert vendor.log == [] and vendor.impls == []
 
 
 def test_worker_init_checks_versions_first(vendor: Vendor, monkeypatch: pytest.MonkeyPatch) -> None:
-    bind()
     monkeypatch.setattr(
         vllm_ascend_backend, "installed_stack", lambda *_: AscendStack(None, None, None, None, None)
     )
     with pytest.raises(UnsupportedStackError, match="CANN missing \\(expected 9.1.0\\)"):
-        VllmAscendBackend.init_worker()
+        VllmAscendBackend.prepare_worker(HOST)
     assert vendor.log == []
     monkeypatch.setattr(vllm_ascend_backend, "installed_stack", lambda *_: SUPPORTED_VLLM_ASCEND_STACKS[0])
-    VllmAscendBackend.init_worker()
+    VllmAscendBackend.prepare_worker(HOST)
     assert vendor.log == ["adapt_patch", ("init_ascend_config", "VLLM-CONFIG")]
 
 
-def test_worker_init_without_a_runtime_explains_the_binding(vendor: Vendor, supported_stack: None) -> None:
-    with pytest.raises(StateError, match="NpuPlatform.bind_vllm_runtime"):
-        VllmAscendBackend.init_worker()
+def test_worker_init_without_a_host_explains_what_is_needed(vendor: Vendor, supported_stack: None) -> None:
+    with pytest.raises(StateError, match="RunnerBackend\\(..., host=HostRuntime\\(...\\)\\)"):
+        VllmAscendBackend.prepare_worker(None)
     assert vendor.log == []
 
 
@@ -375,11 +373,10 @@ def test_platform_worker_init_runs_the_selected_backends_init(
         NpuPlatform, "is_available", classmethod(lambda cls: Availability(True, "1 NPU device(s)"))
     )
     platform = NpuPlatform()
-    with pytest.raises(UnsupportedRequirementsError, match="no vLLM runtime is bound"):
+    with pytest.raises(UnsupportedRequirementsError, match="needs the embedding vLLM host's runtime"):
         platform.init_worker()  # neither backend can run: nothing is initialised
     assert vendor.log == []
-    bind()
-    platform.init_worker()
+    platform.init_worker(HOST)
     assert vendor.log == ["adapt_patch", ("init_ascend_config", "VLLM-CONFIG")]
 
 
@@ -456,7 +453,6 @@ def test_block_tables_adapter_takes_int32_slots_only(vendor: Vendor, supported_s
 
 
 def test_build_forces_chunked_prefill_and_filters_keywords(vendor: Vendor, supported_stack: None) -> None:
-    bind()
     vendor.return_metadata = {
         LAYER_NAME: types.SimpleNamespace(actual_seq_lengths_q=[1], seq_lens_list=[1], block_tables=None)
     }
@@ -482,22 +478,21 @@ def test_build_forces_chunked_prefill_and_filters_keywords(vendor: Vendor, suppo
 
 def test_each_group_builds_with_its_share_of_the_host_runtime(vendor: Vendor, supported_stack: None) -> None:
     two = types.SimpleNamespace(num_blocks=4, kv_cache_groups=["GROUP-0", "GROUP-1"])
-    bind(VllmRuntime("VLLM-CONFIG", [["ATTN-GROUP-0"], ["ATTN-GROUP-1"]], two))
+    host = HostRuntime("VLLM-CONFIG", [["ATTN-GROUP-0"], ["ATTN-GROUP-1"]], two)
     vendor.return_metadata = {
         LAYER_NAME: types.SimpleNamespace(actual_seq_lengths_q=[1], seq_lens_list=[1], block_tables=None)
     }
-    make_backend(index=1).build(common_batch(1))
+    make_backend(index=1, host=host).build(common_batch(1))
     (kwargs,) = vendor.build_kwargs
     assert kwargs["attn_groups"] == [["ATTN-GROUP-1"]]
     assert kwargs["kv_cache_config"].kv_cache_groups == ["GROUP-1"]
     assert kwargs["kv_cache_config"].num_blocks == 4
     assert two.kv_cache_groups == ["GROUP-0", "GROUP-1"]  # the host's config is untouched
     with pytest.raises(StateError, match="attention groups for 2 KV-cache group\\(s\\); .* group 2 has none"):
-        make_backend(index=2)
+        make_backend(index=2, host=host)
 
 
 def test_build_checks_what_came_back(vendor: Vendor, supported_stack: None) -> None:
-    bind()
     backend = make_backend()
     vendor.return_metadata = {LAYER_NAME: types.SimpleNamespace(seq_lens_list=[1])}
     with pytest.raises(
@@ -529,7 +524,6 @@ def test_strict_ulysses_backend_subclass(vendor: Vendor) -> None:
 
 
 def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_stack: None) -> None:
-    bind()
     other = LayerGeometry("transformer.blocks.4.attn", 8, 2, 128, 0.5, BF16)
     backend = make_backend(LAYER, other)
     assert backend.page_layout is KVPageLayout.SEPARATE
@@ -569,7 +563,6 @@ def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_sta
 
 @pytest.mark.parametrize("name", ["attn", "blocks.1.attn.2"])
 def test_layer_names_need_one_integer_component(vendor: Vendor, supported_stack: None, name: str) -> None:
-    bind()
     with pytest.raises(ValidationError, match="must contain exactly one integer component"):
         make_backend(LayerGeometry(name, num_heads=8, num_kv_heads=2, head_size=128, scale=0.5, dtype=BF16))
     assert vendor.impls == []
@@ -577,7 +570,6 @@ def test_layer_names_need_one_integer_component(vendor: Vendor, supported_stack:
 
 
 def test_unsupported_layers_are_refused_before_any_impl(vendor: Vendor, supported_stack: None) -> None:
-    bind()
     bad = LayerGeometry(LAYER_NAME, num_heads=8, num_kv_heads=2, head_size=80, scale=0.5, dtype=torch.float32)
     with pytest.raises(
         UnsupportedRequirementsError, match="npu cannot serve layer 'transformer.blocks.3.attn'"
@@ -586,9 +578,9 @@ def test_unsupported_layers_are_refused_before_any_impl(vendor: Vendor, supporte
     assert vendor.impls == []
 
 
-def test_backend_without_a_runtime_explains_the_binding(vendor: Vendor, supported_stack: None) -> None:
-    with pytest.raises(StateError, match="standalone use sets DIFFUSION_KV_BACKEND=npu:direct"):
-        make_backend()
+def test_backend_without_a_host_explains_what_is_needed(vendor: Vendor, supported_stack: None) -> None:
+    with pytest.raises(StateError, match="Standalone use sets DIFFUSION_KV_BACKEND=npu:direct"):
+        make_backend(host=None)
     assert vendor.impls == []
 
 
@@ -597,7 +589,6 @@ def test_backend_without_a_runtime_explains_the_binding(vendor: Vendor, supporte
 
 def test_padding_slots_never_reach_do_kv_cache_update(vendor: Vendor, supported_stack: None) -> None:
     """vllm-ascend 0.26.0rc1 writes with npu_scatter_pa_kv_cache, documented for slots >= 0 only."""
-    bind()
     backend = make_backend()
     packed = torch.zeros(4, 2, 128, dtype=BF16)
     cache = (torch.zeros(1), torch.zeros(1))
@@ -610,27 +601,26 @@ def test_a_pooling_host_is_refused(vendor: Vendor, supported_stack: None) -> Non
     """Pooling runners send non-causal attention to _forward_encoder_attention, which needs K/V
     tensors; this backend passes none."""
     platform = NpuPlatform()
-    platform.bind_vllm_runtime(POOLING_HOST, [["ATTN-GROUP-0"]], KV_CONFIG)
+    pooling = HostRuntime(POOLING_HOST, [["ATTN-GROUP-0"]], KV_CONFIG)
     assert POOLING_REASON == (
-        "the bound vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
+        "the vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
         "non-causal attention of pooling runners to _forward_encoder_attention, which needs the call's K/V "
         "tensors, and this backend reads K/V from the pages (it passes none)"
     )
-    reasons = platform.backend_reasons(VllmAscendBackend, Requirements())
+    reasons = platform.backend_reasons(VllmAscendBackend, Requirements(), pooling)
     assert reasons[-1] == POOLING_REASON
     with pytest.raises(UnsupportedFeatureError, match="runs a pooling model"):
-        make_backend()
+        make_backend(host=pooling)
     with pytest.raises(UnsupportedFeatureError, match="runs a pooling model"):
-        VllmAscendBackend.init_worker()
+        VllmAscendBackend.prepare_worker(pooling)
     assert vendor.impls == [] and vendor.log == []
     generate = types.SimpleNamespace(model_config=types.SimpleNamespace(runner_type="generate"))
-    assert VllmAscendBackend.runtime_reasons(VllmRuntime(generate, [], KV_CONFIG)) == []
+    assert VllmAscendBackend.host_reasons(HostRuntime(generate, [], KV_CONFIG)) == []
 
 
 def test_a_missing_do_kv_cache_update_names_the_versions_that_have_it(
     vendor: Vendor, supported_stack: None
 ) -> None:
-    bind()
     attention = vendor.modules["vllm_ascend.attention.attention_v1"]
 
     class OldImpl:
@@ -668,7 +658,6 @@ def test_the_vendor_checklist_names_what_the_stand_ins_offer(vendor: Vendor) -> 
 
 
 def test_build_passes_exactly_the_checklisted_keywords(vendor: Vendor, supported_stack: None) -> None:
-    bind()
     seen: list[set[str]] = []
 
     def build_attn_metadata(**kwargs: Any) -> dict[str, Any]:

@@ -116,11 +116,11 @@ class VllmPagedBackend(PagedBackend):
 
     vllm_backend: ClassVar[str | None] = None
     """vLLM's attention backend name (``FLASH_ATTN``); None lets vLLM choose for its platform."""
-    vllm_config: ClassVar[Any | None] = None
-    """The embedding host's ``VllmConfig``; None synthesises a minimal one per group."""
-    vllm_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = None
-    """The vLLM ``KVCacheLayout`` names the kernel reads (None: any). A host choosing the layout
-    (vLLM-Omni's platform hook) takes the first; caches bound from the host are checked."""
+    uses_host_kernels: ClassVar[bool] = True
+    """vLLM's own kernels: a vLLM host keeps them behind its own builder. The host's
+    ``VllmConfig`` comes from ``GroupContext.host`` (a minimal one is synthesised per group
+    without a host); ``host_kv_cache_layouts`` names the layouts the kernel reads, and caches
+    bound from the host are checked against them."""
 
     @classmethod
     def _environment_reason(cls) -> str | None:
@@ -152,7 +152,7 @@ class VllmPagedBackend(PagedBackend):
             layers=group.layers,
             device=group.device,
             backend=self.vllm_backend,
-            vllm_config=self.vllm_config,
+            vllm_config=group.host.config if group.host is not None else None,
             isa=self._isa(group.layers[0]),
         )
         self.reorder_batch_threshold = self.session.reorder_batch_threshold()
@@ -193,9 +193,9 @@ class VllmPagedBackend(PagedBackend):
             problems.append(f"shape {got} (expected {expected})")
         elif cache.dtype != layer.dtype or cache.device != g.device:
             problems.append(f"dtype/device {cache.dtype}/{cache.device} (expected {layer.dtype}/{g.device})")
-        elif self.vllm_kv_cache_layouts is not None and view_layout(cache) not in self.vllm_kv_cache_layouts:
+        elif self.host_kv_cache_layouts is not None and view_layout(cache) not in self.host_kv_cache_layouts:
             problems.append(
-                f"layout {view_layout(cache)} (the kernel reads {list(self.vllm_kv_cache_layouts)}; set the "
+                f"layout {view_layout(cache)} (the kernel reads {list(self.host_kv_cache_layouts)}; set the "
                 "host's KV-cache layout to one of them)"
             )
         if problems:
@@ -291,7 +291,7 @@ class VllmCpuAttnBackend(VllmPagedBackend):
         supports_gqa=True,
     )
     vllm_backend: ClassVar[str | None] = None
-    vllm_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = ("LBHNC",)
+    host_kv_cache_layouts: ClassVar[tuple[str, ...] | None] = ("LBHNC",)
 
     @classmethod
     def _environment_reason(cls) -> str | None:

@@ -3,9 +3,9 @@
 :class:`~.backend.VllmAscendBackend` (``npu:vllm-ascend``, priority 200) registers through the
 entry-point group ``diffusion_kv.backends``, exactly as another distribution's backend would:
 vllm-ascend's ``AscendBlockTables``, its ``build_attn_metadata`` and its
-``AscendAttentionBackendImpl``. It serves embedding vLLM hosts (vLLM-Omni on Ascend), which bind
-their runtime first with :meth:`NpuPlatform.bind_vllm_runtime
-<diffusion_kv.platforms.npu.NpuPlatform.bind_vllm_runtime>`.
+``AscendAttentionBackendImpl``. It serves embedding vLLM hosts (vLLM-Omni on Ascend), which hand
+their runtime to the runner as a :class:`~diffusion_kv.core.host.HostRuntime`
+(``RunnerBackend(..., host=...)``); the backend declares ``needs_host``.
 
 Importing this package never imports vLLM, vllm-ascend or torch_npu.
 """

@@ -8,10 +8,11 @@ K/V-less ``forward`` per attention call". Worker initialisation runs ``adapt_pat
 (:mod:`diffusion_kv.platforms.npu.compat`).
 
 vllm-ascend's builder and impl need objects only an embedding vLLM host has (its
-``VllmConfig``, attention groups and ``KVCacheConfig``); the host hands them over with
-:meth:`NpuPlatform.bind_vllm_runtime <diffusion_kv.platforms.npu.NpuPlatform.bind_vllm_runtime>`
-and this backend reads them from :mod:`diffusion_kv.platforms.npu.runtime`. Without a bound
-runtime the platform rules the backend out (a reason in ``explain()`` and in selection errors).
+``VllmConfig``, attention groups and ``KVCacheConfig``): the backend declares ``needs_host``, the
+host hands them to the runner as one :class:`~diffusion_kv.core.host.HostRuntime`
+(``RunnerBackend(..., host=...)``) and each instance reads them from ``GroupContext.host``.
+Without a host, or with one that lacks what it needs, selection rules the backend out with the
+reason (``host_reasons``: in ``explain()`` and in selection errors).
 
 One instance serves one KV-cache group ``g``: it builds with the host's attention groups of
 ``g`` and a view of the host's ``KVCacheConfig`` holding only group ``g``, so the host's groups
@@ -49,11 +50,11 @@ from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.capabilities import Availability, Capabilities, Requirements
 from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.platforms.npu.compat import check_supported_stack, installed_stack
 from diffusion_kv.platforms.npu.constraints import CAPABILITIES, head_count_reasons, unverified_notes
 from diffusion_kv.platforms.npu.direct import require_layers
 from diffusion_kv.platforms.npu.kernels import loaded_emulator
-from diffusion_kv.platforms.npu.runtime import VllmRuntime, bound_vllm_runtime
 from diffusion_kv.platforms.npu.slots import PaddingFilter
 
 BLOCK_TABLE_MODULE = "vllm_ascend.worker.v2.block_table"
@@ -68,7 +69,7 @@ VLLM_ATTENTION_TYPE_MODULES = ("vllm.v1.attention.backend", "vllm.attention.back
 EMULATED_REASON = "the torch_npu emulator (CPU) is installed; vllm-ascend needs CANN"
 NOT_IMPORTABLE_REASON = "vllm_ascend is not importable"
 POOLING_REASON = (
-    "the bound vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
+    "the vLLM host runs a pooling model (model_config.runner_type == 'pooling'): vllm-ascend sends "
     "non-causal attention of pooling runners to _forward_encoder_attention, which needs the call's K/V "
     "tensors, and this backend reads K/V from the pages (it passes none)"
 )
@@ -209,27 +210,25 @@ def check_stack() -> None:
     check_supported_stack(installed_stack(sys.modules.get("torch_npu")))
 
 
-def refuse_runtime(runtime: VllmRuntime) -> None:
-    problems = runtime_problems(runtime)
+def require_host(host: HostRuntime | None) -> HostRuntime:
+    """``host``, when it has everything this backend needs; else the error naming what is
+    missing (:class:`StateError`) or what it cannot serve (:class:`UnsupportedFeatureError`)."""
+    problems = host_problems(host)
+    if host is None or (problems and problems != [POOLING_REASON]):
+        raise StateError(
+            "npu (vllm-ascend backend): "
+            + "; ".join(problems)
+            + ". Standalone use sets DIFFUSION_KV_BACKEND=npu:direct (or RunnerConfig(backend='direct'))"
+        )
     if problems:
         raise UnsupportedFeatureError("npu (vllm-ascend backend): " + "; ".join(problems))
-
-
-def require_runtime() -> VllmRuntime:
-    runtime = bound_vllm_runtime()
-    if runtime is None:
-        raise StateError(
-            "npu (vllm-ascend backend): vllm-ascend's metadata builder and attention impl need the host's "
-            "vLLM runtime (vllm_config, attn_groups, kv_cache_config). An embedding host calls "
-            "NpuPlatform.bind_vllm_runtime(...) first; standalone use sets DIFFUSION_KV_BACKEND=npu:direct"
-        )
-    return runtime
+    return host
 
 
 @contextlib.contextmanager
-def vllm_config_context(runtime: VllmRuntime) -> Iterator[None]:
+def vllm_config_context(host: HostRuntime) -> Iterator[None]:
     """vllm-ascend reads the current VllmConfig while building metadata and impls."""
-    with _import(VLLM_CONFIG_MODULE).set_current_vllm_config(runtime.vllm_config):
+    with _import(VLLM_CONFIG_MODULE).set_current_vllm_config(host.config):
         yield
 
 
@@ -250,8 +249,8 @@ def one_group_config(kv_cache_config: Any, index: int) -> Any:
     groups = list(kv_cache_config.kv_cache_groups)
     if not 0 <= index < len(groups):
         raise StateError(
-            f"npu (vllm-ascend backend): the bound KVCacheConfig has {len(groups)} KV-cache group(s); "
-            f"diffusion-kv's KV-cache group {index} has no counterpart (bind the host's own config)"
+            f"npu (vllm-ascend backend): the host's KVCacheConfig has {len(groups)} KV-cache group(s); "
+            f"diffusion-kv's KV-cache group {index} has no counterpart (give the host's own config)"
         )
     if len(groups) == 1:
         return kv_cache_config
@@ -260,7 +259,7 @@ def one_group_config(kv_cache_config: Any, index: int) -> Any:
     return view
 
 
-def build_attn_metadata(runtime: VllmRuntime, **kwargs: Any) -> dict[str, Any]:
+def build_attn_metadata(host: HostRuntime, **kwargs: Any) -> dict[str, Any]:
     """vllm-ascend's ``build_attn_metadata`` in the cache-backed ``ChunkedPrefill`` state.
 
     ``seq_lens_cpu`` becomes ``seq_lens_np``; keywords the installed version does not take
@@ -276,7 +275,7 @@ def build_attn_metadata(runtime: VllmRuntime, **kwargs: Any) -> dict[str, Any]:
     params = inspect.signature(build).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         args = {k: v for k, v in args.items() if k in params}
-    with vllm_config_context(runtime):
+    with vllm_config_context(host):
         result = build(**args)
     out = dict(result)
     for name, md in out.items():
@@ -289,9 +288,32 @@ def build_attn_metadata(runtime: VllmRuntime, **kwargs: Any) -> dict[str, Any]:
     return out
 
 
-def runtime_problems(runtime: VllmRuntime) -> list[str]:
-    """Why this backend cannot serve the bound host (empty: it can)."""
-    model_config = getattr(runtime.vllm_config, "model_config", None)
+NO_HOST_REASON = (
+    "it needs the embedding vLLM host's runtime: vllm-ascend's metadata builder and attention impl need "
+    "the host's vllm_config, attn_groups and kv_cache_config (RunnerBackend(..., host=HostRuntime(...)); "
+    "embedding hosts only)"
+)
+
+
+def host_problems(host: HostRuntime | None) -> list[str]:
+    """Why this backend cannot serve with ``host`` (empty: it can)."""
+    if host is None:
+        return [NO_HOST_REASON]
+    missing = [
+        field
+        for field, value in (
+            ("config", host.config),
+            ("attn_groups", host.attn_groups),
+            ("kv_cache_config", host.kv_cache_config),
+        )
+        if value is None
+    ]
+    if missing:
+        return [
+            f"the {host.name} runtime lacks {', '.join(missing)}: vllm-ascend's metadata builder and attention "
+            "impl need the host's vllm_config, attn_groups and kv_cache_config"
+        ]
+    model_config = getattr(host.config, "model_config", None)
     if getattr(model_config, "runner_type", None) == "pooling":
         return [POOLING_REASON]
     return []
@@ -440,8 +462,8 @@ class VllmAscendBackend(PagedBackend):
     )
     capabilities: ClassVar[Capabilities] = CAPABILITIES
     page_layout: ClassVar[KVPageLayout] = KVPageLayout.SEPARATE
-    needs_vllm_runtime: ClassVar[bool] = True
-    """The npu platform rules this backend out while no vLLM runtime is bound."""
+    needs_host: ClassVar[bool] = True
+    uses_host_kernels: ClassVar[bool] = True
 
     reorder_batch_threshold: int | None = 1
 
@@ -461,9 +483,9 @@ class VllmAscendBackend(PagedBackend):
         return reasons + unverified_notes(requirements) if reasons else reasons
 
     @classmethod
-    def runtime_reasons(cls, runtime: VllmRuntime) -> list[str]:
-        """Why the bound host's runtime rules this backend out (the platform adds these)."""
-        return runtime_problems(runtime)
+    def host_reasons(cls, host: HostRuntime | None) -> list[str]:
+        """Why the embedding host's runtime rules this backend out (none, incomplete, pooling)."""
+        return host_problems(host)
 
     @classmethod
     def block_tables_cls(cls) -> type[BlockTables]:
@@ -472,14 +494,13 @@ class VllmAscendBackend(PagedBackend):
     # --- worker and host hooks ----------------------------------------------------------------
 
     @classmethod
-    def init_worker(cls) -> None:
+    def prepare_worker(cls, host: HostRuntime | None) -> None:
         """Version check, then vllm-ascend's worker patches and its config singleton (called by
         ``NpuPlatform.init_worker`` when this backend is the one selected)."""
-        runtime = require_runtime()
-        refuse_runtime(runtime)
+        host = require_host(host)
         check_stack()
         _import(UTILS_MODULE).adapt_patch()
-        _import(ASCEND_CONFIG_MODULE).init_ascend_config(runtime.vllm_config)
+        _import(ASCEND_CONFIG_MODULE).init_ascend_config(host.config)
 
     @staticmethod
     def configure_block_size(vllm_config: Any) -> int:
@@ -528,24 +549,23 @@ class VllmAscendBackend(PagedBackend):
                 "the npu plugin's vllm-ascend backend does not implement decode context parallelism (cp_size > 1)"
             )
         check_stack()
-        runtime = self.runtime = require_runtime()
-        refuse_runtime(runtime)
+        host = self.host = require_host(group.host)
         require_layers(type(self), group.layers)
         problems = [p for p in map(layer_index_problem, group.layer_names) if p is not None]
         if problems:
             raise ValidationError("npu (vllm-ascend backend): " + "; ".join(problems))
-        attn_groups = list(runtime.attn_groups)
+        attn_groups = list(host.attn_groups or ())
         if not group.index < len(attn_groups):
             raise StateError(
-                f"npu (vllm-ascend backend): the bound runtime has attention groups for {len(attn_groups)} "
+                f"npu (vllm-ascend backend): the host's runtime has attention groups for {len(attn_groups)} "
                 f"KV-cache group(s); diffusion-kv's KV-cache group {group.index} has none"
             )
         self.attn_groups = [attn_groups[group.index]]
-        self.kv_cache_config = one_group_config(runtime.kv_cache_config, group.index)
+        self.kv_cache_config = one_group_config(host.kv_cache_config, group.index)
         attention = _import(ATTENTION_MODULE)
         self.impls: dict[str, Any] = {}
         self.adapters: dict[str, AscendLayerAdapter] = {}
-        with vllm_config_context(runtime):
+        with vllm_config_context(host):
             for layer in group.layers:
                 impl = attention.AscendAttentionBackendImpl(
                     num_heads=layer.num_heads,
@@ -573,7 +593,7 @@ class VllmAscendBackend(PagedBackend):
         """vllm-ascend's metadata for every layer of the group (one dict, shared)."""
         self.padding.reset()  # AscendBlockTables rewrites one persistent slot buffer per batch
         out = build_attn_metadata(
-            self.runtime,
+            self.host,
             attn_groups=self.attn_groups,
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
@@ -595,7 +615,7 @@ class VllmAscendBackend(PagedBackend):
         if missing:
             raise StateError(
                 f"vllm-ascend returned no metadata for layer(s) {missing} of KV-cache group {self.group.index}; "
-                "the bound attention groups do not hold these layers"
+                "the host's attention groups do not hold these layers"
             )
         return out
 

@@ -86,17 +86,12 @@ def current_vllm_config() -> Any | None:
         return None
 
 
-def is_vllm_native(backend: type[PagedBackend]) -> bool:
-    """Whether ``backend`` runs vLLM's (or vllm-ascend's) own attention backend."""
-    from diffusion_kv.integrations.vllm.backend import VllmPagedBackend  # imports no vLLM
-
-    return issubclass(backend, VllmPagedBackend) or bool(getattr(backend, "needs_vllm_runtime", False))
-
-
 def kv_cache_layout_for(backend: type[PagedBackend]) -> str | None:
-    """The vLLM KV-cache layout ``backend`` reads (None: any; vLLM-Omni's default then)."""
-    if is_vllm_native(backend):
-        layouts: Sequence[str] | None = getattr(backend, "vllm_kv_cache_layouts", None)
+    """The vLLM KV-cache layout ``backend`` reads (None: any; vLLM-Omni's default then): for a
+    backend on the host's own kernels (``uses_host_kernels``) the first it declares in
+    ``host_kv_cache_layouts``, else the layout whose per-layer view is its page layout."""
+    if backend.uses_host_kernels:
+        layouts = backend.host_kv_cache_layouts
         return layouts[0] if layouts else None
     return PAGE_LAYOUT_KV_CACHE_LAYOUT[backend.page_layout]
 
@@ -254,7 +249,8 @@ class Decision:
 
     @property
     def vllm_native(self) -> bool:
-        return is_vllm_native(self.backend)
+        """The backend runs vLLM's (or vllm-ascend's) own kernels (``uses_host_kernels``)."""
+        return self.backend.uses_host_kernels
 
 
 def _od_parallel(od_config: Any) -> tuple[int, int]:
@@ -435,7 +431,6 @@ __all__ = [
     "DiffusionKVPlatformHooks",
     "current_vllm_config",
     "group_causal",
-    "is_vllm_native",
     "kernel_block_sizes_text",
     "kv_cache_layout_for",
     "latest_block_tables",

@@ -60,22 +60,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.backend import BackendChoice, PagedBackend
+from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.batch import KVCache
-from diffusion_kv.core.capabilities import AttentionMode, Requirements
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import StateError, UnknownLayerError, UnsupportedFeatureError, ValidationError
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.parallel import DCPMerger, RankGroup
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import Phase
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.core.translate import PreparedBatch
-from diffusion_kv.integrations.vllm.backend import VllmPagedBackend
-from diffusion_kv.integrations.vllm_omni.hooks import (
-    DiffusionKVPlatformHooks,
-    is_vllm_native,
-    omni_block_tables_cls,
-)
+from diffusion_kv.integrations.vllm_omni.hooks import TOKEN_ALIGNMENT, DiffusionKVPlatformHooks
 from diffusion_kv.integrations.vllm_omni.native import page_view
 from diffusion_kv.integrations.vllm_omni.records import (
     DiffusionPagedAttentionMetadata,
@@ -111,64 +107,6 @@ def _positive(value: Any, message: str) -> int:
     if type(value) is not int or value <= 0:
         raise ValidationError(message)
     return value
-
-
-# --------------------------------------------------------------------------------------------
-# The backend provider: the platform, with vLLM-Omni's BlockTables expectations
-# --------------------------------------------------------------------------------------------
-
-
-class _OmniProvider:
-    """The diffusion-kv platform as the core sees it, with what vLLM-Omni adds: the
-    chosen backends build their BlockTables through :func:`~.hooks.omni_block_tables_cls`
-    (vLLM's width rounding, ``num_blocks.np``), vLLM's own backends run on the host's
-    ``VllmConfig`` (as upstream's module does), and every choice is recorded (in KV-cache
-    group order) so caches can be bound in the chosen backend's page layout."""
-
-    def __init__(self, platform: Platform, vllm_config: Any = None) -> None:
-        self.inner = platform
-        self.vllm_config = vllm_config
-        self.chosen: list[type[PagedBackend]] = []
-        self._originals: dict[type[PagedBackend], type[PagedBackend]] = {}
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def default_block_size(self) -> int:
-        return self.inner.default_block_size
-
-    def device(self) -> torch.device:
-        return self.inner.device()
-
-    def not_supported_reasons(self, requirements: Requirements) -> list[str]:
-        return self.inner.not_supported_reasons(requirements)
-
-    def _derived(self, backend: type[PagedBackend]) -> type[PagedBackend]:
-        tables = omni_block_tables_cls(backend.block_tables_cls())
-        namespace: dict[str, Any] = {
-            "block_tables_cls": classmethod(lambda cls: tables),
-            "__module__": backend.__module__,
-        }
-        if self.vllm_config is not None and issubclass(backend, VllmPagedBackend):
-            namespace["vllm_config"] = self.vllm_config  # the host's config, not a synthesised one
-        derived = type(backend.__name__, (backend,), namespace)
-        self._originals[derived] = backend
-        return derived
-
-    def select_backend(
-        self,
-        requirements: Requirements,
-        compatible_with: Sequence[type[PagedBackend]] = (),
-        force: BackendChoice = None,
-    ) -> type[PagedBackend]:
-        originals = [self._originals.get(b, b) for b in compatible_with]
-        if not compatible_with:
-            self.chosen = []
-        chosen = self.inner.select_backend(requirements, originals, force)
-        self.chosen.append(chosen)
-        return self._derived(chosen)
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +402,8 @@ class _HostCaches(Mapping[str, KVCache]):
 
     kv_cache_config: Any
     layout: CacheLayout
-    provider: _OmniProvider
+    chosen: Sequence[type[PagedBackend]]
+    """The backend class of each KV-cache group (``RunnerBackend.select_backends``)."""
     device: torch.device
     layout_name: str
     names: frozenset[str]
@@ -480,7 +419,7 @@ class _HostCaches(Mapping[str, KVCache]):
         utils = importlib.import_module("vllm.v1.worker.utils")
         layout_enum = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
         kernels = []
-        for group, backend in zip(self.layout.groups, self.provider.chosen, strict=True):
+        for group, backend in zip(self.layout.groups, self.chosen, strict=True):
             kernel = backend.capabilities.kernel_block_size_for(group.block_size)
             kernels.append(kernel if kernel is not None else group.block_size)
         views = utils.allocate_kv_cache(
@@ -495,8 +434,8 @@ class _HostCaches(Mapping[str, KVCache]):
             self._allocate()
         view = self.vllm_views[name]
         group = next(i for i, g in enumerate(self.layout.groups) if name in g.layer_names)
-        backend = self.provider.chosen[group]
-        if is_vllm_native(backend):
+        backend = self.chosen[group]
+        if backend.uses_host_kernels:
             return view
         return page_view(view, backend.page_layout, self.layout.groups[group].spec.head_size)
 
@@ -712,10 +651,13 @@ class DiffusionKVModelRunnerBackend:
             cp_rank=cp_rank,
             cp_interleave=interleave,
         )
-        provider = _OmniProvider(
-            self.platform, self.vllm_config if _is_vllm_config(self.vllm_config) else None
+        host = HostRuntime(
+            config=self.vllm_config if _is_vllm_config(self.vllm_config) else None,
+            kv_cache_config=kv_cache_config,
+            block_table_alignment=TOKEN_ALIGNMENT,
+            name="vLLM-Omni",
         )
-        runner = RunnerBackend(provider, config, dcp_merger=merger)
+        runner = RunnerBackend(self.platform, config, dcp_merger=merger, host=host)
         runner.register_kv_cache_layers(self._layer_specs)
         layout = CacheLayout.from_kv_cache_config(
             kv_cache_config,
@@ -724,20 +666,25 @@ class DiffusionKVModelRunnerBackend:
             max_num_seqs=max_num_seqs // rows,
             max_num_batched_tokens=batched,
         )
-        host: _HostCaches | None = None
+        host_caches: _HostCaches | None = None
         if getattr(kv_cache_config, "kv_cache_tensors", None):
-            host = _HostCaches(
+            host_caches = _HostCaches(
                 kv_cache_config=kv_cache_config,
                 layout=layout,
-                provider=provider,
+                chosen=runner.select_backends(layout),
                 device=self.device,
                 layout_name=self._layout_name(kv_cache_config),
                 names=frozenset(self._layer_specs),
             )
-        runner.initialize_kv_cache(layout, kv_caches=host)
+        runner.initialize_kv_cache(layout, kv_caches=host_caches)
+        counts = runner.block_tables.num_blocks if runner.block_tables is not None else None
+        if counts is not None and not hasattr(counts, "np"):  # upstream reads the host counts as NumPy
+            counts.np = counts.cpu.numpy()  # type: ignore[attr-defined]
         self.runner = runner
         self.block_tables = runner.block_tables
-        by_layer: dict[str, KVCache] = dict(host.vllm_views) if host is not None else dict(runner.kv_caches)
+        by_layer: dict[str, KVCache] = (
+            dict(host_caches.vllm_views) if host_caches is not None else dict(runner.kv_caches)
+        )
         self._kv_caches_by_layer = by_layer
         self.kv_caches = [by_layer[name] for name in layout.layer_names]
         self.paged_attention_adapter = DiffusionPagedAttentionAdapter(
@@ -762,7 +709,7 @@ class DiffusionKVModelRunnerBackend:
         """The diffusion-kv backend serving each KV-cache group, once initialised."""
         if self.runner is None:
             return ()
-        return tuple(type(b).__mro__[1] for b in self.runner.backends)
+        return tuple(type(b) for b in self.runner.backends)
 
     # -- rows -----------------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ Paged backends, highest priority first (all declare :data:`.constraints.CAPABILI
 * ``vllm-ascend`` (priority 200, :mod:`diffusion_kv.integrations.vllm_ascend`, registered
   through the ``diffusion_kv.backends`` entry-point group): vllm-ascend's own BlockTables,
   metadata builder and attention impl. Chosen only when ``vllm_ascend`` is importable, the
-  torch_npu emulator is not installed, *and* an embedding vLLM host has bound its runtime
-  (:meth:`NpuPlatform.bind_vllm_runtime`); :meth:`NpuPlatform.backend_reasons` adds the
-  missing runtime as a reason.
+  torch_npu emulator is not installed, *and* the runner was given the embedding vLLM host's
+  runtime (``RunnerBackend(..., host=HostRuntime(...))``: the backend declares ``needs_host``,
+  so selection without one gives that reason).
 * ``direct`` (priority 100, :mod:`.direct`, built in): the core's torch BlockTables with int32
   slots and FIA arguments built from the batch, calling torch_npu through the kernel seam
   (:mod:`.kernels`). Works wherever torch_npu imports; what standalone use gets.
@@ -26,24 +26,19 @@ and the ``direct`` backend (vllm-ascend needs CANN). ``torch_npu``, ``vllm`` and
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from diffusion_kv.core.backend import BackendChoice
 from diffusion_kv.core.errors import PlatformUnavailableError
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform, Requirements
 from diffusion_kv.platforms.npu.constraints import KERNEL_BLOCK_SIZE, UNVERIFIED_SUMMARY
 from diffusion_kv.platforms.npu.direct import NpuDirectBackend
 from diffusion_kv.platforms.npu.kernels import EMULATOR_REASON, loaded_emulator, torch_npu_availability
-from diffusion_kv.platforms.npu.runtime import VllmRuntime, bind_vllm_runtime, bound_vllm_runtime
 
-NO_RUNTIME_REASON = (
-    "no vLLM runtime is bound: vllm-ascend's metadata builder and attention impl need the embedding "
-    "host's vllm_config, attn_groups and kv_cache_config (NpuPlatform.bind_vllm_runtime; embedding hosts only)"
-)
-
-__all__ = ["EMULATOR_REASON", "NO_RUNTIME_REASON", "NpuDirectBackend", "NpuPlatform", "VllmRuntime"]
+__all__ = ["EMULATOR_REASON", "NpuDirectBackend", "NpuPlatform"]
 
 
 def _npu_device(index: int | None = None) -> torch.device:
@@ -87,40 +82,22 @@ class NpuPlatform(Platform):
             return torch.device("cpu")
         return _npu_device(local_rank)
 
-    def init_worker(self) -> None:
-        """Fail fast on this machine, then run the worker set-up of the backend that would be
-        selected (``direct``: resolve the torch_npu operators; ``vllm-ascend``: the version
-        check, ``adapt_patch()`` and ``init_ascend_config``)."""
+    def init_worker(self, host: HostRuntime | None = None) -> None:
+        """Fail fast on this machine, then the ``prepare_worker`` of the backend that would be
+        selected (``direct``: resolve the torch_npu operators; ``vllm-ascend``, with the host's
+        runtime: the version check, ``adapt_patch()`` and ``init_ascend_config``)."""
         found = self.is_available()
         if not found:
             raise PlatformUnavailableError(f"npu: cannot initialise a worker here: {found.reason}")
-        backend = self.select_backend(Requirements())
-        hook = getattr(backend, "init_worker", None)
-        if callable(hook):
-            hook()
+        super().init_worker(host)
 
     # -- backends -------------------------------------------------------------------------------
 
-    def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
-        """The backend's own reasons, plus the platform's: a backend that drives vllm-ascend
-        (``needs_vllm_runtime``) needs a runtime bound by an embedding vLLM host, and one it
-        can serve (its ``runtime_reasons``, e.g. not a pooling host)."""
-        reasons = super().backend_reasons(backend, requirements)
-        if getattr(backend, "needs_vllm_runtime", False) is True:
-            runtime = bound_vllm_runtime()
-            if runtime is None:
-                reasons.append(NO_RUNTIME_REASON)
-            else:
-                check = getattr(backend, "runtime_reasons", None)
-                if callable(check):
-                    reasons.extend(check(runtime))
-        return reasons
-
-    def explain(self, requirements: Requirements | None = None, force: BackendChoice = None) -> list[str]:
+    def explain(
+        self,
+        requirements: Requirements | None = None,
+        force: BackendChoice = None,
+        host: HostRuntime | None = None,
+    ) -> list[str]:
         """The platform's backend list (see :meth:`Platform.explain`), then what is unverified."""
-        return [*super().explain(requirements, force), f"  {UNVERIFIED_SUMMARY}"]
-
-    def bind_vllm_runtime(self, vllm_config: Any, attn_groups: Any, kv_cache_config: Any) -> None:
-        """Hand over the embedding vLLM host's objects the vllm-ascend backend needs
-        (process-wide: see :mod:`.runtime`)."""
-        bind_vllm_runtime(VllmRuntime(vllm_config, attn_groups, kv_cache_config))
+        return [*super().explain(requirements, force, host), f"  {UNVERIFIED_SUMMARY}"]

@@ -24,6 +24,7 @@ import torch
 
 from diffusion_kv.core.capabilities import dtype_name
 from diffusion_kv.core.errors import UnsupportedFeatureError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.platforms.interface import (
     Availability,
     Capabilities,
@@ -156,9 +157,10 @@ class NpuDirectBackend(PagedBackend):
         return reasons + unverified_notes(requirements) if reasons else reasons
 
     @classmethod
-    def init_worker(cls) -> None:
+    def prepare_worker(cls, host: HostRuntime | None) -> None:
         """Worker start (called by the platform when this backend is the one selected): resolve
         the operators now, so a missing one fails fast, naming the operator and the fix."""
+        del host
         AscendKernels.load()
 
     # --- one instance per KV-cache group ------------------------------------------------------
