@@ -426,7 +426,11 @@ class RunnerBackend:
         for mode in sorted({g.mode for g in geometry.values()}, key=lambda m: m.value):
             layer = next(g for g in geometry.values() if g.mode is mode)
             requirements = self._requirements(layer)
-            reasons = self.platform.not_supported_reasons(requirements, host=self.host)
+            reasons = (
+                self.platform.not_supported_reasons(requirements, host=self.host)
+                if self.host is not None  # a platform written before hosts takes requirements only
+                else self.platform.not_supported_reasons(requirements)
+            )
             if reasons:
                 raise UnsupportedRequirementsError(
                     f"platform {self.platform.name!r} cannot serve these layers ({requirements.describe()}): "

@@ -196,15 +196,13 @@ class Platform(abc.ABC):
         """What the platform's backends cover together (display and coarse checks)."""
         return Capabilities.union([b.capabilities for b in self.candidate_backends()])
 
-    def backend_reasons(
-        self, backend: type[PagedBackend], requirements: Requirements, host: HostRuntime | None = None
-    ) -> list[str]:
-        """Every reason ``backend`` cannot serve ``requirements`` here, with ``host`` (the
-        embedding host's runtime; None: standalone): its availability, its capabilities, its
-        ``host_reasons``; extend for checks only the platform can make (an emulator). A backend
-        whose ``is_available``, ``not_supported_reasons`` or ``host_reasons`` raises
-        (``SystemExit`` included) or answers with the wrong type is not served: that is its
-        reason (an entry-point backend is also reported as broken and skipped from then on)."""
+    def backend_reasons(self, backend: type[PagedBackend], requirements: Requirements) -> list[str]:
+        """Every reason ``backend`` cannot serve ``requirements`` here; extend for checks only
+        the platform can make (an emulator). A backend whose ``is_available`` or
+        ``not_supported_reasons`` raises (``SystemExit`` included) or answers with the wrong
+        type is not served: that is its reason (an entry-point backend is also reported as
+        broken and skipped from then on). What the backend needs of an embedding host is
+        :meth:`host_reasons`; selection asks both."""
         from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
 
         try:
@@ -215,16 +213,34 @@ class Platform(abc.ABC):
                 lambda r: isinstance(r, Availability),
                 "an Availability",
             )
-            strings = (lambda r: isinstance(r, list) and all(type(x) is str for x in r), "a list of strings")
-            reasons = (
-                [f"unavailable: {found.reason}"]
-                if not found
-                else backend_call(
-                    backend, "not_supported_reasons()", lambda: backend.not_supported_reasons(requirements), *strings
+            if not found:
+                return [f"unavailable: {found.reason}"]
+            return list(
+                backend_call(
+                    backend,
+                    "not_supported_reasons()",
+                    lambda: backend.not_supported_reasons(requirements),
+                    lambda r: isinstance(r, list) and all(type(x) is str for x in r),
+                    "a list of strings",
                 )
             )
-            return list(reasons) + list(
-                backend_call(backend, "host_reasons()", lambda: backend.host_reasons(host), *strings)
+        except BackendCallError as exc:
+            return [f"broken: its {exc.what} {exc.problem}"]
+
+    def host_reasons(self, backend: type[PagedBackend], host: HostRuntime | None) -> list[str]:
+        """Every reason ``backend`` cannot serve with ``host`` (the embedding host's runtime;
+        None: standalone): its ``host_reasons``, guarded like every call on a plugin's backend."""
+        from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
+
+        try:
+            return list(
+                backend_call(
+                    backend,
+                    "host_reasons()",
+                    lambda: backend.host_reasons(check_host(host)),
+                    lambda r: isinstance(r, list) and all(type(x) is str for x in r),
+                    "a list of strings",
+                )
             )
         except BackendCallError as exc:
             return [f"broken: its {exc.what} {exc.problem}"]
@@ -281,7 +297,7 @@ class Platform(abc.ABC):
 
         out = []
         for backend in candidates:
-            reasons = self.backend_reasons(backend, requirements, host)
+            reasons = self.backend_reasons(backend, requirements) + self.host_reasons(backend, host)
             if not reasons or compatible_with:  # its BlockTables class is what a worker builds next
                 try:
                     tables = _block_tables_of(backend)

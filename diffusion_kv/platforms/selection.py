@@ -251,6 +251,8 @@ BACKEND_MEMBERS: tuple[str, ...] = (
     "is_available",
     "not_supported_reasons",
     "block_tables_cls",
+    "host_reasons",
+    "prepare_worker",
     "allocate_kv_cache",
     "build",
     "write_kv",
@@ -400,6 +402,14 @@ def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
         problems.append(
             f"tolerances must map torch dtypes to (atol, rtol) pairs of finite numbers >= 0; got {tolerances!r}"
         )
+    for flag in ("needs_host", "uses_host_kernels"):
+        if type(getattr(obj, flag, None)) is not bool:
+            problems.append(f"{flag} must be a bool; got {getattr(obj, flag, None)!r}")
+    layouts = getattr(obj, "host_kv_cache_layouts", None)
+    if layouts is not None and not (
+        isinstance(layouts, tuple) and layouts and all(type(x) is str and x for x in layouts)
+    ):
+        problems.append(f"host_kv_cache_layouts must be None or a non-empty tuple of layout names; got {layouts!r}")
     return problems
 
 

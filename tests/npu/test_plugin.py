@@ -195,7 +195,9 @@ def test_forcing_vllm_ascend_without_a_runtime_is_an_error(
 @without_torch_npu
 def test_forcing_vllm_ascend_where_it_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_BACKEND, "npu:vllm-ascend")
-    assert NpuPlatform().backend_reasons(VllmAscendBackend, Requirements()) == [
+    assert NpuPlatform().backend_reasons(VllmAscendBackend, Requirements()) + NpuPlatform().host_reasons(
+        VllmAscendBackend, None
+    ) == [
         "unavailable: vllm_ascend is not importable",
         NO_HOST_REASON,
     ]

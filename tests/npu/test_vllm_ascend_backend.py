@@ -253,7 +253,8 @@ def test_selected_only_with_a_host_runtime(vendor: Vendor, monkeypatch: pytest.M
     platform = NpuPlatform()
     assert VllmAscendBackend.is_available() == Availability(True, "vllm-ascend (version unknown)")
     assert VllmAscendBackend.needs_host and VllmAscendBackend.uses_host_kernels
-    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == [NO_HOST_REASON]
+    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == []
+    assert platform.host_reasons(VllmAscendBackend, None) == [NO_HOST_REASON]
     with pytest.raises(UnsupportedRequirementsError) as info:  # direct: no torch_npu on this machine
         platform.select_backend(Requirements())
     assert str(info.value).splitlines()[2:] == [
@@ -262,10 +263,11 @@ def test_selected_only_with_a_host_runtime(vendor: Vendor, monkeypatch: pytest.M
         "  `npu:direct` (priority 100) is not supported because:",
         "      unavailable: torch_npu is not installed",
     ]
-    assert platform.backend_reasons(VllmAscendBackend, Requirements(), HOST) == []
+    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == []
+    assert platform.host_reasons(VllmAscendBackend, HOST) == []
     assert platform.select_backend(Requirements(dtype=BF16, head_size=128), host=HOST) is VllmAscendBackend
     incomplete = HostRuntime(config="VLLM-CONFIG", kv_cache_config=KV_CONFIG, name="vLLM-Omni")
-    assert platform.backend_reasons(VllmAscendBackend, Requirements(), incomplete) == [
+    assert platform.host_reasons(VllmAscendBackend, incomplete) == [
         "the vLLM-Omni runtime lacks attn_groups: vllm-ascend's metadata builder and attention impl need the "
         "host's vllm_config, attn_groups and kv_cache_config"
     ]
@@ -276,7 +278,7 @@ def test_selected_only_with_a_host_runtime(vendor: Vendor, monkeypatch: pytest.M
         f"  {UNVERIFIED_SUMMARY}",
     ]
     # the capability limits still apply to it
-    assert platform.backend_reasons(VllmAscendBackend, Requirements(head_size=80, num_heads=300), HOST) == [
+    assert platform.backend_reasons(VllmAscendBackend, Requirements(head_size=80, num_heads=300)) == [
         "head_size=80 (supported: [128, 192])",
         "num_heads=300 exceeds 256",
     ]
@@ -288,7 +290,7 @@ def test_selected_only_with_a_host_runtime(vendor: Vendor, monkeypatch: pytest.M
 def test_never_selected_under_the_emulator(vendor: Vendor, npu_emulator: TorchNpuEmulator) -> None:
     platform = NpuPlatform()
     assert VllmAscendBackend.is_available() == Availability(False, EMULATED_REASON)
-    assert platform.backend_reasons(VllmAscendBackend, Requirements(), HOST) == [f"unavailable: {EMULATED_REASON}"]
+    assert platform.backend_reasons(VllmAscendBackend, Requirements()) == [f"unavailable: {EMULATED_REASON}"]
     assert platform.select_backend(Requirements(), host=HOST) is NpuDirectBackend
     assert platform.explain(host=HOST)[1] == f"{VLLM_ASCEND_LINE}: unavailable: {EMULATED_REASON}"
 
@@ -510,19 +512,6 @@ def test_build_checks_what_came_back(vendor: Vendor, supported_stack: None) -> N
 # --- the impl -------------------------------------------------------------------------------------
 
 
-def test_strict_ulysses_backend_subclass(vendor: Vendor) -> None:
-    attention = vendor.modules["vllm_ascend.attention.attention_v1"]
-    backend: Any = attention.AscendAttentionBackend
-    assert VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=1) is backend
-    strict: Any = VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=4)
-    assert issubclass(strict, backend) and strict is not backend
-    assert strict.get_impl_cls() is attention.AscendAttentionBackendImpl
-    assert strict.get_builder_cls() is attention.AscendAttentionMetadataBuilder
-    assert attention.AscendAttentionBackend.get_impl_cls() == "context-parallel dispatch"  # untouched
-    assert VllmAscendBackend.paged_backend_cls(backend, ulysses_degree=2) is strict  # cached
-    assert VllmAscendBackend.paged_backend_cls(int, ulysses_degree=2) is int  # not an Ascend backend
-
-
 def test_backend_writes_once_then_reads_without_kv(vendor: Vendor, supported_stack: None) -> None:
     other = LayerGeometry("transformer.blocks.4.attn", 8, 2, 128, 0.5, BF16)
     backend = make_backend(LAYER, other)
@@ -607,7 +596,7 @@ def test_a_pooling_host_is_refused(vendor: Vendor, supported_stack: None) -> Non
         "non-causal attention of pooling runners to _forward_encoder_attention, which needs the call's K/V "
         "tensors, and this backend reads K/V from the pages (it passes none)"
     )
-    reasons = platform.backend_reasons(VllmAscendBackend, Requirements(), pooling)
+    reasons = platform.host_reasons(VllmAscendBackend, pooling)
     assert reasons[-1] == POOLING_REASON
     with pytest.raises(UnsupportedFeatureError, match="runs a pooling model"):
         make_backend(host=pooling)

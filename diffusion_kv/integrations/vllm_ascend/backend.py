@@ -444,9 +444,6 @@ class AscendLayerAdapter:
         self._v_scale = torch.ones((), dtype=torch.float32, device=device)
 
 
-_STRICT_ULYSSES: dict[type, type] = {}
-
-
 class VllmAscendBackend(PagedBackend):
     """A KV-cache group through vllm-ascend's BlockTables, builder and impl (module docstring).
 
@@ -511,34 +508,6 @@ class VllmAscendBackend(PagedBackend):
             raise StateError("vllm-ascend's AscendAttentionBackend reports no integer kernel block size")
         vllm_config.cache_config.block_size = sizes[0]
         return sizes[0]
-
-    @staticmethod
-    def paged_backend_cls(backend_cls: type, *, ulysses_degree: int) -> type:
-        """Under Ulysses (degree > 1), pin vllm-ascend's plain impl and builder.
-
-        ``AscendAttentionBackend.get_impl_cls`` would otherwise dispatch to its context-parallel
-        implementations; strict Ulysses paged FIA must stay on the plain one.
-        """
-        if ulysses_degree <= 1:
-            return backend_cls
-        attention = _import(ATTENTION_MODULE)
-        if not issubclass(backend_cls, attention.AscendAttentionBackend):
-            return backend_cls
-        cached = _STRICT_ULYSSES.get(backend_cls)
-        if cached is None:
-            impl_cls = attention.AscendAttentionBackendImpl
-            builder_cls = attention.AscendAttentionMetadataBuilder
-            cached = type(
-                f"StrictUlysses{backend_cls.__name__}",
-                (backend_cls,),
-                {
-                    "__doc__": "Paged FIA under strict Ulysses: always the plain impl and builder.",
-                    "get_impl_cls": staticmethod(lambda: impl_cls),
-                    "get_builder_cls": staticmethod(lambda: builder_cls),
-                },
-            )
-            _STRICT_ULYSSES[backend_cls] = cached
-        return cached
 
     # --- one instance per KV-cache group ------------------------------------------------------
 

@@ -288,21 +288,6 @@ def platform_class(delegate: str | None = None) -> type:
     return DiffusionKVOmniPlatform
 
 
-_PINNED: dict[type, type] = {}
-
-
-def _pinned_class(cls: type) -> type:
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        if name in PINNED_FIELDS and getattr(self, name, None) is not None:
-            return  # keep the kernel's own buffer (see pin_scheduler_metadata)
-        object.__setattr__(self, name, value)
-
-    if cls not in _PINNED:
-        _PINNED[cls] = type(cls.__name__, (cls,), {"__setattr__": __setattr__, "__module__": cls.__module__})
-    return _PINNED[cls]
-
-
-PINNED_FIELDS = frozenset({"scheduler_metadata", "prefix_scheduler_metadata"})
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 
 
@@ -312,13 +297,18 @@ def pin_scheduler_metadata(native: Any) -> None:
     The CPU kernel's scheduler metadata holds pointers into its own buffer. vLLM-Omni's adapter
     replaces the field with a clone for every piecewise segment (a fix for FA3's reused buffer);
     the original buffer is then freed and the clone's pointers dangle (a segfault in the kernel).
-    CPU_ATTN builds a fresh buffer per build, so the clone is not needed: the metadata object is
-    given a subclass whose ``__setattr__`` ignores a second assignment to the field.
+    CPU_ATTN builds a fresh buffer per build, so the clone is not needed: the metadata object
+    becomes a :class:`~.cpu_attn_pin.PinnedCPUAttentionMetadata`, whose ``__setattr__`` ignores
+    a second assignment to the field.
     """
-    if type(native).__module__ == CPU_ATTN_MODULE and isinstance(
+    if type(native).__module__ != CPU_ATTN_MODULE or not isinstance(
         getattr(native, "scheduler_metadata", None), torch.Tensor
     ):
-        native.__class__ = _pinned_class(type(native))
+        return
+    from diffusion_kv.integrations.vllm_omni.cpu_attn_pin import PinnedCPUAttentionMetadata
+
+    if type(native) is PinnedCPUAttentionMetadata.__mro__[1]:
+        native.__class__ = PinnedCPUAttentionMetadata
 
 
 def _put_isa_on_layers(attn_groups: Any) -> None:
