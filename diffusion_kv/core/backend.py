@@ -308,7 +308,9 @@ class BackendProvider(Protocol):
 
     def device(self) -> torch.device: ...
 
-    def not_supported_reasons(self, requirements: Requirements, host: HostRuntime | None = None) -> list[str]: ...
+    def not_supported_reasons(
+        self, requirements: Requirements, host: HostRuntime | None = None
+    ) -> list[str]: ...
 
     def select_backend(
         self,

@@ -585,7 +585,10 @@ class RunnerBackend:
             layer = self.layers[group.layer_names[0]]
             chosen.append(
                 self.platform.select_backend(
-                    self._requirements(layer, group.block_size), chosen, force=self.config.backend, host=self.host
+                    self._requirements(layer, group.block_size),
+                    chosen,
+                    force=self.config.backend,
+                    host=self.host,
                 )
             )
         return chosen

@@ -99,6 +99,13 @@ REMOVED_NAMES: frozenset[str] = frozenset(
         "paged_backend",
         "kv_cache_shape",
         "backend_variants",
+        "bind_vllm_runtime",
+        "bound_vllm_runtime",
+        "unbind_vllm_runtime",
+        "VllmRuntime",
+        "NO_RUNTIME_REASON",
+        "is_vllm_native",
+        "diffusion_kv.platforms.npu.runtime",
     }
 )
 """Names of the plugin API before the ``PagedBackend`` contract (``docs/migration.md`` maps each
@@ -409,7 +416,9 @@ def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
     if layouts is not None and not (
         isinstance(layouts, tuple) and layouts and all(type(x) is str and x for x in layouts)
     ):
-        problems.append(f"host_kv_cache_layouts must be None or a non-empty tuple of layout names; got {layouts!r}")
+        problems.append(
+            f"host_kv_cache_layouts must be None or a non-empty tuple of layout names; got {layouts!r}"
+        )
     return problems
 
 

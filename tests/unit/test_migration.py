@@ -27,6 +27,9 @@ def failure_of(source: str) -> PluginFailure:
         ("from diffusion_kv.platforms.interface import KVWritePolicy", "KVWritePolicy"),
         ("from diffusion_kv.platforms.interface import MetadataBuilder", "MetadataBuilder"),
         ("import diffusion_kv.platforms.interface as i; i.PagedAttentionBackend", "PagedAttentionBackend"),
+        ("from diffusion_kv.platforms.npu import NO_RUNTIME_REASON", "NO_RUNTIME_REASON"),
+        ("from diffusion_kv.platforms.npu.runtime import VllmRuntime", "diffusion_kv.platforms.npu.runtime"),
+        ("from diffusion_kv.integrations.vllm_omni.hooks import is_vllm_native", "is_vllm_native"),
     ],
 )
 def test_a_removed_name_points_at_the_migration_page(source: str, name: str) -> None:
@@ -50,4 +53,5 @@ def test_the_migration_page_maps_every_removed_name() -> None:
     text = (ROOT / selection.MIGRATION_DOC).read_text()
     rows = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
     mapped = set(re.findall(r"`(?:Platform\.)?([A-Za-z_]+)[`(]", rows))
+    mapped |= set(re.findall(r"`(diffusion_kv\.[A-Za-z_.]+)`", rows))  # removed modules
     assert mapped >= REMOVED_NAMES, sorted(REMOVED_NAMES - mapped)
