@@ -11,8 +11,9 @@ Two ways to drive it:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
@@ -20,14 +21,33 @@ from diffusion_kv.core.translate import PreparedBatch, Translator
 
 
 class PagedRuntime:
-    def __init__(self, translator: Translator, phases: PhaseRows | None = None) -> None:
+    """Activates prepared batches as steps advance (see the module docstring).
+
+    ``phase_rows`` (instead of ``phases``) supplies each phase's rows when that phase begins,
+    for hosts whose rows may be replaced between steps; ``activation`` makes a prepared batch
+    the active one (default: ``translator.activate``; a host adds its own context, e.g. its
+    forward context, around it).
+    """
+
+    def __init__(
+        self,
+        translator: Translator,
+        phases: PhaseRows | None = None,
+        *,
+        phase_rows: Callable[[Phase], Sequence[PagedRow]] | None = None,
+        activation: Callable[[PreparedBatch], AbstractContextManager[Any]] | None = None,
+    ) -> None:
         if phases is not None and not isinstance(phases, PhaseRows):
             raise ValidationError(f"PagedRuntime needs PhaseRows (or None); got {type(phases).__name__}")
+        if phases is not None and phase_rows is not None:
+            raise ValidationError("PagedRuntime takes phases or phase_rows, not both")
         self.translator = translator
         self.phases = phases
+        self._phase_rows = phase_rows
+        self._activation_of = activation if activation is not None else translator.activate
         self._phase: Phase | None = None
         self._rows: tuple[PagedRow, ...] | None = None  # the composition ensure_rows activated
-        self._activation: AbstractContextManager[PreparedBatch] | None = None
+        self._activation: AbstractContextManager[Any] | None = None
         self._closed = False
         self.preparations = 0
 
@@ -39,12 +59,13 @@ class PagedRuntime:
         """Activate the rows of ``step``'s phase (preparing them on a phase change)."""
         if self._closed:
             raise StateError("the paged runtime is closed")
-        if self.phases is None:
+        if self.phases is None and self._phase_rows is None:
             raise StateError("this runtime steps explicit rows (ensure_rows); it has no phase rows")
         phase = Phase.of_step(step)
         if self._phase is phase:
             return self._active_batch()
-        batch = self._activate(self.phases.rows_for(phase))
+        rows = self.phases.rows_for(phase) if self.phases is not None else self._phase_rows(phase)  # type: ignore[misc]
+        batch = self._activate(tuple(rows))
         self._phase = phase
         return batch
 
@@ -69,7 +90,7 @@ class PagedRuntime:
         self._deactivate()
         batch = self.translator.prepare(rows)
         self.preparations += 1
-        activation = self.translator.activate(batch)
+        activation = self._activation_of(batch)
         activation.__enter__()
         self._activation = activation
         return batch

@@ -68,8 +68,9 @@ from diffusion_kv.core.host import HostRuntime
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.parallel import DCPMerger, RankGroup
 from diffusion_kv.core.registry import KVCacheMode
-from diffusion_kv.core.rows import Phase
+from diffusion_kv.core.rows import PagedRow, Phase
 from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import PreparedBatch
 from diffusion_kv.integrations.vllm_omni.hooks import TOKEN_ALIGNMENT, DiffusionKVPlatformHooks
 from diffusion_kv.integrations.vllm_omni.native import page_view
@@ -334,48 +335,40 @@ class DiffusionPagedAttentionAdapter:
 
 
 class DiffusionPagedAttentionRuntime:
-    """Activates the runner's rows as the denoise loop advances (upstream's runtime).
+    """Activates the runner's rows as the denoise loop advances (upstream's runtime), on the
+    core's :class:`~diffusion_kv.core.runtime.PagedRuntime`.
 
     ``metadata`` (prefill and denoise rows) may be replaced between steps, as Omni's
-    ``paged_kv_prefill`` does; ``ensure_active(step)`` prepares on a phase change only.
+    ``paged_kv_prefill`` does: a phase's rows are read when the phase begins, and
+    ``ensure_active(step)`` prepares on a phase change only. Activation also exposes the
+    adapter to Omni's forward context (:meth:`DiffusionPagedAttentionAdapter.activate`).
     """
 
     def __init__(self, adapter: DiffusionPagedAttentionAdapter, metadata: Any) -> None:
         self.adapter = adapter
         self.metadata = metadata
-        self._active_phase: Phase | None = None
-        self._activation: AbstractContextManager[Any] | None = None
-        self._closed = False
+        self._runtime = PagedRuntime(
+            adapter.translator, phase_rows=self._rows_of, activation=adapter.activate
+        )
+
+    def _rows_of(self, phase: Phase) -> tuple[PagedRow, ...]:
+        rows = tuple(self.metadata.prefill_rows if phase is Phase.PREFILL else self.metadata.denoise_rows)
+        if not rows:
+            raise ValidationError("Paged attention batch must contain at least one row")
+        return tuple(paged_row(r) for r in rows)
 
     def ensure_active(self, step_idx: int | None) -> DiffusionPagedAttentionAdapter:
-        if self._closed:
+        if self._runtime.closed:
             raise StateError("Paged attention runtime is already closed")
         if type(step_idx) is not int or step_idx < 0:
             raise ValidationError(
                 f"Paged attention requires a non-negative denoise step index, got {step_idx!r}"
             )
-        phase = Phase.of_step(step_idx)
-        rows = self.metadata.prefill_rows if phase is Phase.PREFILL else self.metadata.denoise_rows
-        if self._active_phase is phase:
-            return self.adapter
-        self._deactivate()
-        batch = self.adapter.prepare_batch(rows)
-        activation = self.adapter.activate(batch)
-        activation.__enter__()
-        self._activation = activation
-        self._active_phase = phase
+        self._runtime.ensure_active(step_idx)
         return self.adapter
 
-    def _deactivate(self) -> None:
-        activation, self._activation, self._active_phase = self._activation, None, None
-        if activation is not None:
-            activation.__exit__(None, None, None)
-
     def close(self) -> None:
-        if self._closed:
-            return
-        self._deactivate()
-        self._closed = True
+        self._runtime.close()
 
     @contextmanager
     def activate(self) -> Iterator[DiffusionPagedAttentionRuntime]:
