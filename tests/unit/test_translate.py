@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from diffusion_kv.core.piecewise import (
     plan_call_count,
 )
 from diffusion_kv.core.registry import RowBinding
-from diffusion_kv.core.rows import PagedRow, PhaseRows
+from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
 from diffusion_kv.core.runtime import PagedRuntime
 from diffusion_kv.core.translate import Translator, dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
@@ -523,3 +525,36 @@ def test_dcp_local_seq_lens() -> None:
     assert dcp_local_seq_lens(seq, 2, 0, 1).tolist() == [0, 1, 3, 4, 5, 9]
     assert dcp_local_seq_lens(seq, 2, 1, 1).tolist() == [0, 0, 2, 4, 4, 8]
     assert dcp_local_seq_lens(seq, 4, 1, 2).tolist() == [0, 0, 2, 2, 2, 4]
+
+
+def test_runtime_reads_phase_rows_when_a_phase_begins_and_wraps_the_hosts_activation() -> None:
+    h, rec = make()
+    h.install("r", [9, 9])
+    prefill = (PagedRow("r", 9, 9, sequence_id=0), PagedRow("r", 9, 9, sequence_id=1))
+    source = {Phase.PREFILL: prefill, Phase.DENOISE: prefill}
+    asked: list[Phase] = []
+    entered: list[int] = []
+
+    def rows_of(phase: Phase) -> tuple[PagedRow, ...]:
+        asked.append(phase)
+        return source[phase]
+
+    @contextlib.contextmanager
+    def host_activation(batch: Any) -> Iterator[None]:
+        with h.translator.activate(batch):
+            entered.append(batch.num_tokens)
+            yield
+
+    runtime = PagedRuntime(h.translator, phase_rows=rows_of, activation=host_activation)
+    q, k, v = qkv(h, 18)
+    with runtime.activate():
+        runtime.ensure_active(0)
+        for name in h.layer_names:
+            h.executor.forward(name, q, k, v)
+        source[Phase.DENOISE] = (PagedRow("r", 6, 9, 3, sequence_id=0),)  # replaced between steps
+        assert runtime.ensure_active(1).num_tokens == 6
+        assert runtime.ensure_active(2).num_tokens == 6
+    assert asked == [Phase.PREFILL, Phase.DENOISE] and entered == [18, 6] and len(rec.calls) == 2
+    assert h.translator.active_batch is None
+    with pytest.raises(ValidationError, match="takes phases or phase_rows, not both"):
+        PagedRuntime(h.translator, PhaseRows(prefill, prefill), phase_rows=rows_of)
