@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -265,6 +266,118 @@ class StagedTable:
         self._staged.clear()
 
 
+@dataclass(frozen=True)
+class BlockTablesGeometry:
+    """Everything a BlockTables is built from, validated once: the keyword arguments of every
+    BlockTables class (vLLM's, the core's, a plugin's) as one record. The runner builds one
+    and constructs the backend's class with :meth:`kwargs`."""
+
+    block_sizes: tuple[int, ...]
+    """Tokens per scheduler block, one per KV-cache group."""
+    max_num_reqs: int
+    max_num_batched_tokens: int
+    max_num_blocks_per_group: tuple[int, ...]
+    """Scheduler blocks a row can hold, per group (the table width before kernel splitting)."""
+    device: torch.device
+    kernel_block_sizes: tuple[int, ...]
+    """Tokens per kernel block, per group; each divides its block size."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
+    slot_mapping_dtype: torch.dtype = torch.int64
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_num_blocks_per_group: Sequence[int],
+        device: torch.device | str,
+        kernel_block_sizes: Sequence[int] | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+        slot_mapping_dtype: torch.dtype = torch.int64,
+    ) -> BlockTablesGeometry:
+        """The record from BlockTables keywords (``kernel_block_sizes`` defaults to the block
+        sizes); every problem is a :class:`ValidationError`."""
+        blocks = tuple(block_sizes)
+        return cls(
+            block_sizes=blocks,
+            max_num_reqs=max_num_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_blocks_per_group=tuple(max_num_blocks_per_group),
+            device=torch.device(device),
+            kernel_block_sizes=tuple(kernel_block_sizes) if kernel_block_sizes is not None else blocks,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            cp_interleave=cp_interleave,
+            slot_mapping_dtype=slot_mapping_dtype,
+        )
+
+    def __post_init__(self) -> None:
+        block_sizes, kernel, caps = (
+            list(self.block_sizes),
+            list(self.kernel_block_sizes),
+            list(self.max_num_blocks_per_group),
+        )
+        if not block_sizes or len(kernel) != len(block_sizes) or len(caps) != len(block_sizes):
+            raise ValidationError(
+                f"BlockTables needs one block size, kernel block size and capacity per group; got "
+                f"block_sizes={block_sizes}, kernel_block_sizes={kernel}, max_num_blocks_per_group={caps}"
+            )
+        for g, (bs, kbs, cap) in enumerate(zip(block_sizes, kernel, caps, strict=True)):
+            if type(bs) is not int or type(kbs) is not int or bs <= 0 or kbs <= 0 or bs % kbs:
+                raise ValidationError(
+                    f"group {g}: kernel block size {kbs!r} must be a positive divisor of block size {bs!r}"
+                )
+            if type(cap) is not int or cap <= 0:
+                raise ValidationError(f"group {g}: max_num_blocks_per_group must be positive; got {cap!r}")
+        for name, value in (
+            ("max_num_reqs", self.max_num_reqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+        ):
+            if type(value) is not int or value <= 0:
+                raise ValidationError(f"{name} must be a positive integer; got {value!r}")
+        cp_size, cp_rank = self.cp_size, self.cp_rank
+        if type(cp_size) is not int or cp_size <= 0 or not (type(cp_rank) is int and 0 <= cp_rank < cp_size):
+            raise ValidationError(
+                f"cp_rank must lie in [0, cp_size); got cp_size={cp_size!r}, cp_rank={cp_rank!r}"
+            )
+        if type(self.cp_interleave) is not int or self.cp_interleave <= 0:
+            raise ValidationError(f"cp_interleave must be a positive integer; got {self.cp_interleave!r}")
+        if cp_size > 1 and any(bs % self.cp_interleave for bs in block_sizes):
+            raise ValidationError(
+                f"cp_interleave={self.cp_interleave} must divide every block size {block_sizes}"
+            )
+        if self.slot_mapping_dtype not in (torch.int32, torch.int64):
+            raise ValidationError(
+                f"slot_mapping_dtype must be torch.int32 or torch.int64; got {self.slot_mapping_dtype}"
+            )
+
+    @property
+    def blocks_per_kv_block(self) -> tuple[int, ...]:
+        """Kernel blocks per scheduler block, per group."""
+        return tuple(bs // kbs for bs, kbs in zip(self.block_sizes, self.kernel_block_sizes, strict=True))
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a BlockTables class is constructed with."""
+        return {
+            "block_sizes": list(self.block_sizes),
+            "max_num_reqs": self.max_num_reqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_blocks_per_group": list(self.max_num_blocks_per_group),
+            "device": self.device,
+            "kernel_block_sizes": list(self.kernel_block_sizes),
+            "cp_size": self.cp_size,
+            "cp_rank": self.cp_rank,
+            "cp_interleave": self.cp_interleave,
+            "slot_mapping_dtype": self.slot_mapping_dtype,
+        }
+
+
 class TorchBlockTables:
     """BlockTables in plain torch: the ``cpu`` plugin's, usable on any torch device.
 
@@ -290,44 +403,23 @@ class TorchBlockTables:
         cp_interleave: int = 1,
         slot_mapping_dtype: torch.dtype = torch.int64,
     ) -> None:
-        block_sizes = list(block_sizes)
-        kernel = list(kernel_block_sizes) if kernel_block_sizes is not None else list(block_sizes)
-        caps = list(max_num_blocks_per_group)
-        if not block_sizes or len(kernel) != len(block_sizes) or len(caps) != len(block_sizes):
-            raise ValidationError(
-                f"BlockTables needs one block size, kernel block size and capacity per group; got "
-                f"block_sizes={block_sizes}, kernel_block_sizes={kernel}, max_num_blocks_per_group={caps}"
-            )
-        for g, (bs, kbs, cap) in enumerate(zip(block_sizes, kernel, caps, strict=True)):
-            if type(bs) is not int or type(kbs) is not int or bs <= 0 or kbs <= 0 or bs % kbs:
-                raise ValidationError(
-                    f"group {g}: kernel block size {kbs!r} must be a positive divisor of block size {bs!r}"
-                )
-            if type(cap) is not int or cap <= 0:
-                raise ValidationError(f"group {g}: max_num_blocks_per_group must be positive; got {cap!r}")
-        for name, value in (
-            ("max_num_reqs", max_num_reqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if type(value) is not int or value <= 0:
-                raise ValidationError(f"{name} must be a positive integer; got {value!r}")
-        if type(cp_size) is not int or cp_size <= 0 or not (type(cp_rank) is int and 0 <= cp_rank < cp_size):
-            raise ValidationError(
-                f"cp_rank must lie in [0, cp_size); got cp_size={cp_size!r}, cp_rank={cp_rank!r}"
-            )
-        if type(cp_interleave) is not int or cp_interleave <= 0:
-            raise ValidationError(f"cp_interleave must be a positive integer; got {cp_interleave!r}")
-        if cp_size > 1 and any(bs % cp_interleave for bs in block_sizes):
-            raise ValidationError(f"cp_interleave={cp_interleave} must divide every block size {block_sizes}")
-        if slot_mapping_dtype not in (torch.int32, torch.int64):
-            raise ValidationError(
-                f"slot_mapping_dtype must be torch.int32 or torch.int64; got {slot_mapping_dtype}"
-            )
-        self.device = torch.device(device)
-        self.block_sizes = block_sizes
-        self.kernel_block_sizes = kernel
-        self.blocks_per_kv_block = [bs // kbs for bs, kbs in zip(block_sizes, kernel, strict=True)]
-        self.max_num_blocks_per_group = caps
+        geometry = self.geometry = BlockTablesGeometry.of(
+            block_sizes=block_sizes,
+            max_num_reqs=max_num_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_blocks_per_group=max_num_blocks_per_group,
+            device=device,
+            kernel_block_sizes=kernel_block_sizes,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            cp_interleave=cp_interleave,
+            slot_mapping_dtype=slot_mapping_dtype,
+        )
+        self.device = geometry.device
+        self.block_sizes = block_sizes = list(geometry.block_sizes)
+        self.kernel_block_sizes = list(geometry.kernel_block_sizes)
+        self.blocks_per_kv_block = list(geometry.blocks_per_kv_block)
+        self.max_num_blocks_per_group = caps = list(geometry.max_num_blocks_per_group)
         self.max_num_reqs = max_num_reqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cp_size = cp_size

@@ -38,7 +38,7 @@ import torch
 from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.backend import BackendChoice, BackendProvider, GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
-from diffusion_kv.core.block_tables import BlockTables, block_table_width
+from diffusion_kv.core.block_tables import BlockTables, BlockTablesGeometry, block_table_width
 from diffusion_kv.core.capabilities import AttentionMode, Requirements
 from diffusion_kv.core.errors import (
     DiffusionKVError,
@@ -628,10 +628,10 @@ class RunnerBackend:
                     f"backend(s) {[b.name for b in chosen]} (declared: {sorted(map(str, slot_dtypes))})"
                 )
             slot_dtype = c.slot_mapping_dtype
-        block_tables = part(
-            "BlockTables",
+        geometry = part(
+            "BlockTables geometry",
             None,
-            lambda: chosen[0].block_tables_cls()(
+            lambda: BlockTablesGeometry.of(
                 block_sizes=layout.block_sizes,
                 max_num_reqs=layout.max_num_reqs,
                 max_num_batched_tokens=layout.max_num_batched_tokens,
@@ -647,6 +647,7 @@ class RunnerBackend:
                 slot_mapping_dtype=slot_dtype,
             ),
         )
+        block_tables = part("BlockTables", None, lambda: chosen[0].block_tables_cls()(**geometry.kwargs()))
         backends: list[PagedBackend] = []
         for g, (group, backend_cls, kernel) in enumerate(zip(layout.groups, chosen, kernels, strict=True)):
             context = GroupContext(

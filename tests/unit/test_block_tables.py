@@ -212,3 +212,28 @@ def test_block_table_width_rounds_to_128_tokens() -> None:
     assert block_table_width(3, 128) == 3
     assert block_table_width(5, 48) == 8
     assert block_table_width(5, 16, token_alignment=None) == 5
+
+
+def test_the_geometry_record_is_what_every_blocktables_is_built_from() -> None:
+    from diffusion_kv.core.block_tables import BlockTablesGeometry
+
+    geometry = BlockTablesGeometry.of(
+        block_sizes=[32, 64], max_num_reqs=3, max_num_batched_tokens=96, max_num_blocks_per_group=[4, 2],
+        device="cpu", kernel_block_sizes=[16, 64],
+    )  # fmt: skip
+    assert geometry.blocks_per_kv_block == (2, 1)
+    assert geometry.kwargs() == {
+        "block_sizes": [32, 64], "max_num_reqs": 3, "max_num_batched_tokens": 96,
+        "max_num_blocks_per_group": [4, 2], "device": torch.device("cpu"), "kernel_block_sizes": [16, 64],
+        "cp_size": 1, "cp_rank": 0, "cp_interleave": 1, "slot_mapping_dtype": torch.int64,
+    }  # fmt: skip
+    tables = TorchBlockTables(**geometry.kwargs())
+    assert tables.geometry == geometry
+    assert BlockTablesGeometry.of(
+        block_sizes=[16], max_num_reqs=1, max_num_batched_tokens=1, max_num_blocks_per_group=[1], device="cpu"
+    ).kernel_block_sizes == (16,)  # fmt: skip
+    with pytest.raises(ValidationError, match="group 0: kernel block size 24 must be a positive divisor"):
+        BlockTablesGeometry.of(
+            block_sizes=[32], max_num_reqs=1, max_num_batched_tokens=1, max_num_blocks_per_group=[1],
+            device="cpu", kernel_block_sizes=[24],
+        )  # fmt: skip

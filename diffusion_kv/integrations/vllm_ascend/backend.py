@@ -47,7 +47,7 @@ import torch
 
 from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, BlockTablesGeometry
 from diffusion_kv.core.capabilities import Availability, Capabilities, Requirements
 from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.host import HostRuntime
@@ -371,24 +371,26 @@ class AscendBlockTablesAdapter:
                 f"npu (vllm-ascend backend): AscendBlockTables produce int32 slot mappings only; "
                 f"got slot_mapping_dtype={slot_mapping_dtype}"
             )
-        check_stack()
-        kernel = list(kernel_block_sizes) if kernel_block_sizes is not None else list(block_sizes)
-        cls = _import(BLOCK_TABLE_MODULE).AscendBlockTables
-        self.inner = cls(
-            block_sizes=list(block_sizes),
+        geometry = self.geometry = BlockTablesGeometry.of(
+            block_sizes=block_sizes,
             max_num_reqs=max_num_reqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_num_blocks_per_group=list(max_num_blocks_per_group),
-            device=torch.device(device),
-            kernel_block_sizes=kernel,
+            max_num_blocks_per_group=max_num_blocks_per_group,
+            device=device,
+            kernel_block_sizes=kernel_block_sizes,
             cp_size=cp_size,
             cp_rank=cp_rank,
             cp_interleave=cp_interleave,
+            slot_mapping_dtype=torch.int32,
         )
+        check_stack()
+        vendor_kwargs = geometry.kwargs()
+        del vendor_kwargs["slot_mapping_dtype"]  # AscendBlockTables has int32 slots and no such keyword
+        self.inner = _import(BLOCK_TABLE_MODULE).AscendBlockTables(**vendor_kwargs)
         self.slot_mapping_dtype = torch.int32
-        self.block_sizes = list(block_sizes)
-        self.kernel_block_sizes = kernel
-        self.blocks_per_kv_block = [bs // kbs for bs, kbs in zip(self.block_sizes, kernel, strict=True)]
+        self.block_sizes = list(geometry.block_sizes)
+        self.kernel_block_sizes = list(geometry.kernel_block_sizes)
+        self.blocks_per_kv_block = list(geometry.blocks_per_kv_block)
         self.max_num_reqs = max_num_reqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cp_size = cp_size
