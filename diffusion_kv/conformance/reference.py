@@ -7,25 +7,23 @@ from collections.abc import Sequence
 import torch
 
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.core.piecewise import dense_piecewise_mask
+from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.errors import ValidationError
 
 
 def row_mask(
-    mode: str,
+    mode: AttentionMode,
     query_offset: int,
     query_len: int,
     seq_len: int,
     spans: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
-    """``[query_len, seq_len]`` bool: ``causal`` (key <= query position), ``full``, or
-    ``piecewise`` (causal plus full spans)."""
-    if mode == "full":
-        return torch.ones(query_len, seq_len, dtype=torch.bool)
-    if mode == "causal":
-        return dense_piecewise_mask((), query_offset, query_len, seq_len)
-    if mode == "piecewise":
-        return dense_piecewise_mask(spans, query_offset, query_len, seq_len)
-    raise ValueError(f"unknown mode {mode!r}")
+    """``[query_len, seq_len]`` bool for one row: :meth:`AttentionMode.row_mask`."""
+    if not isinstance(mode, AttentionMode):
+        raise ValidationError(
+            f"the oracle's mode must be an AttentionMode ({', '.join(m.name for m in AttentionMode)}); got {mode!r}"
+        )
+    return mode.row_mask(query_offset, query_len, seq_len, spans)
 
 
 def dense_attention(

@@ -158,7 +158,7 @@ def expected(
     h: PagedHarness,
     rows: Sequence[PagedRow],
     data: list[RowData],
-    mode: str,
+    mode: AttentionMode,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     outs = []
@@ -184,7 +184,7 @@ def test_prefix_only_causal(dkv_platform: Platform, dkv_backend: Backend) -> Non
     h.install("r", [n])
     data = make_rows(h, [n])
     rows = rows_for("r", [(0, n)])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_suffix_over_cached_prefix(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -199,7 +199,7 @@ def test_suffix_over_cached_prefix(dkv_platform: Platform, dkv_backend: Backend)
     for d, f in zip(data, fresh, strict=True):  # the target changes at every denoise step
         d.q[prefix:], d.k[prefix:], d.v[prefix:] = f.q[prefix:], f.k[prefix:], f.v[prefix:]
     rows = rows_for("r", [(prefix, n), (prefix, n)])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_full_attention_over_cache(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -208,9 +208,13 @@ def test_full_attention_over_cache(dkv_platform: Platform, dkv_backend: Backend)
     n = h.block_size + 7
     h.install("r", [n])
     data = make_rows(h, [n], seed=3)
-    check(h, run(h, rows_for("r", [(0, n)]), data), expected(h, rows_for("r", [(0, n)]), data, "full"))
+    check(
+        h,
+        run(h, rows_for("r", [(0, n)]), data),
+        expected(h, rows_for("r", [(0, n)]), data, AttentionMode.FULL),
+    )
     rows = rows_for("r", [(n - 4, n)])
-    check(h, run(h, rows, data), expected(h, rows, data, "full"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.FULL))
 
 
 def test_piecewise_worked_example(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -221,12 +225,12 @@ def test_piecewise_worked_example(dkv_platform: Platform, dkv_backend: Backend) 
     data = make_rows(h, [9, 9], seed=4)
     spans = [[(5, 8)], [(5, 8)]]
     prefill = rows_for("r", [(0, 9), (0, 9)])
-    check(h, run(h, prefill, data, spans), expected(h, prefill, data, "piecewise", spans))
+    check(h, run(h, prefill, data, spans), expected(h, prefill, data, AttentionMode.PIECEWISE, spans))
     rows = rows_for("r", [(3, 9), (3, 9)])
     writes_before = {n: len(b.writes) for n, b in h.backends.items()}
     forwards_before = {n: len(b.forwards) for n, b in h.backends.items()}
     out = run(h, rows, data, spans)
-    check(h, out, expected(h, rows, data, "piecewise", spans))
+    check(h, out, expected(h, rows, data, AttentionMode.PIECEWISE, spans))
     for name, backend in h.backends.items():
         assert backend.writes[writes_before[name] :] == [12]  # one write, outside the segment loop
         assert backend.forwards[forwards_before[name] :] == [4, 6, 2]  # one call per segment
@@ -239,9 +243,13 @@ def test_piecewise_unequal_offsets(dkv_platform: Platform, dkv_backend: Backend)
     data = make_rows(h, [40, 30], seed=5)
     spans = [[(20, 30)], [(10, 20)]]
     rows = rows_for("r", [(0, 40), (0, 30)])
-    check(h, run(h, rows, data, [[(20, 30)], [(10, 20)]]), expected(h, rows, data, "piecewise", spans))
+    check(
+        h,
+        run(h, rows, data, [[(20, 30)], [(10, 20)]]),
+        expected(h, rows, data, AttentionMode.PIECEWISE, spans),
+    )
     rows = rows_for("r", [(10, 40), (0, 30)])
-    check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
+    check(h, run(h, rows, data, spans), expected(h, rows, data, AttentionMode.PIECEWISE, spans))
 
 
 def test_piecewise_span_covering_query_start(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -254,7 +262,7 @@ def test_piecewise_span_covering_query_start(dkv_platform: Platform, dkv_backend
     run(h, rows_for("r", [(0, n)]), data, [[(4, 20)]])
     spans = [[(4, 20)]]
     rows = rows_for("r", [(10, n)])
-    check(h, run(h, rows, data, spans), expected(h, rows, data, "piecewise", spans))
+    check(h, run(h, rows, data, spans), expected(h, rows, data, AttentionMode.PIECEWISE, spans))
 
 
 def test_empty_spans_are_causal(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -263,7 +271,7 @@ def test_empty_spans_are_causal(dkv_platform: Platform, dkv_backend: Backend) ->
     h.install("r", [19])
     data = make_rows(h, [19], seed=7)
     rows = rows_for("r", [(0, 19)])
-    check(h, run(h, rows, data, [[]]), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data, [[]]), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_mixed_phase_batch(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -291,7 +299,7 @@ def test_mixed_phase_batch(dkv_platform: Platform, dkv_backend: Backend) -> None
     spans = [[(pb, pb + tb)], [(0, tc)], [(pa, pa + ta)]]
     data = [b, c, a]
     out = run(h, rows, data, spans)
-    check(h, out, expected(h, rows, data, "piecewise", spans))
+    check(h, out, expected(h, rows, data, AttentionMode.PIECEWISE, spans))
     for backend in h.backends.values():
         assert backend.writes == [tb + tc + pa + ta]
         assert backend.forwards == [tb + tc + ta, pa]  # calls in order of first appearance
@@ -314,7 +322,7 @@ def test_mixed_span_structures(dkv_platform: Platform, dkv_backend: Backend) -> 
     ]
     rows = rows_for("r", [(8, 30), (12, 24), (6, 27), (4, 20)])
     out = run(h, rows, data, spans)
-    check(h, out, expected(h, rows, data, "piecewise", spans))
+    check(h, out, expected(h, rows, data, AttentionMode.PIECEWISE, spans))
     for backend in h.backends.values():
         # causal: 3 calls (row 0 has three causal pieces), full: 2 (row 0 has two spans). Each
         # row's j-th piece of a mode joins that mode's j-th call: C0 = rows 0, 1, 2 (2 + 12 + 18
@@ -334,7 +342,7 @@ def test_gqa(dkv_platform: Platform, dkv_backend: Backend) -> None:
     h.install("r", [21, 50])
     data = make_rows(h, [21, 50], seed=8)
     rows = rows_for("r", [(0, 21), (0, 50)])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_rows_of_different_lengths(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -343,9 +351,9 @@ def test_rows_of_different_lengths(dkv_platform: Platform, dkv_backend: Backend)
     h.install("r", lens)
     data = make_rows(h, lens, seed=9)
     rows = rows_for("r", [(0, n) for n in lens])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
     rows = rows_for("r", [(n - 3, n) for n in lens])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["heads", "flat-hidden"])
@@ -371,7 +379,7 @@ def test_padded_batch_layout(dkv_platform: Platform, dkv_backend: Backend, hidde
     assert out.shape == ((2, L, h.num_heads * h.head_size) if hidden else (2, L, h.num_heads, h.head_size))
     out = out.reshape(2, L, h.num_heads, h.head_size)
     assert torch.count_nonzero(out[0, lens[0] :]) == 0
-    ref = expected(h, rows, data, "causal")
+    ref = expected(h, rows, data, AttentionMode.CAUSAL)
     check(h, torch.cat([out[0, : lens[0]], out[1, : lens[1]]]), ref)
 
 
@@ -384,7 +392,7 @@ def test_uniform_batch_layout(dkv_platform: Platform, dkv_backend: Backend) -> N
     batch = h.translator.prepare(rows)
     with h.translator.activate(batch):
         out = h.executor.forward(h.layer_names[0], q, k, v)
-    check(h, out.reshape(22, h.num_heads, h.head_size), expected(h, rows, data, "causal"))
+    check(h, out.reshape(22, h.num_heads, h.head_size), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128])
@@ -394,7 +402,7 @@ def test_block_sizes(dkv_platform: Platform, dkv_backend: Backend, block_size: i
     h.install("r", [n])
     data = make_rows(h, [n], seed=12)
     rows = rows_for("r", [(0, n)])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_physical_placement_does_not_change_output(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -421,7 +429,7 @@ def test_slot_mapping_dtypes(dkv_platform: Platform, dkv_backend: Backend, slot_
     rows = rows_for("r", [(0, n)])
     batch = h.translator.prepare(rows)
     assert batch.common.slot_mappings.dtype == slot_dtype
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
 def test_one_kv_write_per_layer(dkv_platform: Platform, dkv_backend: Backend) -> None:
@@ -579,10 +587,10 @@ def _matrix_case(platform: Platform, backend: Backend, **kw: object) -> str | No
     check(
         h,
         run(h, rows_for("r", [(0, n) for n in lens]), data),
-        expected(h, rows_for("r", [(0, n) for n in lens]), data, "causal"),
+        expected(h, rows_for("r", [(0, n) for n in lens]), data, AttentionMode.CAUSAL),
     )
     rows = rows_for("r", [(n - 3, n) for n in lens])
-    check(h, run(h, rows, data), expected(h, rows, data, "causal"))
+    check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
     return None
 
 
@@ -624,10 +632,12 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
 
 
 @pytest.mark.parametrize(
-    ("cp_size", "interleave", "mode"), [(2, 1, "causal"), (4, 2, "causal"), (2, 4, "full")]
+    ("cp_size", "interleave", "mode"),
+    [(2, 1, AttentionMode.CAUSAL), (4, 2, AttentionMode.CAUSAL), (2, 4, AttentionMode.FULL)],
+    ids=["2-1-causal", "4-2-causal", "2-4-full"],
 )
 def test_dcp_partials_merge_to_full_attention(
-    dkv_platform: Platform, dkv_backend: Backend, cp_size: int, interleave: int, mode: str
+    dkv_platform: Platform, dkv_backend: Backend, cp_size: int, interleave: int, mode: AttentionMode
 ) -> None:
     """Decode context parallelism in one process: each of ``cp_size`` ranks holds its interleave
     slots of keys; their partials merged by log-sum-exp equal dense attention, for the whole
@@ -645,7 +655,7 @@ def test_dcp_partials_merge_to_full_attention(
             self.parts.append((output, lse))
             return output
 
-    attention = AttentionMode.CAUSAL if mode == "causal" else AttentionMode.FULL
+    attention = mode
     lens = [45, 23]
     whole = rows_for("r", [(0, n) for n in lens])
     suffix = rows_for("r", [(n - 5, n) for n in lens])
@@ -701,7 +711,7 @@ def test_ulysses_rank_local_heads(dkv_platform: Platform, dkv_backend: Backend) 
             for d in data
         ]
         parts.append(run(h, rows, local))
-    check(full, torch.cat(parts, dim=1), expected(full, rows, data, "causal"))
+    check(full, torch.cat(parts, dim=1), expected(full, rows, data, AttentionMode.CAUSAL))
 
 
 # --- prefix caching: a hit equals the miss ---------------------------------------------------------
@@ -785,7 +795,7 @@ def _pc_step(h: PagedHarness, steps: Sequence[tuple[_PrefixRequest, PagedRow]]) 
     data = [req.data for req, _ in steps]
     spans = [req.spans for req, _ in steps]
     out = run(h, rows, data, spans)
-    check(h, out, expected(h, rows, data, "piecewise", spans))
+    check(h, out, expected(h, rows, data, AttentionMode.PIECEWISE, spans))
     parts = torch.split(out, [row.query_len for row in rows])
     return {req.request_id: part for (req, _), part in zip(steps, parts, strict=True)}
 
@@ -989,7 +999,7 @@ def test_fp8_kv_cache_equals_dense_over_the_stored_values(
     check(
         h,
         run(h, rows_for("r", [(0, n), (0, n)]), data),
-        expected(h, rows_for("r", [(0, n)] * 2), stored, "causal"),
+        expected(h, rows_for("r", [(0, n)] * 2), stored, AttentionMode.CAUSAL),
     )
     k_cache, _ = key_value_caches(h.kv_caches[h.layer_names[0]])
     sc = h.geometry[h.layer_names[0]].kv_scales
@@ -1008,7 +1018,7 @@ def test_fp8_kv_cache_equals_dense_over_the_stored_values(
     rows = rows_for("r", [(prefix, n), (prefix, n)])
     spans = [[(prefix, n)], [(prefix, n)]]
     out = run(h, rows, data, spans)
-    check(h, out, expected(h, rows, _stored(h, data), "piecewise", spans))
+    check(h, out, expected(h, rows, _stored(h, data), AttentionMode.PIECEWISE, spans))
     assert sc.saturations() == (0, 0)
 
 
@@ -1032,7 +1042,7 @@ def test_fp8_kv_cache_saturates_and_counts(dkv_platform: Platform, dkv_backend: 
     stored = _stored(h, data)
     clamped = (torch.tensor([FP8_MAX, -FP8_MAX, 416.0]) * torch.tensor(0.01)).to(h.dtype)
     assert torch.equal(stored[0].k[2, 0, :3].cpu(), clamped)
-    check(h, out, expected(h, rows_for("r", [(0, n)]), stored, "causal"))
+    check(h, out, expected(h, rows_for("r", [(0, n)]), stored, AttentionMode.CAUSAL))
 
 
 def test_undeclared_kv_cache_dtype_is_refused(dkv_platform: Platform, dkv_backend: Backend) -> None:

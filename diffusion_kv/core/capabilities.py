@@ -9,6 +9,7 @@ table and which conformance cases run, so they cannot disagree.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,6 +28,21 @@ class AttentionMode(enum.Enum):
     PIECEWISE = "piecewise"
     """Causal with bidirectional ``full_attn_spans``: the core cuts it into causal and full calls,
     so a backend declares it only when it serves both and may be called once per segment."""
+
+    def row_mask(
+        self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """The mode's meaning as ``[query_len, seq_len]`` bool (True: visible) for one row whose
+        queries sit at positions ``query_offset ..`` over keys ``0 .. seq_len``: CAUSAL, key <=
+        query position; FULL, every key; PIECEWISE, causal plus each ``[start, end)`` span seen
+        in full by its own queries. The conformance kit's oracle reads its masks here."""
+        from diffusion_kv.core.piecewise import dense_piecewise_mask  # imports this module
+
+        if self is AttentionMode.FULL:
+            return torch.ones(query_len, seq_len, dtype=torch.bool)
+        return dense_piecewise_mask(
+            spans if self is AttentionMode.PIECEWISE else (), query_offset, query_len, seq_len
+        )
 
 
 @dataclass(frozen=True)

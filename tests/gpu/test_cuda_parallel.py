@@ -89,7 +89,7 @@ def rows_for(seq_lens: Sequence[int], query_lens: Sequence[int]) -> tuple[PagedR
 def expected(data: Sequence[tuple[torch.Tensor, ...]], rows: Sequence[PagedRow], mode: str) -> torch.Tensor:
     outs = []
     for (q, k, v), r in zip(data, rows, strict=True):
-        mask = row_mask(mode, r.kv_start_pos, r.query_len, r.seq_len)
+        mask = row_mask(AttentionMode(mode), r.kv_start_pos, r.query_len, r.seq_len)
         outs.append(dense_attention(q[r.kv_start_pos : r.seq_len], k, v, mask, HEAD_SIZE**-0.5))
     return torch.cat(outs)
 
@@ -107,7 +107,7 @@ def local_lse(
     outs = []
     group = HEADS // KV_HEADS
     for (q, k, _), r in zip(data, rows, strict=True):
-        mask = row_mask(mode, r.kv_start_pos, r.query_len, r.seq_len).to(q.device)
+        mask = row_mask(AttentionMode(mode), r.kv_start_pos, r.query_len, r.seq_len).to(q.device)
         mine = (torch.arange(r.seq_len, device=q.device) // interleave) % cp_size == rank
         mask = mask & mine[None, :]
         qq = q[r.kv_start_pos : r.seq_len].double()

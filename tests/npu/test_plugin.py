@@ -453,7 +453,7 @@ def test_scheduler_blocks_of_256_are_split_into_kernel_blocks(npu_emulator: Torc
     assert attend.op == FIA and attend.args["block_size"] == 128
     md = h.translator.prepare(rows([(299, 300)])).attn_metadata["layer.0"]
     assert md.block_table[0, :3].tolist() == [10, 11, 8] and md.block_size == 128
-    ref = dense_attention(q, k, v, row_mask("causal", 0, 300, 300), HEAD**-0.5)
+    ref = dense_attention(q, k, v, row_mask(AttentionMode.CAUSAL, 0, 300, 300), HEAD**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=TOL, rtol=TOL)
 
 
@@ -549,7 +549,7 @@ def test_worked_example_one_write_three_segment_calls(npu_emulator: TorchNpuEmul
         assert ["atten_mask" in s.shapes for s in segments] == [True, False, True]
     for out in outs:  # against dense attention over the same logical rows
         for r in range(2):
-            mask = row_mask("piecewise", 3, 6, 9, spans[r])
+            mask = row_mask(AttentionMode.PIECEWISE, 3, 6, 9, spans[r])
             ref = dense_attention(
                 q[9 * r + 3 : 9 * r + 9], k[9 * r : 9 * r + 9], v[9 * r : 9 * r + 9], mask, HEAD**-0.5
             )
@@ -615,7 +615,7 @@ def test_forward_reads_the_pages_only(npu_emulator: TorchNpuEmulator) -> None:
     assert backend.forward(geometry, q, cache, md, out) is out
     again = backend.forward(geometry, q, cache, md)  # no K/V argument: the pages are the input
     assert npu_emulator.ops() == [SCATTER, FIA, FIA]
-    ref = dense_attention(q, k, v, row_mask("causal", 0, 6, 6), HEAD**-0.5)
+    ref = dense_attention(q, k, v, row_mask(AttentionMode.CAUSAL, 0, 6, 6), HEAD**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=TOL, rtol=TOL)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 

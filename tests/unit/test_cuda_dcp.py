@@ -159,7 +159,7 @@ def test_kernel_dcp_mode_matches_cpu_reference(
     merged = merge_partial_attention(outs, lses)
     expected = []
     for r, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        mask = row_mask("causal" if causal else "full", n - ql, ql, n)
+        mask = row_mask(AttentionMode.CAUSAL if causal else AttentionMode.FULL, n - ql, ql, n)
         expected.append(dense_attention(full_q[r][n - ql :], keys[r], values[r], mask, SCALE))
     torch.testing.assert_close(merged.double(), torch.cat(expected), atol=1e-4, rtol=1e-4)
 
@@ -303,7 +303,7 @@ def test_backend_partials_match_cpu_reference_and_merge_to_dense(
     merged = merge_partial_attention([o for o, _ in finals], [lse for _, lse in finals])
     expected = []
     for (q, k, v), r in zip(data, rows, strict=True):
-        mask = row_mask(mode, r.kv_start_pos, r.query_len, r.seq_len)
+        mask = row_mask(AttentionMode(mode), r.kv_start_pos, r.query_len, r.seq_len)
         expected.append(dense_attention(q[r.kv_start_pos : r.seq_len], k, v, mask, WORKER_D**-0.5))
     torch.testing.assert_close(merged.double(), torch.cat(expected), atol=1e-4, rtol=1e-4)
 

@@ -109,7 +109,7 @@ class Oracle:
                 rk, rv = self.kv[key]
                 span = slice(row.kv_start_pos, row.seq_len)
                 rk[span], rv[span] = k[offset : offset + row.query_len], v[offset : offset + row.query_len]
-                mode = "full" if layer in self.full else "piecewise"
+                mode = AttentionMode.FULL if layer in self.full else AttentionMode.PIECEWISE
                 mask = row_mask(mode, row.kv_start_pos, row.query_len, row.seq_len, spans)
                 ref = dense_attention(q[offset : offset + row.query_len], rk, rv, mask, D**-0.5)
                 torch.testing.assert_close(out[offset : offset + row.query_len], ref, atol=1e-10, rtol=1e-10)

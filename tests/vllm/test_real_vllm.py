@@ -131,7 +131,7 @@ def test_causal_and_full_groups_run_through_their_own_sessions(cpu_attn: type[Vl
     for name, mode in modes.items():
         start = 0
         for i, n in enumerate(lens):
-            mask = row_mask(mode.value, 0, n, n)
+            mask = row_mask(mode, 0, n, n)
             ref = dense_attention(q[i], k[i], v[i], mask, 64**-0.5)
             torch.testing.assert_close(
                 outs[name][start : start + n].double(), ref, atol=tol["atol"], rtol=tol["rtol"]

@@ -221,7 +221,7 @@ def test_upstream_call_sequence_on_the_cpu_platform() -> None:
         runtime.ensure_active(1)
     for step, start in ((0, 0), (1, 20)):
         for r in range(2):
-            mask = row_mask("piecewise", start, 32 - start, 32, [(20, 32)])
+            mask = row_mask(AttentionMode.PIECEWISE, start, 32 - start, 32, [(20, 32)])
             ref = dense_attention(q[r, start:], k[r], v[r], mask, HEAD**-0.5)
             for out in outs[step]:
                 torch.testing.assert_close(out[r].double(), ref, atol=2e-5, rtol=2e-5)

@@ -1,0 +1,45 @@
+"""The kit's oracle is typed on ``AttentionMode``: each mode's mask is the enum's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_kv.conformance.reference import row_mask
+from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.errors import ValidationError
+
+
+def rows(mask: torch.Tensor) -> list[str]:
+    return ["".join("x" if v else "." for v in row) for row in mask.tolist()]
+
+
+def test_causal_is_bottom_right_aligned_over_the_rows_keys() -> None:
+    # 2 queries at positions 3 and 4 of a 5-key row
+    assert rows(row_mask(AttentionMode.CAUSAL, 3, 2, 5)) == ["xxxx.", "xxxxx"]
+
+
+def test_full_sees_every_key() -> None:
+    assert rows(row_mask(AttentionMode.FULL, 3, 2, 5)) == ["xxxxx", "xxxxx"]
+
+
+def test_piecewise_is_causal_plus_each_span_seen_in_full_by_its_own_queries() -> None:
+    assert rows(row_mask(AttentionMode.PIECEWISE, 0, 5, 5, [(0, 2)])) == [
+        "xx...", "xx...", "xxx..", "xxxx.", "xxxxx",
+    ]  # fmt: skip
+    assert rows(row_mask(AttentionMode.PIECEWISE, 0, 5, 5, [(3, 5)])) == [
+        "x....", "xx...", "xxx..", "xxxxx", "xxxxx",
+    ]  # fmt: skip
+    assert rows(row_mask(AttentionMode.PIECEWISE, 0, 6, 6, [(0, 2), (3, 5)])) == [
+        "xx....", "xx....", "xxx...", "xxxxx.", "xxxxx.", "xxxxxx",
+    ]  # fmt: skip
+    # a suffix query of 2 tokens over 5 keys, the span covering both
+    assert rows(row_mask(AttentionMode.PIECEWISE, 3, 2, 5, [(3, 5)])) == ["xxxxx", "xxxxx"]
+    assert torch.equal(AttentionMode.PIECEWISE.row_mask(0, 4, 4), AttentionMode.CAUSAL.row_mask(0, 4, 4))
+
+
+def test_a_mode_string_is_refused_with_the_accepted_values() -> None:
+    with pytest.raises(
+        ValidationError, match=r"must be an AttentionMode \(CAUSAL, FULL, PIECEWISE\); got 'causal'"
+    ):
+        row_mask("causal", 0, 1, 1)  # type: ignore[arg-type]
