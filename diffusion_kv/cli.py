@@ -182,6 +182,11 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
             "entry_point_group": plugins.namespace,
             "allowlist": sorted(plugins.allowlist) if plugins.allowlist is not None else None,
             "allowlisted_not_installed": list(plugins.not_installed),
+            "backend_allowlist": (
+                sorted(plugins.backend_allowlist) if plugins.backend_allowlist is not None else None
+            ),
+            "blocked_backends": sorted(plugins.blocked_backends),
+            "left_out_backends": [{"name": n, "why": why} for n, why in plugins.left_out_backends],
             "selected": selected,
             "selected_how": how,
             "error": error,
@@ -229,7 +234,22 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         if plugins.allowlist is not None:
             print(f"{ENV_PLUGINS}: {','.join(sorted(plugins.allowlist))}")
             if plugins.not_installed:
-                print(f"  allowlisted but not installed: {', '.join(plugins.not_installed)}")
+                shown = [
+                    n
+                    + (
+                        " (a backend entry point: see DIFFUSION_KV_BACKEND_PLUGINS)"
+                        if n in plugins.misplaced
+                        else ""
+                    )
+                    for n in plugins.not_installed
+                ]
+                print(f"  allowlisted but not installed: {', '.join(shown)}")
+        if plugins.backend_allowlist is not None:
+            print(f"DIFFUSION_KV_BACKEND_PLUGINS: {','.join(sorted(plugins.backend_allowlist))}")
+        if plugins.blocked_backends:
+            print(f"DIFFUSION_KV_BLOCKED_BACKENDS: {','.join(sorted(plugins.blocked_backends))}")
+        for name, why in plugins.left_out_backends:
+            print(f"  backend entry point {name!r} left out: {why}")
         print(_table(rows))
         print()
         for s in statuses:

@@ -19,6 +19,8 @@ def _clean_platform_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "DIFFUSION_KV_BACKEND",
         selection.ENV_PLATFORM,
         selection.ENV_PLUGINS,
+        selection.ENV_BACKEND_PLUGINS,
+        selection.ENV_BLOCKED_BACKENDS,
         selection.ENV_GROUP,
         "DKV_TEST_FAKEACCEL",
         "DKV_TEST_FAKEACCEL2",

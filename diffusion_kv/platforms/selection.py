@@ -2,7 +2,11 @@
 
 Rules, in order:
 
-* ``DIFFUSION_KV_PLUGINS`` (comma list), when set, limits which entry points are loaded at all.
+* ``DIFFUSION_KV_PLUGINS`` (comma list), when set, limits which *platform* entry points are
+  loaded at all. It says nothing about backends: ``DIFFUSION_KV_BACKEND_PLUGINS`` (comma list)
+  limits the entry points of the backends group, ``DIFFUSION_KV_BLOCKED_BACKENDS`` (comma list)
+  leaves named ones out; neither kind is imported when left out. A backend entry point whose
+  platform the platform allowlist leaves out is dropped quietly (it is listed as left out).
 * Two entry points claiming one name are a :class:`DuplicatePlatformError` for that name;
   neither is loaded. Other plugins are unaffected. The exception: a built-in name (``cpu``,
   ``cuda``, ``npu``) claimed by another entry point keeps the built-in; the claimant is reported
@@ -65,6 +69,8 @@ ENTRY_POINT_GROUP = "diffusion_kv.platforms"
 BACKEND_GROUP_SUFFIX = ".backends"
 ENV_PLATFORM = "DIFFUSION_KV_PLATFORM"
 ENV_PLUGINS = "DIFFUSION_KV_PLUGINS"
+ENV_BACKEND_PLUGINS = "DIFFUSION_KV_BACKEND_PLUGINS"
+ENV_BLOCKED_BACKENDS = "DIFFUSION_KV_BLOCKED_BACKENDS"
 ENV_GROUP = "DIFFUSION_KV_ENTRY_POINT_GROUP"
 REFERENCE_PLATFORM = "cpu"
 BUILTIN_ENTRY_POINTS = {
@@ -245,11 +251,24 @@ def _distributions_by_entry_point(namespace: str) -> dict[tuple[str, str], str]:
     return out
 
 
-def _allowlist_from_env() -> frozenset[str] | None:
-    raw = os.environ.get(ENV_PLUGINS)
+def _names_from_env(variable: str) -> frozenset[str] | None:
+    raw = os.environ.get(variable)
     if raw is None or not raw.strip():
         return None
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _allowlist_from_env() -> frozenset[str] | None:
+    return _names_from_env(ENV_PLUGINS)
+
+
+def _name_list(value: Iterable[str], what: str) -> frozenset[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValidationError(f"{what} must be an iterable of entry-point names; got {value!r}")
+    names = tuple(value)
+    if any(type(n) is not str or not n.strip() for n in names):
+        raise ValidationError(f"{what} must hold non-empty entry-point names; got {list(names)!r}")
+    return frozenset(n.strip() for n in names)
 
 
 PLATFORM_MEMBERS: tuple[str, ...] = ("is_available", "device", "device_for_rank", "backend_reasons")
@@ -493,9 +512,24 @@ def _record_backend_note(backend: type[PagedBackend], note: str | None) -> None:
 class PluginSet:
     """The plugins of one entry-point group, loaded once (see :func:`discover`)."""
 
-    def __init__(self, namespace: str, allowlist: frozenset[str] | None) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        allowlist: frozenset[str] | None,
+        backend_allowlist: frozenset[str] | None = None,
+        blocked_backends: frozenset[str] = frozenset(),
+    ) -> None:
         self.namespace = namespace
         self.allowlist = allowlist
+        """Platform entry-point names to load (None: all)."""
+        self.backend_allowlist = backend_allowlist
+        """Backend entry-point names to load (None: all)."""
+        self.blocked_backends = blocked_backends
+        """Backend entry-point names never loaded."""
+        self.left_out_backends: list[tuple[str, str]] = []
+        """``(entry-point name, why)`` of backend entry points the lists above left out."""
+        self.misplaced: tuple[str, ...] = ()
+        """Names in the platform allowlist that are backend entry points, not platforms."""
         self.records: dict[str, PluginRecord] = {}
         self.shadowed: list[PluginRecord] = []
         """Entry points that claimed a built-in name: reported and skipped."""
@@ -581,23 +615,41 @@ class PluginSet:
         )
         dists = _distributions_by_entry_point(namespace)
         seen: list[tuple[str, str]] = []
-        for ep in lister.list_entry_points():
-            if (ep.name, ep.value) in seen or (self.allowlist is not None and ep.name not in self.allowlist):
+        entry_points = lister.list_entry_points()
+        if self.allowlist is not None:
+            self.misplaced = tuple(sorted({ep.name for ep in entry_points} & set(self.not_installed)))
+        for ep in entry_points:
+            if (ep.name, ep.value) in seen:
                 continue
             seen.append((ep.name, ep.value))
+            if ep.name in self.blocked_backends:
+                self.left_out_backends.append((ep.name, f"named in {ENV_BLOCKED_BACKENDS}"))
+                continue
+            if self.backend_allowlist is not None and ep.name not in self.backend_allowlist:
+                self.left_out_backends.append((ep.name, f"not named in {ENV_BACKEND_PLUGINS}"))
+                continue
             text, dist = _format_entry_point(ep), dists.get((ep.name, ep.value), "unknown distribution")
             where = f"paged backend {ep.name!r} (entry point '{text}' in {namespace!r}, {dist})"
             try:
                 obj, printed = guarded(ep.load)
             except PluginFailure as failure:
                 error = PluginLoadError(
-                    f"{where} failed to import: {failure}. Fix: {_import_fix(failure, 'install what it needs')}"
+                    f"{where} failed to import: {failure}. Fix: "
+                    + _import_fix(
+                        failure,
+                        f"install what it needs, or leave it out with {ENV_BLOCKED_BACKENDS}={ep.name}",
+                    )
                 )
                 error.__cause__ = failure.original
                 self.backend_records.append(BackendRecord(ep.name, text, dist, None, error))
                 continue
             notes = tuple(n for n in (_printed_note(printed, "at import"),) if n)
             problems = validate_backend_class(obj, ep.name)
+            if not problems and self.allowlist is not None and obj.platform not in self.allowlist:
+                self.left_out_backends.append(
+                    (ep.name, f"its platform {obj.platform!r} is not named in {ENV_PLUGINS}")
+                )
+                continue
             if not problems:
                 platform = obj.platform
                 record = self.records.get(platform)
@@ -645,7 +697,7 @@ class PluginSet:
             }.get(error.what, "answer without raising or exiting")
             failure = PluginLoadError(
                 f"{where} was skipped: its {error.what} {error.problem}. Fix: make {error.what} {fix}, "
-                f"or leave the backend out with {ENV_PLUGINS}=<names to load>"
+                f"or leave the backend out with {ENV_BLOCKED_BACKENDS}={record.name}"
             )
             failure.__cause__ = error.__cause__
             note = _printed_note(printed, f"in its {error.what}")
@@ -786,24 +838,49 @@ class PluginSet:
         )
 
 
-_CACHE: dict[tuple[str, frozenset[str] | None], PluginSet] = {}
+_CACHE: dict[tuple[str, frozenset[str] | None, frozenset[str] | None, frozenset[str]], PluginSet] = {}
 
 
-def discover(namespace: str | None = None, allowlist: Iterable[str] | None = None) -> PluginSet:
-    """Load (once) the plugins of ``namespace`` limited by ``allowlist`` or the env allowlist."""
+def discover(
+    namespace: str | None = None,
+    allowlist: Iterable[str] | None = None,
+    *,
+    backend_allowlist: Iterable[str] | None = None,
+    blocked_backends: Iterable[str] | None = None,
+) -> PluginSet:
+    """Load (once) the plugins of ``namespace``.
+
+    ``allowlist`` limits the platform entry points (default ``DIFFUSION_KV_PLUGINS``),
+    ``backend_allowlist`` the backend entry points (default ``DIFFUSION_KV_BACKEND_PLUGINS``),
+    ``blocked_backends`` leaves backend entry points out (default
+    ``DIFFUSION_KV_BLOCKED_BACKENDS``). ``None`` means "the environment's value, else no limit".
+    """
     if namespace is not None and (type(namespace) is not str or not namespace):
         raise ValidationError(f"an entry-point group must be a non-empty string or None; got {namespace!r}")
-    if allowlist is not None:
-        if isinstance(allowlist, (str, bytes)) or not isinstance(allowlist, Iterable):
-            raise ValidationError(f"an allowlist must be an iterable of plugin names; got {allowlist!r}")
-        allowlist = tuple(allowlist)
-        if any(type(n) is not str or not n for n in allowlist):
-            raise ValidationError(f"an allowlist must hold non-empty plugin names; got {list(allowlist)!r}")
+    allow = _name_list(allowlist, "a platform allowlist") if allowlist is not None else _allowlist_from_env()
+    backend_allow = (
+        _name_list(backend_allowlist, "a backend allowlist")
+        if backend_allowlist is not None
+        else _names_from_env(ENV_BACKEND_PLUGINS)
+    )
+    blocked = (
+        _name_list(blocked_backends, "a backend block list")
+        if blocked_backends is not None
+        else _names_from_env(ENV_BLOCKED_BACKENDS) or frozenset()
+    )
     ns = namespace or os.environ.get(ENV_GROUP) or ENTRY_POINT_GROUP
-    allow = frozenset(allowlist) if allowlist is not None else _allowlist_from_env()
-    key = (ns, allow)
+    key = (ns, allow, backend_allow, blocked)
     if key not in _CACHE:
-        _CACHE[key] = PluginSet(ns, allow)
+        plugins = PluginSet(ns, allow, backend_allow, blocked)
+        _CACHE[key] = plugins
+        if plugins.misplaced:
+            warnings.warn(
+                f"{ENV_PLUGINS} limits platforms only; {', '.join(map(repr, plugins.misplaced))} "
+                f"name backend entry points (limit those with {ENV_BACKEND_PLUGINS}, or leave them "
+                f"out with {ENV_BLOCKED_BACKENDS})",
+                PluginLoadWarning,
+                stacklevel=2,
+            )
     return _CACHE[key]
 
 

@@ -120,7 +120,8 @@ def test_printing_plugin_keeps_json_valid_in_a_real_process() -> None:
     """Run the console script: stdout must be exactly one JSON document."""
     env = {**os.environ, selection.ENV_GROUP: "dkv_hostile.printer"}
     env.pop(selection.ENV_PLATFORM, None)
-    env.pop(selection.ENV_PLUGINS, None)
+    for name in (selection.ENV_PLUGINS, selection.ENV_BACKEND_PLUGINS, selection.ENV_BLOCKED_BACKENDS):
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "diffusion_kv.cli", "platforms", "--json"],
         capture_output=True,
@@ -209,7 +210,13 @@ def test_a_broken_backend_is_listed_by_platforms_in_a_fresh_process(case: str) -
     """The first thing a process does is list the platforms: the broken backend is found and
     reported there, the command exits 0 and stdout is exactly one JSON document."""
     env = {**os.environ, selection.ENV_GROUP: f"dkv_hostile.backend_{case}"}
-    for name in (selection.ENV_PLATFORM, selection.ENV_PLUGINS, "DIFFUSION_KV_BACKEND"):
+    for name in (
+        selection.ENV_PLATFORM,
+        selection.ENV_PLUGINS,
+        selection.ENV_BACKEND_PLUGINS,
+        selection.ENV_BLOCKED_BACKENDS,
+        "DIFFUSION_KV_BACKEND",
+    ):
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "diffusion_kv.cli", "platforms", "--json"],

@@ -17,6 +17,7 @@ from diffusion_kv import (
     Requirements,
     UnsupportedRequirementsError,
 )
+from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.platforms import selection
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.interface import AttentionMode
@@ -163,6 +164,7 @@ def test_raising_detector_is_a_reason(test_group: str) -> None:
 
 def test_allowlist_limits_which_entry_points_load(test_group: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(selection.ENV_PLUGINS, "cpu, fakeaccel ,nothere")
+    monkeypatch.setenv(selection.ENV_BACKEND_PLUGINS, "extra")
     selection.refresh()
     plugins = selection.discover()
     assert plugins.names == ["cpu", "fakeaccel"]
@@ -179,6 +181,7 @@ def test_allowlist_without_reference_and_no_accelerator(
     test_group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(selection.ENV_PLUGINS, "fakeaccel")
+    monkeypatch.setenv(selection.ENV_BLOCKED_BACKENDS, "notabackend,reference")
     selection.refresh()
     with pytest.raises(PlatformNotFoundError, match="reference platform 'cpu' is not loaded"):
         diffusion_kv.get_platform()
@@ -230,6 +233,7 @@ def test_allowlist_does_not_import_excluded_plugins(test_group: str, monkeypatch
 
     monkeypatch.delitem(sys.modules, "dkv_test_plugins.bad", raising=False)
     monkeypatch.setenv(selection.ENV_PLUGINS, "cpu")
+    monkeypatch.setenv(selection.ENV_BACKEND_PLUGINS, "extra")  # bad.py also holds backends
     selection.refresh()
     assert selection.discover().names == ["cpu"]
     assert "dkv_test_plugins.bad" not in sys.modules
@@ -256,10 +260,73 @@ def test_a_distribution_adds_a_backend_to_a_builtin_platform(test_group: str) ->
     ]
 
 
-def test_added_backends_are_limited_by_the_allowlist(
+def test_the_platform_allowlist_keeps_the_backends_of_the_platforms_it_names(
     test_group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """DIFFUSION_KV_PLUGINS limits platforms only: allowlisting ``cpu`` keeps the backend another
+    distribution adds to it, and quietly leaves out one serving a platform not named."""
     monkeypatch.setenv(selection.ENV_PLUGINS, "cpu")
     selection.refresh()
-    assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == ["sdpa", "reference"]
-    assert selection.discover().broken() == []
+    plugins = selection.discover()
+    assert plugins.names == ["cpu"]
+    assert [b.name for b in diffusion_kv.get_platform("cpu").candidate_backends()] == [
+        "extra",
+        "sdpa",
+        "reference",
+    ]
+    assert plugins.left_out_backends == [
+        ("orphan", "its platform 'nosuch' is not named in DIFFUSION_KV_PLUGINS")
+    ]
+    # the invalid backend entry points are still reported: the platform list does not hide them
+    assert sorted(r.name for r in plugins.broken_backends()) == ["notabackend", "reference"]
+
+
+def test_the_backend_allowlist_and_block_list_limit_backend_entry_points_only(
+    test_group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "dkv_test_plugins.good", raising=False)
+    monkeypatch.setenv(selection.ENV_BACKEND_PLUGINS, "notabackend, orphan")
+    monkeypatch.setenv(selection.ENV_BLOCKED_BACKENDS, "orphan")
+    selection.refresh()
+    plugins = selection.discover()
+    assert "fakeaccel" in plugins.names  # platforms are not limited by the backend lists
+    assert [b.name for b in plugins.backend_records] == ["notabackend"]
+    assert plugins.left_out_backends == [
+        ("extra", "not named in DIFFUSION_KV_BACKEND_PLUGINS"),
+        ("orphan", "named in DIFFUSION_KV_BLOCKED_BACKENDS"),
+        ("reference", "not named in DIFFUSION_KV_BACKEND_PLUGINS"),
+    ]
+    # arguments win over the environment, and a differently limited set is loaded apart
+    explicit = selection.discover(backend_allowlist=["extra"], blocked_backends=[])
+    assert [(r.name, r.error) for r in explicit.backend_records] == [("extra", None)]
+    assert explicit is not plugins and selection.discover() is plugins
+
+
+def test_a_backend_named_in_the_platform_allowlist_is_warned_about(
+    test_group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(selection.ENV_PLUGINS, "cpu,extra")
+    selection.refresh()
+    with pytest.warns(selection.PluginLoadWarning) as record:
+        plugins = selection.discover()
+    assert str(record[0].message) == (
+        "DIFFUSION_KV_PLUGINS limits platforms only; 'extra' name backend entry points (limit those "
+        "with DIFFUSION_KV_BACKEND_PLUGINS, or leave them out with DIFFUSION_KV_BLOCKED_BACKENDS)"
+    )
+    assert plugins.not_installed == ("extra",) and plugins.misplaced == ("extra",)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"allowlist": "cpu"}, "a platform allowlist must be an iterable of entry-point names; got 'cpu'"),
+        ({"backend_allowlist": ["extra", ""]}, "a backend allowlist must hold non-empty entry-point names"),
+        ({"blocked_backends": [3]}, "a backend block list must hold non-empty entry-point names; got [3]"),
+    ],
+)
+def test_bad_plugin_lists_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        selection.discover(**kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
