@@ -63,6 +63,7 @@ def test_conformance_harness_runs_through_vllm_cpu(
 ) -> None:
     from diffusion_kv.conformance import test_paged_attention as kit
     from diffusion_kv.core.block_tables import TorchBlockTables
+    from diffusion_kv.core.capabilities import AttentionMode
     from diffusion_kv.platforms.cpu import CpuPlatform
 
     monkeypatch.setenv(ENV_BACKEND, "cpu:vllm-cpu-attn")
@@ -78,9 +79,9 @@ def test_conformance_harness_runs_through_vllm_cpu(
     h.install("r", lens)
     data = kit.make_rows(h, lens, seed=3)
     rows = kit.rows_for("r", [(0, n) for n in lens])
-    kit.check(h, kit.run(h, rows, data), kit.expected(h, rows, data, "causal"))
+    kit.check(h, kit.run(h, rows, data), kit.expected(h, rows, data, AttentionMode.CAUSAL))
     rows = kit.rows_for("r", [(n - 9, n) for n in lens])
-    kit.check(h, kit.run(h, rows, data), kit.expected(h, rows, data, "causal"))
+    kit.check(h, kit.run(h, rows, data), kit.expected(h, rows, data, AttentionMode.CAUSAL))
     for backend in h.backends.values():
         assert backend.writes == [115, 18]  # do_kv_cache_update once per layer and batch
         assert backend.forwards == [115, 18]  # forward reads pages: K/V absent
