@@ -24,7 +24,7 @@ from diffusion_kv.core.allocator import (
     SequenceRequest,
 )
 from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend
-from diffusion_kv.core.batch import LayerGeometry, PagedBatch
+from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf, Requirements
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
@@ -88,6 +88,7 @@ __all__ = [
     "FreeListPool",
     "GenerationError",
     "GroupContext",
+    "KVCache",
     "KVCacheGroup",
     "KVCacheMode",
     "KVPageLayout",

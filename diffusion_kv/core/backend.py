@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
+from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import (
     AttentionMode,
@@ -84,6 +84,29 @@ def allocate_pages(
     shapes = page_shapes(layout, kernel_blocks, kernel_block_size, num_kv_heads, head_size)
     tensors = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
     return tensors if layout is KVPageLayout.SEPARATE else tensors[0]
+
+
+def write_layer_pages(
+    layout: KVPageLayout,
+    layer: LayerGeometry,
+    kv_cache: KVCache,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into one layer's pages in ``layout`` at flat
+    kernel slots ``slots`` ``[T]`` (int64, every one real); e4m3 pages through
+    ``layer.kv_scales``."""
+    key_cache, value_cache = key_value_caches(kv_cache)
+    if layout is KVPageLayout.HEAD_FIRST:  # [blocks, Hkv, page, D] seen as [blocks, page, Hkv, D]
+        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+    scales = layer.kv_scales
+    if scales is None:
+        write_pages(key_cache, slots, key)
+        write_pages(value_cache, slots, value)
+    else:
+        write_pages(key_cache, slots, key, scales.k_scale, scales.saturated[0])
+        write_pages(value_cache, slots, value, scales.v_scale, scales.saturated[1])
 
 
 @dataclass(frozen=True)
@@ -241,11 +264,13 @@ class PagedBackend(abc.ABC):
             )
         return cache
 
-    @abc.abstractmethod
     def build(self, batch: PagedBatch) -> Any:
-        """Native metadata for one batch (or piecewise segment) of this group."""
+        """Native metadata for one batch (or piecewise segment) of this group; ``forward``
+        receives it as ``metadata``. The default is the :class:`PagedBatch` itself (its host
+        copies ``query_start_loc_cpu``/``seq_lens_cpu`` read without a sync); override to
+        translate it once per batch into what the kernel takes."""
+        return batch
 
-    @abc.abstractmethod
     def write_kv(
         self,
         layer: LayerGeometry,
@@ -255,7 +280,14 @@ class PagedBackend(abc.ABC):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write ``key``/``value`` ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``; ``-1`` slots are
-        padding and must not be written."""
+        padding and must not be written.
+
+        The default serves the three :class:`KVPageLayout` layouts with plain torch indexed
+        copies (flat slot ``kernel_block * kernel_block_size + offset``), quantised (e4m3)
+        pages through the layer's ``kv_scales``; a backend with its own writer overrides it."""
+        slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
+        keep = slots >= 0
+        write_layer_pages(self.page_layout, layer, kv_cache, slots[keep], key[keep], value[keep])
 
     def write_kv_valid(
         self,

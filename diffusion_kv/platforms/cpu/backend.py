@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffusion_kv.core.batch import key_value_caches, write_pages
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.kv_quant import FP8_E4M3, dequantize
 from diffusion_kv.core.layout import cdiv
@@ -101,26 +101,6 @@ class CpuReferenceBackend(PagedBackend):
             cp_rank=self.cp_rank,
             cp_interleave=self.cp_interleave,
         )
-
-    def write_kv(
-        self,
-        layer: LayerGeometry,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        key_cache, value_cache = key_value_caches(kv_cache)
-        slots = slot_mapping.reshape(-1)[: key.shape[0]].to(torch.long)
-        keep = slots >= 0
-        idx = slots[keep]
-        sc = layer.kv_scales
-        if sc is None:
-            write_pages(key_cache, idx, key[keep])
-            write_pages(value_cache, idx, value[keep])
-            return
-        write_pages(key_cache, idx, key[keep], sc.k_scale, sc.saturated[0])
-        write_pages(value_cache, idx, value[keep], sc.v_scale, sc.saturated[1])
 
     def forward(
         self,
