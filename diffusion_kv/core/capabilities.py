@@ -29,6 +29,46 @@ class AttentionMode(enum.Enum):
     """Causal with bidirectional ``full_attn_spans``: the core cuts it into causal and full calls,
     so a backend declares it only when it serves both and may be called once per segment."""
 
+    # Everything the core and the reference backend know about a mode is read from these
+    # members, so a new mode is declared here once (docs/architecture.md, "Adding an attention
+    # mode").
+
+    @property
+    def is_layer_mode(self) -> bool:
+        """A mode a layer (and so a KV-cache group) declares; PIECEWISE is not one: it is a
+        causal layer's rows refined by spans."""
+        return self is not AttentionMode.PIECEWISE
+
+    @property
+    def is_causal(self) -> bool:
+        """Queries see no key after their own position: a row's queries must be its last
+        tokens (a suffix), and the decode-first batch reorder applies."""
+        return self is not AttentionMode.FULL
+
+    @property
+    def takes_spans(self) -> bool:
+        """Layers of this mode may be refined by ``full_attn_spans`` (the core then cuts
+        their calls into causal and full segments)."""
+        return self is AttentionMode.CAUSAL
+
+    @property
+    def group_modes(self) -> frozenset[AttentionMode]:
+        """What a backend must serve to run a group of layers declaring this mode."""
+        if self.takes_spans:
+            return frozenset({self, AttentionMode.PIECEWISE})
+        return frozenset({self})
+
+    @classmethod
+    def layer_modes(cls) -> tuple[AttentionMode, ...]:
+        """The modes layers declare, in the order the runner builds their groups."""
+        return tuple(m for m in cls if m.is_layer_mode)
+
+    @classmethod
+    def layer_modes_text(cls) -> str:
+        """``AttentionMode.CAUSAL or FULL``: the layer modes, as error messages name them."""
+        first, *rest = (m.name for m in cls.layer_modes())
+        return " or ".join((f"AttentionMode.{first}", *rest))
+
     def row_mask(
         self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
     ) -> torch.Tensor:

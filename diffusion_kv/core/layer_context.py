@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.batch import LayerGeometry
-from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.piecewise import PiecewisePlan
 from diffusion_kv.core.translate import Translator
@@ -324,7 +323,7 @@ def _build_layer_context(
         raise ValidationError(
             f"paged attention takes packed [T, ...] or batched [B, L, ...] tokens; got token shape {q_shape}"
         )
-    causal = layer.mode is AttentionMode.CAUSAL
+    causal = layer.mode.is_causal
     if causal:
         not_suffix = [r.identity for r in batch.rows if not r.is_suffix]
         if not_suffix:

@@ -50,9 +50,9 @@ class AttentionSpec:
         _positive_int(self.head_size, "AttentionSpec.head_size")
         if not isinstance(self.dtype, torch.dtype):
             raise ValidationError(f"AttentionSpec.dtype must be a torch.dtype; got {self.dtype!r}")
-        if self.mode not in (AttentionMode.CAUSAL, AttentionMode.FULL):
+        if not isinstance(self.mode, AttentionMode) or not self.mode.is_layer_mode:
             raise ValidationError(
-                f"AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got {self.mode!r}"
+                f"AttentionSpec.mode must be {AttentionMode.layer_modes_text()}; got {self.mode!r}"
             )
 
     def bytes_per_token(self) -> int:

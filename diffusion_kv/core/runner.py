@@ -377,9 +377,9 @@ class RunnerBackend:
                 )
             if not isinstance(spec.dtype, torch.dtype):
                 raise ValidationError(f"layer {name!r}: dtype must be a torch.dtype; got {spec.dtype!r}")
-            if spec.mode not in (AttentionMode.CAUSAL, AttentionMode.FULL):
+            if not isinstance(spec.mode, AttentionMode) or not spec.mode.is_layer_mode:
                 raise ValidationError(
-                    f"layer {name!r}: mode must be AttentionMode.CAUSAL or FULL; got {spec.mode!r}"
+                    f"layer {name!r}: mode must be {AttentionMode.layer_modes_text()}; got {spec.mode!r}"
                 )
             if spec.scale is not None and (
                 isinstance(spec.scale, bool)
@@ -443,11 +443,7 @@ class RunnerBackend:
     def _requirements(self, layer: LayerGeometry, block_size: int | None = None) -> Requirements:
         """What a group of layers like ``layer`` needs (spans refine causal layers, so a causal
         group needs piecewise attention too)."""
-        modes = (
-            {AttentionMode.CAUSAL, AttentionMode.PIECEWISE}
-            if layer.mode is AttentionMode.CAUSAL
-            else {AttentionMode.FULL}
-        )
+        modes = layer.mode.group_modes
         return Requirements(
             dtype=layer.dtype,
             kv_cache_dtype=layer.cache_dtype,
@@ -455,7 +451,7 @@ class RunnerBackend:
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             block_size=block_size,
-            attention_modes=frozenset(modes),
+            attention_modes=modes,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
         )
@@ -468,7 +464,7 @@ class RunnerBackend:
             raise StateError("register paged layers before building a cache layout")
         block = block_size if block_size is not None else self.platform.default_block_size
         groups = []
-        for mode in (AttentionMode.CAUSAL, AttentionMode.FULL):
+        for mode in AttentionMode.layer_modes():
             names = tuple(n for n, g in self.layers.items() if g.mode is mode)
             if names:
                 g0 = self.layers[names[0]]

@@ -135,7 +135,7 @@ class Translator:
         # pinned staging where the host runtime supports it
         self._pin = self.device.type != "cpu" and pinned_memory_available()
         self._modes = tuple(grp.spec.mode for grp in layout.groups)
-        self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m is AttentionMode.CAUSAL)
+        self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m.is_causal)
         thresholds = [
             t
             for g in self._causal_groups

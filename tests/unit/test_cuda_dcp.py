@@ -132,7 +132,15 @@ def test_kernel_dcp_mode_matches_cpu_reference(
     for rank in range(cp_size):
         k_cache, v_cache, table, local = rank_pages(keys, values, cp_size, rank, interleave, page, seed=rank)
         md = CpuPagedMetadata(
-            tuple(qsl), tuple(seq_lens), table, causal, page, tuple(local), cp_size, rank, interleave
+            tuple(qsl),
+            tuple(seq_lens),
+            table,
+            AttentionMode.CAUSAL if causal else AttentionMode.FULL,
+            page,
+            tuple(local),
+            cp_size,
+            rank,
+            interleave,
         )
         ref_out, ref_lse = cpu_partial(query, k_cache, v_cache, md, causal)
         for splits in (1, 4):

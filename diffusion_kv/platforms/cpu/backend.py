@@ -50,7 +50,8 @@ class CpuPagedMetadata:
     seq_lens: tuple[int, ...]
     block_table: torch.Tensor
     """``[num_reqs, width]`` kernel block ids."""
-    causal: bool
+    mode: AttentionMode
+    """CAUSAL or FULL (a piecewise segment's); the mask is the mode's own row mask."""
     block_size: int
     """Kernel block size (tokens per cache block)."""
     local_seq_lens: tuple[int, ...] | None = None
@@ -94,7 +95,7 @@ class CpuReferenceBackend(PagedBackend):
             query_start_loc=tuple(int(x) for x in batch.query_start_loc_cpu.tolist()),
             seq_lens=tuple(int(x) for x in batch.seq_lens_cpu.tolist()),
             block_table=batch.block_table,
-            causal=batch.causal,
+            mode=batch.mode,
             block_size=self.group.kernel_block_size,
             local_seq_lens=local,
             cp_size=self.cp_size,
@@ -160,10 +161,10 @@ class CpuReferenceBackend(PagedBackend):
                 v = v.repeat_interleave(groups, dim=1)
             q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
             scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_local]
-            if md.causal:
-                key_pos = dcp_key_positions(n_local, md.cp_size, md.cp_rank, md.cp_interleave, device)
-                qpos = torch.arange(sl - (q1 - q0), sl, device=device)[:, None]
-                scores = scores.masked_fill(~(key_pos[None, :] <= qpos), float("-inf"))
+            # the mode's own mask over the row's keys, at the global positions of this rank's keys
+            key_pos = dcp_key_positions(n_local, md.cp_size, md.cp_rank, md.cp_interleave, device)
+            visible = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl).to(device)[:, key_pos]
+            scores = scores.masked_fill(~visible, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where no local key is visible
             finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
             probs = torch.exp(scores - finite[..., None])
