@@ -43,18 +43,19 @@ class AttentionMode(enum.Enum):
     def is_causal(self) -> bool:
         """Queries see no key after their own position: a row's queries must be its last
         tokens (a suffix), and the decode-first batch reorder applies."""
-        return self is not AttentionMode.FULL
+        return self in (AttentionMode.CAUSAL, AttentionMode.PIECEWISE)
 
     @property
-    def takes_spans(self) -> bool:
-        """Layers of this mode may be refined by ``full_attn_spans`` (the core then cuts
-        their calls into causal and full segments)."""
-        return self is AttentionMode.CAUSAL
+    def accepts_spans(self) -> bool:
+        """Layers of this mode may be given ``full_attn_spans`` (the core then cuts their calls
+        into causal and full segments); a layer of any other mode given spans is refused."""
+        return self in (AttentionMode.CAUSAL, AttentionMode.FULL)
 
     @property
     def group_modes(self) -> frozenset[AttentionMode]:
-        """What a backend must serve to run a group of layers declaring this mode."""
-        if self.takes_spans:
+        """What a backend must serve to run a group of layers declaring this mode (spans cut a
+        causal layer's calls into causal and full segments: PIECEWISE)."""
+        if self is AttentionMode.CAUSAL:
             return frozenset({self, AttentionMode.PIECEWISE})
         return frozenset({self})
 

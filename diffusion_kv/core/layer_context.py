@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.batch import LayerGeometry
+from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.piecewise import PiecewisePlan
 from diffusion_kv.core.translate import Translator
@@ -331,6 +332,11 @@ def _build_layer_context(
                 f"causal paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
             )
     plan = None
+    if spans is not None and not layer.mode.accepts_spans:
+        raise UnsupportedFeatureError(
+            f"full_attn_spans cannot refine layer {layer.layer_name!r} of mode {layer.mode.name}; "
+            f"spans refine {', '.join(m.name for m in AttentionMode if m.accepts_spans)} layers"
+        )
     # spans describe the row's mask whatever the layer declares (vLLM-Omni's semantics: causal
     # outside the spans, full inside); without spans a full layer sees every key
     if spans is not None:

@@ -43,3 +43,35 @@ def test_a_mode_string_is_refused_with_the_accepted_values() -> None:
         ValidationError, match=r"must be an AttentionMode \(CAUSAL, FULL, PIECEWISE\); got 'causal'"
     ):
         row_mask("causal", 0, 1, 1)  # type: ignore[arg-type]
+
+
+def test_what_the_core_reads_off_each_mode() -> None:
+    C, F, P = AttentionMode.CAUSAL, AttentionMode.FULL, AttentionMode.PIECEWISE
+    table = {m: (m.is_layer_mode, m.is_causal, m.accepts_spans, m.group_modes) for m in AttentionMode}
+    assert table == {
+        C: (True, True, True, frozenset({C, P})),
+        F: (True, False, True, frozenset({F})),
+        P: (False, True, False, frozenset({P})),
+    }
+    assert AttentionMode.layer_modes() == (C, F)
+    assert AttentionMode.layer_modes_text() == "AttentionMode.CAUSAL or FULL"
+
+
+def test_a_layer_cannot_declare_piecewise() -> None:
+    from diffusion_kv.core.layout import AttentionSpec
+    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.platforms.cpu import CpuPlatform
+
+    with pytest.raises(ValidationError) as info:
+        AttentionSpec(2, 64, torch.float32, AttentionMode.PIECEWISE)
+    assert str(info.value) == (
+        "AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got <AttentionMode.PIECEWISE: 'piecewise'>"
+    )
+    runner = RunnerBackend(CpuPlatform(), RunnerConfig(64, 1, 1, 64, device="cpu"))
+    spec = PagedLayerSpec(2, 2, 64, torch.float32, mode=AttentionMode.PIECEWISE)
+    with pytest.raises(ValidationError) as info:
+        runner.register_kv_cache_layers({"l0": spec})
+    assert str(info.value) == (
+        "layer 'l0': mode must be AttentionMode.CAUSAL or FULL; got <AttentionMode.PIECEWISE: 'piecewise'>"
+    )
+    assert runner.layers == {}  # nothing registered after the refusal
