@@ -25,7 +25,14 @@ from diffusion_kv.core.allocator import (
 )
 from diffusion_kv.core.backend import GroupContext, KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
-from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf, Requirements
+from diffusion_kv.core.capabilities import (
+    BASE_MODES,
+    AttentionMode,
+    Availability,
+    Capabilities,
+    MultipleOf,
+    Requirements,
+)
 from diffusion_kv.core.errors import (
     AmbiguousPlatformError,
     ConfigurationError,
@@ -68,6 +75,7 @@ from diffusion_kv.platforms.selection import refresh as refresh_platforms
 __version__ = "0.2.0"
 
 __all__ = [
+    "BASE_MODES",
     "AdmissionError",
     "AmbiguousPlatformError",
     "AttentionMetadata",

@@ -86,6 +86,16 @@ class AttentionMode(enum.Enum):
         )
 
 
+BASE_MODES: frozenset[AttentionMode] = frozenset(
+    {AttentionMode.CAUSAL, AttentionMode.FULL, AttentionMode.PIECEWISE}
+)
+"""The modes of the first plugin contract, and the default of ``Capabilities.attention_modes``.
+A mode added later is served only by the backends that declare it, so adding one never changes
+what an existing backend claims (``frozenset(AttentionMode)`` claims every mode, future ones
+included: only a backend that masks with :meth:`AttentionMode.row_mask`, like the cpu
+reference, should declare that)."""
+
+
 @dataclass(frozen=True)
 class MultipleOf:
     """A kernel block size rule: any positive multiple of ``base``."""
@@ -131,7 +141,7 @@ class Capabilities:
     head_sizes: frozenset[int] | None
     kernel_block_sizes: tuple[BlockSizeRule, ...]
     slot_mapping_dtypes: frozenset[torch.dtype] = frozenset({torch.int64})
-    attention_modes: frozenset[AttentionMode] = frozenset(AttentionMode)
+    attention_modes: frozenset[AttentionMode] = BASE_MODES
     supports_gqa: bool = True
     supports_ulysses: bool = False
     """Strict Ulysses: the backend has been checked with rank-local heads (the core does the

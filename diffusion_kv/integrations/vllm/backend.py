@@ -26,7 +26,13 @@ import torch
 from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
-from diffusion_kv.core.capabilities import AttentionMode, Availability, Capabilities, MultipleOf, Requirements
+from diffusion_kv.core.capabilities import (
+    BASE_MODES,
+    Availability,
+    Capabilities,
+    MultipleOf,
+    Requirements,
+)
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.versions import (
@@ -248,7 +254,7 @@ class VllmFlashAttnBackend(VllmPagedBackend):
         head_sizes=frozenset(range(8, 257, 8)),
         kernel_block_sizes=(MultipleOf(16),),
         slot_mapping_dtypes=frozenset({torch.int64}),
-        attention_modes=frozenset(AttentionMode),
+        attention_modes=BASE_MODES,
         supports_gqa=True,
         supports_ulysses=True,
     )
@@ -287,7 +293,7 @@ class VllmCpuAttnBackend(VllmPagedBackend):
         head_sizes=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}),
         kernel_block_sizes=(MultipleOf(32),),
         slot_mapping_dtypes=frozenset({torch.int64}),
-        attention_modes=frozenset(AttentionMode),
+        attention_modes=BASE_MODES,
         supports_gqa=True,
     )
     vllm_backend: ClassVar[str | None] = None

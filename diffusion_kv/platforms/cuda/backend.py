@@ -38,11 +38,11 @@ import torch
 
 from diffusion_kv.core.batch import key_value_caches, write_pages
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
+from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.interface import (
-    AttentionMode,
     Availability,
     Capabilities,
     GroupContext,
@@ -347,7 +347,7 @@ CAPABILITIES = Capabilities(
     head_sizes=frozenset({64, 128}),
     kernel_block_sizes=(MultipleOf(16),),
     slot_mapping_dtypes=frozenset({torch.int64}),
-    attention_modes=frozenset(AttentionMode),
+    attention_modes=BASE_MODES,
     supports_gqa=True,
     supports_ulysses=True,
     supports_dcp=True,

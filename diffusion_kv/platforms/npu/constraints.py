@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_kv.core.capabilities import dtype_name
-from diffusion_kv.platforms.interface import AttentionMode, Capabilities, Requirements
+from diffusion_kv.core.capabilities import BASE_MODES, dtype_name
+from diffusion_kv.platforms.interface import Capabilities, Requirements
 
 DOCS_FILE = "torch_npu/_op_plugin_docs.py"
 """The file of torch-npu's wheel (2.10.0.post4 and 2.14.0 carry identical text for both ops)."""
@@ -144,7 +144,7 @@ CAPABILITIES = Capabilities(
     head_sizes=HEAD_SIZES,
     kernel_block_sizes=(KERNEL_BLOCK_SIZE,),
     slot_mapping_dtypes=frozenset({torch.int32}),
-    attention_modes=frozenset(AttentionMode),
+    attention_modes=BASE_MODES,
     supports_gqa=True,
     supports_ulysses=False,
     supports_dcp=False,

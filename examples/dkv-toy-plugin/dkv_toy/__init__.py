@@ -25,7 +25,6 @@ class ToyBackend(dkv.PagedBackend):
         head_sizes=frozenset({64, 128}),
         kernel_block_sizes=(64,),
         slot_mapping_dtypes=frozenset({torch.int32}),
-        attention_modes=frozenset(dkv.AttentionMode),
     )
     page_layout: ClassVar[dkv.KVPageLayout] = dkv.KVPageLayout.SEPARATE
 
