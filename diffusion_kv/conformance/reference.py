@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,13 +18,15 @@ def row_mask(
     query_len: int,
     seq_len: int,
     spans: Sequence[tuple[int, int]] = (),
+    **mode_args: Any,
 ) -> torch.Tensor:
-    """``[query_len, seq_len]`` bool for one row: :meth:`AttentionMode.row_mask`."""
+    """``[query_len, seq_len]`` bool for one row: :meth:`AttentionMode.row_mask` (a mode's own
+    keyword arguments pass through)."""
     if not isinstance(mode, AttentionMode):
         raise ValidationError(
             f"the oracle's mode must be an AttentionMode ({', '.join(m.name for m in AttentionMode)}); got {mode!r}"
         )
-    return mode.row_mask(query_offset, query_len, seq_len, spans)
+    return mode.row_mask(query_offset, query_len, seq_len, spans, **mode_args)
 
 
 def dense_attention(

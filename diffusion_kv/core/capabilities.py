@@ -67,8 +67,9 @@ class AttentionMode(enum.Enum):
     @classmethod
     def layer_modes_text(cls) -> str:
         """``AttentionMode.CAUSAL or FULL``: the layer modes, as error messages name them."""
-        first, *rest = (m.name for m in cls.layer_modes())
-        return " or ".join((f"AttentionMode.{first}", *rest))
+        names = [m.name for m in cls.layer_modes()]
+        names[0] = f"AttentionMode.{names[0]}"
+        return " or ".join((", ".join(names[:-1]), names[-1])) if len(names) > 1 else names[0]
 
     def row_mask(
         self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()

@@ -17,6 +17,7 @@ from diffusion_kv.conformance.harness import PagedHarness
 from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.batch import LayerGeometry
 from diffusion_kv.core.block_tables import TorchBlockTables
+from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.errors import (
     ConfigurationError,
     NativeBackendError,
@@ -235,7 +236,7 @@ def test_declared_capabilities() -> None:
     assert caps.head_sizes == frozenset({128, 192})
     assert caps.kernel_block_sizes == (128,)
     assert caps.slot_mapping_dtypes == frozenset({torch.int32})
-    assert caps.attention_modes == frozenset(AttentionMode)
+    assert caps.attention_modes == BASE_MODES
     assert (caps.max_rows_per_call, caps.max_kv_heads_x_head_size, caps.max_gqa_ratio) == (4096, 65535, 64)
     assert not (caps.supports_dcp or caps.supports_ulysses or caps.supports_graph_capture)
     assert caps.problems() == []
