@@ -35,6 +35,7 @@ class CountingBackend(PagedBackend):
         self.name = inner.name  # type: ignore[misc]
         self.capabilities = type(inner).capabilities  # type: ignore[misc]
         self.group = inner.group
+        self.reorder_batch_threshold = inner.reorder_batch_threshold
         self.writes: list[int] = []
         self.forwards: list[int] = []
         self.partials: list[int] = []

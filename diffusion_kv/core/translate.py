@@ -139,7 +139,7 @@ class Translator:
         thresholds = [
             t
             for g in self._causal_groups
-            if (t := getattr(self.backends[g], "reorder_batch_threshold", None)) is not None
+            if (t := self.backends[g].reorder_batch_threshold) is not None
         ]
         self._reorder_threshold: int | None = min(thresholds) if thresholds else None
 

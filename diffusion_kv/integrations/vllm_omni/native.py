@@ -318,7 +318,7 @@ def make_group_backend(
     g0 = geometry[0]
     block_size = int(group_spec.block_size)
     kernel = int(getattr(builder, "kernel_block_size", None) or builder.kv_cache_spec.block_size)
-    cp_size = int(getattr(block_tables, "cp_size", 1))
+    cp_size = int(block_tables.cp_size)
     if cp_size > 1:
         raise UnsupportedFeatureError(
             f"{backend.platform}:{backend.name} through vLLM-Omni's own module does not support decode context "
