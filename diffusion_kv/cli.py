@@ -289,6 +289,17 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Interrupts:
+    """A pytest plugin noting Ctrl-C: pytest turns it into its exit code 2, which it also uses
+    for collection errors."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def pytest_keyboard_interrupt(self) -> None:
+        self.seen = True
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     try:
         import pytest
@@ -299,16 +310,9 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
     argv += ["-q"] if not args.verbose else ["-v"]
 
-    class _Interrupts:
-        """pytest turns Ctrl-C into its exit code 2, which it also uses for collection errors."""
-
-        seen = False
-
-        def pytest_keyboard_interrupt(self) -> None:
-            _Interrupts.seen = True
-
-    code = int(pytest.main([*argv, *args.pytest_args], plugins=[_Interrupts()]))
-    if _Interrupts.seen:
+    interrupts = _Interrupts()
+    code = int(pytest.main([*argv, *args.pytest_args], plugins=[interrupts]))
+    if interrupts.seen:
         raise KeyboardInterrupt
     if code == int(pytest.ExitCode.USAGE_ERROR):
         raise UsageError(f"pytest refused the arguments {args.pytest_args} (its message is above)")

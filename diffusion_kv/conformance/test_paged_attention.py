@@ -634,6 +634,18 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
     assert ran, f"no declared combination could run: {skipped}"
 
 
+class CapturePartials:
+    """A DCP merger for one rank that keeps its partials (``(output, lse)``) instead of merging."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        self.parts.append((output, lse))
+        return output
+
+
 @pytest.mark.parametrize(
     ("cp_size", "interleave", "mode"),
     [(2, 1, AttentionMode.CAUSAL), (4, 2, AttentionMode.CAUSAL), (2, 4, AttentionMode.FULL)],
@@ -649,15 +661,6 @@ def test_dcp_partials_merge_to_full_attention(
     if not dkv_backend.capabilities.supports_dcp:
         pytest.skip(f"{dkv_backend.name}: does not declare supports_dcp")
 
-    class Capture:
-        def __init__(self, rank: int) -> None:
-            self.size, self.rank = cp_size, rank
-            self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-            self.parts.append((output, lse))
-            return output
-
     attention = mode
     lens = [45, 23]
     whole = rows_for("r", [(0, n) for n in lens])
@@ -665,7 +668,7 @@ def test_dcp_partials_merge_to_full_attention(
     data: list[RowData] | None = None
     parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"whole": [], "suffix": []}
     for rank in range(cp_size):
-        capture = Capture(rank)
+        capture = CapturePartials(cp_size, rank)
         h = harness(
             dkv_platform,
             dkv_backend,

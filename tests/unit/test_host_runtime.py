@@ -202,3 +202,30 @@ def test_no_module_holds_host_objects_or_makes_backend_classes_at_run_time() -> 
         and len(node.args) == 3
     ]
     assert three_arg_type == []
+
+
+HOST_ADAPTER_CLASSES = {
+    ("integrations/vllm/compat.py", "block_tables_cls", "VllmBlockTables"),
+    ("integrations/vllm/tier.py", "layer_adapter_cls", "PagedLayerAdapter"),
+    ("integrations/vllm_omni/native.py", "vllm_attention_backend_for", "PagedBuilder"),
+    ("integrations/vllm_omni/native.py", "vllm_attention_backend_for", "PagedAttentionBackend"),
+    ("integrations/vllm_omni/platform.py", "platform_class", "DiffusionKVOmniPlatform"),
+}
+"""The only classes the package defines inside a function: each subclasses a host class that
+exists only once the host is known (a per-version vLLM symbol, or the platform vLLM-Omni
+detected), is built once per host and cached, and holds no host objects
+(docs/architecture.md, "The embedding host's runtime")."""
+
+
+def test_classes_are_built_in_functions_only_over_a_hosts_run_time_base() -> None:
+    root = pathlib.Path(diffusion_kv.__file__).parent
+    found = set()
+    for path in root.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found |= {
+                    (path.relative_to(root).as_posix(), fn.name, node.name)
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.ClassDef)
+                }
+    assert found == HOST_ADAPTER_CLASSES

@@ -14,6 +14,7 @@ without (``forward`` with K/V, as on CUDA).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.backend import KVPageLayout
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
-from diffusion_kv.core.errors import UnsupportedRequirementsError
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.backend import VllmCpuAttnBackend, view_layout
 from diffusion_kv.integrations.vllm_omni import (
@@ -39,9 +40,8 @@ from diffusion_kv.integrations.vllm_omni import (
 )
 from diffusion_kv.integrations.vllm_omni.hooks import (
     CONFIG_KEY,
+    OmniBlockTablesFactory,
     kv_cache_layout_for,
-    latest_block_tables,
-    omni_block_tables_cls,
     paged_batch,
     smallest_block_size_served,
 )
@@ -493,9 +493,13 @@ def test_configure_records_the_decision_in_the_config(monkeypatch: pytest.Monkey
 
 
 def test_omni_block_tables_take_upstream_keywords() -> None:
-    cls = DiffusionKVPlatformHooks(CpuPlatform()).block_tables_cls(CpuReferenceBackend)
-    assert cls is omni_block_tables_cls(TorchBlockTables) and issubclass(cls, TorchBlockTables)
-    tables = cls(
+    hooks = DiffusionKVPlatformHooks(CpuPlatform())
+    factory = hooks.block_tables_factory(CpuReferenceBackend)
+    assert hooks.block_tables_factory(CpuReferenceBackend) is factory  # one per backend
+    assert isinstance(factory, OmniBlockTablesFactory) and factory.base is TorchBlockTables
+    with pytest.raises(StateError, match="no TorchBlockTables has been built yet"):
+        _ = factory.latest
+    tables = factory(
         block_sizes=[16],
         max_num_reqs=4,
         max_num_batched_tokens=64,
@@ -506,10 +510,25 @@ def test_omni_block_tables_take_upstream_keywords() -> None:
         cp_rank=0,
         cp_interleave=1,
     )
+    assert type(tables) is TorchBlockTables  # the backend's own class, no subclass made for the host
     assert (tables.block_tables[0].width, tables.slot_mapping_dtype) == (8, torch.int64)
-    assert latest_block_tables(cls) is tables
+    assert factory.latest is tables
     tables.num_blocks.np[0, 2] = 5  # upstream's rollback writes the NumPy view
     assert int(tables.num_blocks.cpu[0, 2]) == 5
+
+
+class Int32SlotsBackend(CpuReferenceBackend):
+    name = "int32-slots"
+    capabilities = dataclasses.replace(
+        CpuReferenceBackend.capabilities, slot_mapping_dtypes=frozenset({torch.int32})
+    )
+
+
+def test_each_backend_keeps_its_own_slot_dtype_for_a_shared_block_tables_class() -> None:
+    hooks = DiffusionKVPlatformHooks(CpuPlatform())
+    a, b = hooks.block_tables_factory(CpuReferenceBackend), hooks.block_tables_factory(Int32SlotsBackend)
+    assert a.base is b.base is TorchBlockTables
+    assert (a.slot_mapping_dtype, b.slot_mapping_dtype) == (torch.int64, torch.int32)
 
 
 def test_paged_batch_from_upstream_keywords() -> None:

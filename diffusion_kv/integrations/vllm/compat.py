@@ -101,6 +101,9 @@ class VllmCompat:
         self._resolve = resolve or (lambda key: import_symbol(SYMBOLS[key]))
         self._symbols: dict[str, Any] = {}
         self._block_tables_cls: type[Any] | None = None
+        self.layer_adapter_cls: type[Any] | None = None
+        """The attention-layer adapter class over this vLLM's ``AttentionLayerBase``, once
+        :func:`diffusion_kv.integrations.vllm.tier.layer_adapter_cls` has built it."""
 
     def __repr__(self) -> str:
         return f"VllmCompat(vllm {self.version}, shape {self.shape.name})"

@@ -42,9 +42,8 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 
 def layer_adapter_cls(compat: VllmCompat) -> type[Any]:
     """An ``AttentionLayerBase`` subclass for ``compat``'s vLLM (built once per seam)."""
-    cached = getattr(compat, "_layer_adapter_cls", None)
-    if cached is not None:
-        return cached  # type: ignore[no-any-return]
+    if compat.layer_adapter_cls is not None:
+        return compat.layer_adapter_cls
     base: type[Any] = compat.symbol("AttentionLayerBase")
 
     class PagedLayerAdapter(base):  # type: ignore[misc]
@@ -145,7 +144,7 @@ def layer_adapter_cls(compat: VllmCompat) -> type[Any]:
             del vllm_config
             return self.spec
 
-    compat._layer_adapter_cls = PagedLayerAdapter  # type: ignore[attr-defined]
+    compat.layer_adapter_cls = PagedLayerAdapter
     return PagedLayerAdapter
 
 

@@ -40,19 +40,18 @@ Nothing here imports vLLM or vLLM-Omni at import time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import PagedBatch
-from diffusion_kv.core.block_tables import block_table_width
+from diffusion_kv.core.block_tables import BlockTables, block_table_width
 from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
 from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.platforms.interface import ENV_BACKEND, Platform, forced_backend
@@ -121,56 +120,60 @@ def kernel_block_sizes_text(backend: type[PagedBackend]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def omni_block_tables_cls(base: type) -> type[Any]:
-    """``base`` (a diffusion-kv BlockTables class) as vLLM-Omni's runner uses one.
+class OmniBlockTablesFactory:
+    """Builds a backend's BlockTables the way vLLM-Omni's own runner asks for one.
 
-    Built with upstream's keywords (no ``slot_mapping_dtype``: the backend's default is used),
-    table widths rounded like vLLM's ``get_block_table_width`` (to 128 tokens; idempotent, so
-    widths upstream already rounded stay), and ``num_blocks.np``, the NumPy view of the host
-    counts that upstream's row-capacity check and rollback read and write (it shares memory
-    with ``num_blocks.cpu``). The latest instance is kept (weakly) for the backends of
-    :mod:`.native`, which need the worker's BlockTables.
+    vLLM-Omni calls what ``get_diffusion_kv_block_tables_cls()`` returns with its own keywords;
+    a factory answers instead of a class. It passes upstream's keywords through, defaults the
+    slot dtype to the backend's (int64 where declared, else int32), rounds table widths like
+    vLLM's ``get_block_table_width`` (to 128 tokens; idempotent, so widths upstream already
+    rounded stay), adds ``num_blocks.np`` (the NumPy view of the host counts that upstream's
+    row-capacity check and rollback read and write; it shares memory with ``num_blocks.cpu``)
+    and keeps its newest instance, weakly, for the metadata of :mod:`.native`'s backends, which
+    need the worker's BlockTables.
     """
 
-    class OmniBlockTables(base):  # type: ignore[misc]
-        default_slot_mapping_dtype: ClassVar[torch.dtype] = torch.int64
-        latest: ClassVar[weakref.ref[Any] | None] = None
+    def __init__(self, base: type[BlockTables], slot_mapping_dtype: torch.dtype) -> None:
+        self.base = base
+        self.slot_mapping_dtype = slot_mapping_dtype
+        self._latest: weakref.ref[BlockTables] | None = None
 
-        def __init__(
-            self,
-            *,
-            block_sizes: Sequence[int],
-            max_num_blocks_per_group: Sequence[int],
-            slot_mapping_dtype: torch.dtype | None = None,
-            **kwargs: Any,
-        ) -> None:
-            widths = [
-                block_table_width(cap, bs, TOKEN_ALIGNMENT) if type(cap) is int and cap > 0 else cap
-                for cap, bs in zip(max_num_blocks_per_group, block_sizes, strict=False)
-            ]
-            super().__init__(
-                block_sizes=block_sizes,
-                max_num_blocks_per_group=widths,
-                slot_mapping_dtype=slot_mapping_dtype or self.default_slot_mapping_dtype,
-                **kwargs,
+    def __repr__(self) -> str:
+        return f"OmniBlockTablesFactory({self.base.__name__}, {self.slot_mapping_dtype})"
+
+    def __call__(
+        self,
+        *,
+        block_sizes: Sequence[int],
+        max_num_blocks_per_group: Sequence[int],
+        slot_mapping_dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> BlockTables:
+        widths = [
+            block_table_width(cap, bs, TOKEN_ALIGNMENT) if type(cap) is int and cap > 0 else cap
+            for cap, bs in zip(max_num_blocks_per_group, block_sizes, strict=False)
+        ]
+        tables = self.base(
+            block_sizes=block_sizes,
+            max_num_blocks_per_group=widths,
+            slot_mapping_dtype=slot_mapping_dtype or self.slot_mapping_dtype,
+            **kwargs,
+        )
+        counts: Any = tables.num_blocks  # a host-counts object of the backend's BlockTables
+        if not hasattr(counts, "np"):
+            counts.np = counts.cpu.numpy()
+        self._latest = weakref.ref(tables)
+        return tables
+
+    @property
+    def latest(self) -> BlockTables:
+        """The newest live BlockTables this factory built."""
+        instance = self._latest() if self._latest is not None else None
+        if instance is None:
+            raise StateError(
+                f"no {self.base.__name__} has been built yet (vLLM-Omni builds it in initialize_kv_cache)"
             )
-            counts = self.num_blocks
-            if not hasattr(counts, "np"):
-                counts.np = counts.cpu.numpy()
-            type(self).latest = weakref.ref(self)
-
-    OmniBlockTables.__name__ = OmniBlockTables.__qualname__ = f"Omni{base.__name__}"
-    return OmniBlockTables
-
-
-def latest_block_tables(cls: type) -> Any:
-    """The newest live instance of an :func:`omni_block_tables_cls` class."""
-    ref = getattr(cls, "latest", None)
-    instance = ref() if ref is not None else None
-    if instance is None:
-        raise StateError(f"no {cls.__name__} has been built yet (vLLM-Omni builds it in initialize_kv_cache)")
-    return instance
+        return instance
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +271,7 @@ class DiffusionKVPlatformHooks:
     def __init__(self, platform: Platform | None = None) -> None:
         self._platform = platform
         self._last: Decision | None = None
+        self._factories: dict[type[PagedBackend], OmniBlockTablesFactory] = {}
 
     @property
     def platform(self) -> Platform:
@@ -409,12 +413,16 @@ class DiffusionKVPlatformHooks:
 
     # -- the parts -----------------------------------------------------------------------------
 
-    def block_tables_cls(self, backend: type[PagedBackend]) -> type[Any]:
-        """``backend``'s BlockTables class as vLLM-Omni's runner builds and uses it."""
-        cls = omni_block_tables_cls(backend.block_tables_cls())
-        slots = backend.capabilities.slot_mapping_dtypes
-        cls.default_slot_mapping_dtype = torch.int64 if torch.int64 in slots else torch.int32
-        return cls
+    def block_tables_factory(self, backend: type[PagedBackend]) -> OmniBlockTablesFactory:
+        """What builds ``backend``'s BlockTables as vLLM-Omni's runner uses them (one per backend)."""
+        factory = self._factories.get(backend)
+        if factory is None:
+            slots = backend.capabilities.slot_mapping_dtypes
+            factory = OmniBlockTablesFactory(
+                backend.block_tables_cls(), torch.int64 if torch.int64 in slots else torch.int32
+            )
+            self._factories[backend] = factory
+        return factory
 
     @staticmethod
     def requires_prewrite() -> bool:
@@ -429,12 +437,11 @@ __all__ = [
     "TOKEN_ALIGNMENT",
     "Decision",
     "DiffusionKVPlatformHooks",
+    "OmniBlockTablesFactory",
     "current_vllm_config",
     "group_causal",
     "kernel_block_sizes_text",
     "kv_cache_layout_for",
-    "latest_block_tables",
-    "omni_block_tables_cls",
     "paged_batch",
     "smallest_block_size_served",
 ]

@@ -52,6 +52,7 @@ import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,7 +63,6 @@ from diffusion_kv.integrations.vllm_omni.hooks import (
     Decision,
     DiffusionKVPlatformHooks,
     current_vllm_config,
-    latest_block_tables,
 )
 from diffusion_kv.platforms.interface import Platform
 
@@ -232,11 +232,12 @@ def platform_class(delegate: str | None = None) -> type:
                 hooks.platform.init_worker()
 
         @classmethod
-        def get_diffusion_kv_block_tables_cls(cls) -> type:
+        def get_diffusion_kv_block_tables_cls(cls) -> Callable[..., Any]:
+            # upstream only calls what this returns: a factory serves (OmniBlockTablesFactory)
             chosen = decision()
             if chosen.vllm_native and not unspecified:
                 return super().get_diffusion_kv_block_tables_cls()  # type: ignore[no-any-return]
-            return hooks.block_tables_cls(chosen.backend)
+            return hooks.block_tables_factory(chosen.backend)
 
         @classmethod
         def get_diffusion_paged_kv_attn_backend(cls, attn_backend: type, *, ulysses_degree: int) -> type:
@@ -273,7 +274,7 @@ def platform_class(delegate: str | None = None) -> type:
                         "diffusion-kv cannot build metadata for a mix of its own and vLLM attention backends"
                     )
                 chosen = decision()
-                block_tables = latest_block_tables(hooks.block_tables_cls(chosen.backend))
+                block_tables = hooks.block_tables_factory(chosen.backend).latest
                 return build_metadata(worker_block_tables=block_tables, platform=hooks.platform, **kwargs)
             if not unspecified:
                 return super().build_diffusion_kv_attn_metadata(**kwargs)  # type: ignore[no-any-return]
