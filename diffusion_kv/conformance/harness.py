@@ -72,6 +72,18 @@ class CountingBackend(PagedBackend):
         return self.inner.forward_partial(layer, query, kv_cache, metadata)
 
 
+class CapturePartials:
+    """A DCP merger for one rank that keeps its partials (``(output, lse)``) instead of merging."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        self.parts.append((output, lse))
+        return output
+
+
 @dataclass
 class PagedHarness:
     platform: Platform

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from diffusion_kv.conformance.harness import PagedHarness
+from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
@@ -632,18 +632,6 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
     MATRIX.extend(f"  passed   {label}" for label in ran)
     MATRIX.extend(f"  skipped  {label}" for label in skipped)
     assert ran, f"no declared combination could run: {skipped}"
-
-
-class CapturePartials:
-    """A DCP merger for one rank that keeps its partials (``(output, lse)``) instead of merging."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        self.parts.append((output, lse))
-        return output
 
 
 @pytest.mark.parametrize(

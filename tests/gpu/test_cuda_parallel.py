@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from diffusion_kv.conformance.harness import PagedHarness
+from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.graphs import CapturedStep
@@ -32,18 +32,6 @@ DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 128
 BF16_TOL = 2e-2
 """Absolute and relative tolerance of a bf16 result against the float64 reference."""
-
-
-class Capture:
-    """Stands in for the DCP group's merger: records this rank's partials, returns its own."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        self.parts.append((output, lse))
-        return output
 
 
 def worker(**kw: object) -> PagedHarness:
@@ -143,7 +131,7 @@ def test_dcp_partials_merge_to_dense_attention(
     attention = AttentionMode.CAUSAL if mode == "causal" else AttentionMode.FULL
     parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in phases}
     for rank in range(cp_size):
-        capture = Capture(cp_size, rank)
+        capture = CapturePartials(cp_size, rank)
         h = worker(
             cp_size=cp_size,
             cp_rank=rank,
@@ -222,7 +210,7 @@ def test_dcp_layer_does_not_synchronise_and_replays_from_a_graph(
     set to error, and a CUDA graph of it replays the eager partial output and LSE."""
     monkeypatch.setenv(ENV_BACKEND, f"cuda:{backend}")
     dev = torch.device("cuda")
-    capture = Capture(2, 1)
+    capture = CapturePartials(2, 1)
     h = worker(cp_size=2, cp_rank=1, cp_interleave=16, dcp_merger=capture)
     assert h.runner.supports_graph_capture
     seq_lens = [700, 700]

@@ -28,7 +28,7 @@ pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh i
 
 from collections.abc import Sequence
 
-from diffusion_kv.conformance.harness import PagedHarness
+from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.reference import dense_attention, row_mask
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import ValidationError
@@ -175,18 +175,6 @@ def test_kernel_dcp_mode_matches_cpu_reference(
 # --- through a worker: every backend against the cpu platform --------------------------------------
 
 
-class Capture:
-    """Stands in for the DCP group's merger: records this rank's partials."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def merge(self, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        self.parts.append((output, lse))
-        return output
-
-
 def rank_partials(
     platform: object,
     cp_size: int,
@@ -200,7 +188,7 @@ def rank_partials(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """This rank's partials of every native call (one per piecewise segment) for ``rows``, after a
     prefill wrote every row; and the way each call's metadata took."""
-    capture = Capture(cp_size, rank)
+    capture = CapturePartials(cp_size, rank)
     h = PagedHarness(
         platform,  # type: ignore[arg-type]
         num_heads=H,
