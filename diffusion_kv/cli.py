@@ -234,15 +234,8 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         if plugins.allowlist is not None:
             print(f"{ENV_PLUGINS}: {','.join(sorted(plugins.allowlist))}")
             if plugins.not_installed:
-                shown = [
-                    n
-                    + (
-                        " (a backend entry point: see DIFFUSION_KV_BACKEND_PLUGINS)"
-                        if n in plugins.misplaced
-                        else ""
-                    )
-                    for n in plugins.not_installed
-                ]
+                hint = " (a backend entry point: see DIFFUSION_KV_BACKEND_PLUGINS)"
+                shown = [n + (hint if n in plugins.misplaced else "") for n in plugins.not_installed]
                 print(f"  allowlisted but not installed: {', '.join(shown)}")
         if plugins.backend_allowlist is not None:
             print(f"DIFFUSION_KV_BACKEND_PLUGINS: {','.join(sorted(plugins.backend_allowlist))}")

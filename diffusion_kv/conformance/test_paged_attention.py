@@ -649,7 +649,6 @@ def test_dcp_partials_merge_to_full_attention(
     if not dkv_backend.capabilities.supports_dcp:
         pytest.skip(f"{dkv_backend.name}: does not declare supports_dcp")
 
-    attention = mode
     lens = [45, 23]
     whole = rows_for("r", [(0, n) for n in lens])
     suffix = rows_for("r", [(n - 5, n) for n in lens])
@@ -664,7 +663,7 @@ def test_dcp_partials_merge_to_full_attention(
             cp_rank=rank,
             cp_interleave=interleave,
             dcp_merger=capture,
-            mode=attention,
+            mode=mode,
             layer_names=("layer.0",),
         )
         h.install("r", lens)

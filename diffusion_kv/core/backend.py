@@ -300,7 +300,12 @@ class PagedBackend(abc.ABC):
         """:meth:`write_kv` where the core guarantees every slot is a real one (``>= 0``): a
         prepared batch without decode context parallelism has no padding tokens, and every
         position it writes lies in an installed block. A backend may skip the padding check
-        here (one indexed copy instead of a masked write); the default is :meth:`write_kv`."""
+        here (one indexed copy instead of a masked write). The default calls :meth:`write_kv`,
+        except with the default writer, which then skips its padding mask (a host sync)."""
+        if type(self).write_kv is PagedBackend.write_kv:
+            slots = slot_mapping.reshape(-1)[: key.shape[0]]
+            write_layer_pages(self.page_layout, layer, kv_cache, slots, key, value)
+            return
         self.write_kv(layer, key, value, kv_cache, slot_mapping)
 
     @abc.abstractmethod

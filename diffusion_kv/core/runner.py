@@ -443,7 +443,6 @@ class RunnerBackend:
     def _requirements(self, layer: LayerGeometry, block_size: int | None = None) -> Requirements:
         """What a group of layers like ``layer`` needs (spans refine causal layers, so a causal
         group needs piecewise attention too)."""
-        modes = layer.mode.group_modes
         return Requirements(
             dtype=layer.dtype,
             kv_cache_dtype=layer.cache_dtype,
@@ -451,7 +450,7 @@ class RunnerBackend:
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             block_size=block_size,
-            attention_modes=modes,
+            attention_modes=layer.mode.group_modes,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
         )

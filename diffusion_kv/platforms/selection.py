@@ -258,10 +258,6 @@ def _names_from_env(variable: str) -> frozenset[str] | None:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _allowlist_from_env() -> frozenset[str] | None:
-    return _names_from_env(ENV_PLUGINS)
-
-
 def _name_list(value: Iterable[str], what: str) -> frozenset[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValidationError(f"{what} must be an iterable of entry-point names; got {value!r}")
@@ -857,7 +853,11 @@ def discover(
     """
     if namespace is not None and (type(namespace) is not str or not namespace):
         raise ValidationError(f"an entry-point group must be a non-empty string or None; got {namespace!r}")
-    allow = _name_list(allowlist, "a platform allowlist") if allowlist is not None else _allowlist_from_env()
+    allow = (
+        _name_list(allowlist, "a platform allowlist")
+        if allowlist is not None
+        else _names_from_env(ENV_PLUGINS)
+    )
     backend_allow = (
         _name_list(backend_allowlist, "a backend allowlist")
         if backend_allowlist is not None

@@ -72,3 +72,23 @@ def test_default_write_kv_quantises_e4m3_pages_with_the_layer_scales() -> None:
 def test_default_build_is_the_batch_itself() -> None:
     batch = object()
     assert backend_with(KVPageLayout.COMBINED).build(batch) is batch  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", list(KVPageLayout), ids=lambda x: x.value)
+def test_default_write_kv_valid_writes_what_write_kv_writes(layout: KVPageLayout) -> None:
+    layer = LayerGeometry("l0", 4, HKV, D, D**-0.5, torch.float32)
+    key = torch.randn(3, HKV, D)
+    value = torch.randn(3, HKV, D)
+    slots = torch.tensor([7, 2, 9])
+    masked = allocate_pages(layout, BLOCKS, PAGE, HKV, D, torch.float32, torch.device("cpu"))
+    direct = allocate_pages(layout, BLOCKS, PAGE, HKV, D, torch.float32, torch.device("cpu"))
+    backend_with(layout).write_kv(layer, key, value, masked, slots)
+    backend_with(layout).write_kv_valid(layer, key, value, direct, slots)
+    for a, b in zip(
+        masked if isinstance(masked, tuple) else (masked,),
+        direct if isinstance(direct, tuple) else (direct,),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    k, v = token(direct, layout, 9)
+    assert torch.equal(k, key[2]) and torch.equal(v, value[2])
