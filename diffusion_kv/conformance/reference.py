@@ -7,24 +7,27 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import ValidationError
 
 
 def row_mask(
-    mode: AttentionMode,
+    mode: AttentionMode | MaskSpec,
     query_offset: int,
     query_len: int,
     seq_len: int,
     spans: Sequence[tuple[int, int]] = (),
     **mode_args: Any,
 ) -> torch.Tensor:
-    """``[query_len, seq_len]`` bool for one row: :meth:`AttentionMode.row_mask` (a mode's own
-    keyword arguments pass through)."""
+    """``[query_len, seq_len]`` bool for one row: :meth:`MaskSpec.row_mask` for a parametrised
+    mask, :meth:`AttentionMode.row_mask` for a plain kind (its keyword arguments pass through)."""
+    if isinstance(mode, MaskSpec):
+        return mode.row_mask(query_offset, query_len, seq_len, spans)
     if not isinstance(mode, AttentionMode):
         raise ValidationError(
-            f"the oracle's mode must be an AttentionMode ({', '.join(m.name for m in AttentionMode)}); got {mode!r}"
+            f"the oracle's mode must be an AttentionMode ({', '.join(m.name for m in AttentionMode)}) "
+            f"or a MaskSpec; got {mode!r}"
         )
     return mode.row_mask(query_offset, query_len, seq_len, spans, **mode_args)
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from diffusion_kv.core.attention import MaskSpec
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import (
@@ -116,7 +117,7 @@ class GroupContext:
     index: int
     layers: tuple[LayerGeometry, ...]
     mode: AttentionMode
-    """CAUSAL or FULL: the group's layers' mode."""
+    """The group's mask's kind (CAUSAL, FULL or CHUNK_CAUSAL)."""
     block_size: int
     """Tokens per scheduler block (what block ids in snapshots address)."""
     kernel_block_size: int
@@ -133,6 +134,11 @@ class GroupContext:
     @property
     def num_kernel_blocks(self) -> int:
         return self.num_blocks * (self.block_size // self.kernel_block_size)
+
+    @property
+    def mask(self) -> MaskSpec:
+        """The group's mask (every layer of a group has the same one)."""
+        return self.layers[0].mask
 
     @property
     def layer_names(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.attention import AttentionMode, BlockPlan, MaskSpec
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.kv_quant import QUANTIZED_CACHE_DTYPES, KVScales, quantize
 
@@ -79,11 +79,27 @@ class LayerGeometry:
     scale: float
     dtype: torch.dtype
     mode: AttentionMode = AttentionMode.CAUSAL
-    """CAUSAL or FULL: how the layer attends when no spans refine it."""
+    """The mask's kind (CAUSAL, FULL or CHUNK_CAUSAL): how the layer attends when no spans
+    refine it; always ``mask.kind``."""
     cache_dtype: torch.dtype | None = None
     """The pages' dtype when it differs from ``dtype`` (``float8_e4m3fn``); None: ``dtype``."""
     kv_scales: KVScales | None = field(default=None, compare=False, repr=False)
     """Per-KV-head ``k_scale``/``v_scale`` of a quantised cache (``diffusion_kv.core.kv_quant``)."""
+    mask: MaskSpec = field(default=None)  # type: ignore[assignment]
+    """What the layer attends to (``diffusion_kv.core.attention.MaskSpec``); None at
+    construction: the plain mask of ``mode``."""
+
+    def __post_init__(self) -> None:
+        if self.mask is None:
+            object.__setattr__(self, "mask", MaskSpec.of(self.mode))
+        elif not isinstance(self.mask, MaskSpec):
+            raise ValidationError(f"LayerGeometry.mask must be a MaskSpec; got {self.mask!r}")
+        elif self.mode is not self.mask.kind:
+            if self.mode is not AttentionMode.CAUSAL:
+                raise ValidationError(
+                    f"layer {self.layer_name!r}: mode {self.mode.name} disagrees with its mask {self.mask.describe()}"
+                )
+            object.__setattr__(self, "mode", self.mask.kind)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -117,10 +133,16 @@ class PagedBatch:
     """``[num_tokens]`` slot (``kernel_block * kernel_block_size + offset``) of every query
     token, in the BlockTables' slot dtype; ``-1`` where nothing may be written."""
     mode: AttentionMode
-    """CAUSAL (bottom-right aligned) or FULL."""
+    """The mask's kind for this call: CAUSAL (bottom-right aligned) or FULL for a plain layer's
+    (piecewise) segment, or the group's own kind (CHUNK_CAUSAL)."""
     dcp_local_seq_lens: torch.Tensor | None = None
     """Under decode context parallelism, the keys of each row this rank holds (device)."""
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
+    block_plan: BlockPlan | None = None
+    """For a group whose mask is not plain (chunk, window or sink): per row, which kv-blocks its
+    queries skip, read in full or partially, in kernel blocks (built once at prepare). Skipped
+    blocks may be released (their table entries are then the null entry, block 0): a backend
+    that declares ``max_window``/``max_sink`` reads only the live blocks."""
     host_block_ids: tuple[tuple[int, ...], ...] = ()
     """Per row, its scheduler block ids on the host (before the kernel-block split: scheduler
     block ``b`` is kernel blocks ``b * r .. b * r + r - 1``, ``r = block_size //
@@ -150,9 +172,11 @@ class CommonBatchMetadata:
     slot_mappings: torch.Tensor
     """``[num_groups, num_tokens]`` slot of every query token, ``-1`` where nothing is written."""
     modes: tuple[AttentionMode, ...]
-    """Per KV-cache group, CAUSAL or FULL."""
+    """Per KV-cache group, its mask's kind."""
     dcp_local_seq_lens: torch.Tensor | None = None
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
+    block_plans: tuple[BlockPlan | None, ...] = ()
+    """Per KV-cache group, its block plan (None for a plain mask)."""
     host_block_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
     """Per KV-cache group, per row, the scheduler block ids (host)."""
 
@@ -172,5 +196,6 @@ class CommonBatchMetadata:
             mode=self.modes[group],
             dcp_local_seq_lens=self.dcp_local_seq_lens,
             dcp_local_seq_lens_cpu=self.dcp_local_seq_lens_cpu,
+            block_plan=self.block_plans[group] if self.block_plans else None,
             host_block_ids=self.host_block_ids[group] if self.host_block_ids else (),
         )

@@ -8,93 +8,25 @@ table and which conformance cases run, so they cannot disagree.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from diffusion_kv.core.attention.mode import BASE_MODES, AttentionMode
 from diffusion_kv.core.errors import ValidationError
 
-
-class AttentionMode(enum.Enum):
-    """The one representation of an attention mode (layers, segments, batches, capabilities)."""
-
-    CAUSAL = "causal"
-    """Bottom-right aligned causal mask over the row's keys."""
-    FULL = "full"
-    """Every query token sees every key of the row."""
-    PIECEWISE = "piecewise"
-    """Causal with bidirectional ``full_attn_spans``: the core cuts it into causal and full calls,
-    so a backend declares it only when it serves both and may be called once per segment."""
-
-    # Everything the core and the reference backend know about a mode is read from these
-    # members, so a new mode is declared here once (docs/architecture.md, "Adding an attention
-    # mode").
-
-    @property
-    def is_layer_mode(self) -> bool:
-        """A mode a layer (and so a KV-cache group) declares; PIECEWISE is not one: it is a
-        causal layer's rows refined by spans."""
-        return self is not AttentionMode.PIECEWISE
-
-    @property
-    def is_causal(self) -> bool:
-        """Queries see no key after their own position: a row's queries must be its last
-        tokens (a suffix), and the decode-first batch reorder applies."""
-        return self in (AttentionMode.CAUSAL, AttentionMode.PIECEWISE)
-
-    @property
-    def accepts_spans(self) -> bool:
-        """Layers of this mode may be given ``full_attn_spans`` (the core then cuts their calls
-        into causal and full segments); a layer of any other mode given spans is refused."""
-        return self in (AttentionMode.CAUSAL, AttentionMode.FULL)
-
-    @property
-    def group_modes(self) -> frozenset[AttentionMode]:
-        """What a backend must serve to run a group of layers declaring this mode (spans cut a
-        causal layer's calls into causal and full segments: PIECEWISE)."""
-        if self is AttentionMode.CAUSAL:
-            return frozenset({self, AttentionMode.PIECEWISE})
-        return frozenset({self})
-
-    @classmethod
-    def layer_modes(cls) -> tuple[AttentionMode, ...]:
-        """The modes layers declare, in the order the runner builds their groups."""
-        return tuple(m for m in cls if m.is_layer_mode)
-
-    @classmethod
-    def layer_modes_text(cls) -> str:
-        """``AttentionMode.CAUSAL or FULL``: the layer modes, as error messages name them."""
-        names = [m.name for m in cls.layer_modes()]
-        names[0] = f"AttentionMode.{names[0]}"
-        return " or ".join((", ".join(names[:-1]), names[-1])) if len(names) > 1 else names[0]
-
-    def row_mask(
-        self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """The mode's meaning as ``[query_len, seq_len]`` bool (True: visible) for one row whose
-        queries sit at positions ``query_offset ..`` over keys ``0 .. seq_len``: CAUSAL, key <=
-        query position; FULL, every key; PIECEWISE, causal plus each ``[start, end)`` span seen
-        in full by its own queries. The conformance kit's oracle reads its masks here."""
-        from diffusion_kv.core.piecewise import dense_piecewise_mask  # imports this module
-
-        if self is AttentionMode.FULL:
-            return torch.ones(query_len, seq_len, dtype=torch.bool)
-        return dense_piecewise_mask(
-            spans if self is AttentionMode.PIECEWISE else (), query_offset, query_len, seq_len
-        )
-
-
-BASE_MODES: frozenset[AttentionMode] = frozenset(
-    {AttentionMode.CAUSAL, AttentionMode.FULL, AttentionMode.PIECEWISE}
-)
-"""The modes of the first plugin contract, and the default of ``Capabilities.attention_modes``.
-A mode added later is served only by the backends that declare it, so adding one never changes
-what an existing backend claims (``frozenset(AttentionMode)`` claims every mode, future ones
-included: only a backend that masks with :meth:`AttentionMode.row_mask`, like the cpu
-reference, should declare that)."""
+__all__ = [
+    "BASE_MODES",
+    "AttentionMode",
+    "Availability",
+    "BlockSizeRule",
+    "Capabilities",
+    "MultipleOf",
+    "Requirements",
+    "capability_reasons",
+    "dtype_name",
+]
 
 
 @dataclass(frozen=True)
@@ -157,6 +89,12 @@ class Capabilities:
     """Cache dtypes served besides the compute dtype (``torch.float8_e4m3fn``: pages quantised
     with per-KV-head scales, ``diffusion_kv.core.kv_quant``); empty: pages hold the compute dtype
     only, and a layer asking for another cache dtype is refused with that reason."""
+    max_window: int | None = 0
+    """Largest sliding window (tokens, ``MaskSpec.window``) served; 0: no windowed mask;
+    None: any. A backend serving a window reads the batch's block plan (``PagedBatch.block_plan``)
+    and never the skipped blocks, whose table entries may be the null entry."""
+    max_sink: int | None = 0
+    """Largest sink (leading tokens every query sees, ``MaskSpec.sink``) served; 0: none; None: any."""
 
     def problems(self) -> list[str]:
         """Every way this declaration is malformed (empty when it is well formed)."""
@@ -212,6 +150,10 @@ class Capabilities:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value <= 0):
                 out.append(f"{name} must be None or a positive int; got {value!r}")
+        for name in ("max_window", "max_sink"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                out.append(f"{name} must be None or an int >= 0; got {value!r}")
         return out
 
     def kernel_block_size_for(self, block_size: int) -> int | None:
@@ -249,6 +191,8 @@ class Capabilities:
             "max_kv_heads_x_head_size": self.max_kv_heads_x_head_size,
             "max_gqa_ratio": self.max_gqa_ratio,
             "kv_cache_dtypes": ["auto", *sorted(_cache_name(d) for d in self.kv_cache_dtypes)],
+            "max_window": self.max_window,
+            "max_sink": self.max_sink,
         }
 
     @staticmethod
@@ -284,6 +228,8 @@ class Capabilities:
             max_kv_heads_x_head_size=loosest("max_kv_heads_x_head_size"),
             max_gqa_ratio=loosest("max_gqa_ratio"),
             kv_cache_dtypes=frozenset().union(*(p.kv_cache_dtypes for p in parts)),
+            max_window=loosest("max_window"),
+            max_sink=loosest("max_sink"),
         )
 
 
@@ -303,6 +249,10 @@ class Requirements:
     graph_capture: bool = False
     kv_cache_dtype: torch.dtype | None = None
     """The pages' dtype when it differs from ``dtype`` (None: the same)."""
+    window: int | None = None
+    """A sliding window the mask has (tokens; ``MaskSpec.window``), None: none."""
+    sink: int = 0
+    """Sink tokens the mask has (``MaskSpec.sink``)."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
@@ -331,6 +281,10 @@ class Requirements:
         object.__setattr__(self, "attention_modes", frozenset(modes))
         if type(self.graph_capture) is not bool:
             raise ValidationError(f"Requirements.graph_capture must be a bool; got {self.graph_capture!r}")
+        if self.window is not None and (type(self.window) is not int or self.window <= 0):
+            raise ValidationError(f"Requirements.window must be a positive int or None; got {self.window!r}")
+        if type(self.sink) is not int or self.sink < 0:
+            raise ValidationError(f"Requirements.sink must be an int >= 0; got {self.sink!r}")
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``dtype=float16, head_size=128``."""
@@ -414,4 +368,9 @@ def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
         reasons.append(f"num_rows={req.num_rows} exceeds {caps.max_rows_per_call} rows per call")
     if req.graph_capture and not caps.supports_graph_capture:
         reasons.append("graph capture")
+    for name, needed in (("window", req.window), ("sink", req.sink)):
+        limit = getattr(caps, f"max_{name}")
+        if needed and limit is not None and needed > limit:
+            served = f"up to {limit} tokens" if limit else "none"
+            reasons.append(f"{name}={needed} tokens (served: {served})")
     return reasons

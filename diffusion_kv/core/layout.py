@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.errors import UnknownLayerError, ValidationError
 
 
@@ -31,17 +31,37 @@ def _positive_int(value: object, what: str) -> int:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Per-layer KV shape shared by every layer of one cache group (rank-local heads)."""
+    """The KV-cache spec of one cache group (vLLM's ``AttentionSpec``): the per-layer KV shape
+    every layer of the group shares (rank-local heads), and the group's mask -- the unit of
+    cache policy: a mask with a window releases what slides out of it (``MaskSpec.retention``)."""
 
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
     mode: AttentionMode = AttentionMode.CAUSAL
-    """CAUSAL or FULL (vLLM's ``non_causal`` reads as FULL)."""
+    """The mask's kind, CAUSAL, FULL or CHUNK_CAUSAL (vLLM's ``non_causal`` reads as FULL);
+    always ``mask.kind``."""
     cache_dtype: torch.dtype | None = None
     """The pages' dtype when it differs from ``dtype`` (fp8_e4m3); None: ``dtype``."""
+    mask: MaskSpec = field(default=None)  # type: ignore[assignment]
+    """The group's mask (None at construction: the plain mask of ``mode``)."""
 
     def __post_init__(self) -> None:
+        if self.mask is None:
+            if (
+                isinstance(self.mode, AttentionMode)
+                and self.mode.is_layer_mode
+                and self.mode is not AttentionMode.CHUNK_CAUSAL
+            ):
+                object.__setattr__(self, "mask", MaskSpec.of(self.mode))
+        elif not isinstance(self.mask, MaskSpec):
+            raise ValidationError(f"AttentionSpec.mask must be a MaskSpec; got {self.mask!r}")
+        elif self.mode is not self.mask.kind:
+            if self.mode is not AttentionMode.CAUSAL:
+                raise ValidationError(
+                    f"AttentionSpec.mode {self.mode!r} disagrees with its mask {self.mask.describe()}"
+                )
+            object.__setattr__(self, "mode", self.mask.kind)
         if self.cache_dtype is not None and not isinstance(self.cache_dtype, torch.dtype):
             raise ValidationError(
                 f"AttentionSpec.cache_dtype must be a torch.dtype or None; got {self.cache_dtype!r}"
@@ -54,6 +74,8 @@ class AttentionSpec:
             raise ValidationError(
                 f"AttentionSpec.mode must be {AttentionMode.layer_modes_text()}; got {self.mode!r}"
             )
+        if self.mask is None:
+            raise ValidationError("AttentionSpec of mode CHUNK_CAUSAL needs its mask (a MaskSpec with the chunk size)")
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the cache (K and V), in the cache dtype."""

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.attention.mode import AttentionMode, dense_piecewise_mask
 from diffusion_kv.core.errors import ValidationError
 
 Spans = tuple[tuple[tuple[int, int], ...], ...]
@@ -284,14 +284,14 @@ def _check_tokens(out: torch.Tensor, expected: int) -> None:
         raise ValidationError(f"segment runner returned {out.shape[0]} tokens; expected {expected}")
 
 
-def dense_piecewise_mask(
-    spans: Sequence[tuple[int, int]], query_offset: int, query_len: int, seq_len: int
-) -> torch.Tensor:
-    """``[query_len, seq_len]`` bool mask: causal, plus ``mask[a:b, :b] = True`` per span."""
-    q = torch.arange(query_offset, query_offset + query_len)[:, None]
-    k = torch.arange(seq_len)[None, :]
-    mask = k <= q
-    for a, b in spans:
-        in_span = (q >= a) & (q < b)
-        mask = mask | (in_span & (k < b))
-    return mask
+__all__ = [
+    "PiecewisePlan",
+    "PlanSegment",
+    "Segment",
+    "build_piecewise_plan",
+    "build_segments",
+    "dense_piecewise_mask",
+    "freeze_spans",
+    "plan_call_count",
+    "run_piecewise_plan",
+]

@@ -39,7 +39,8 @@ from diffusion_kv.core.allocation import RequestAllocation
 from diffusion_kv.core.backend import BackendChoice, BackendProvider, GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.block_tables import BlockTables, BlockTablesGeometry, block_table_width
-from diffusion_kv.core.capabilities import AttentionMode, Requirements
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
+from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
@@ -133,8 +134,10 @@ class PagedLayerSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
-    mode: AttentionMode = AttentionMode.CAUSAL
-    """CAUSAL, or FULL for a non-causal layer (vLLM's ``non_causal``)."""
+    mode: AttentionMode | MaskSpec = AttentionMode.CAUSAL
+    """What the layer attends to: CAUSAL, FULL for a non-causal layer (vLLM's ``non_causal``),
+    or a parametrised mask (``MaskSpec``: chunk-causal, a sliding window, sinks). Layers with
+    different masks get different KV-cache groups."""
     scale: float | None = None
     skip_sequence_parallel: bool = False
     cache_role: str | None = None
@@ -142,6 +145,14 @@ class PagedLayerSpec:
     """With a quantised KV cache: the key scale, one number or one per KV head (global heads;
     one number when the heads are split across Ulysses ranks). Pages hold ``k / k_scale``."""
     v_scale: float | Sequence[float] = 1.0
+
+
+def group_masks(layers: Iterable[LayerGeometry]) -> list[MaskSpec]:
+    """The distinct masks of ``layers``, one KV-cache group each: by kind in
+    ``AttentionMode.layer_modes()`` order (causal before full), then first appearance."""
+    order = {m: i for i, m in enumerate(AttentionMode.layer_modes())}
+    masks = list(dict.fromkeys(g.mask for g in layers))
+    return sorted(masks, key=lambda m: order[m.kind])
 
 
 def _check_parallel(parallel: object) -> None:
@@ -377,10 +388,16 @@ class RunnerBackend:
                 )
             if not isinstance(spec.dtype, torch.dtype):
                 raise ValidationError(f"layer {name!r}: dtype must be a torch.dtype; got {spec.dtype!r}")
-            if not isinstance(spec.mode, AttentionMode) or not spec.mode.is_layer_mode:
+            if not isinstance(spec.mode, MaskSpec) and (
+                not isinstance(spec.mode, AttentionMode)
+                or not spec.mode.is_layer_mode
+                or spec.mode is AttentionMode.CHUNK_CAUSAL
+            ):
                 raise ValidationError(
-                    f"layer {name!r}: mode must be {AttentionMode.layer_modes_text()}; got {spec.mode!r}"
+                    f"layer {name!r}: mode must be AttentionMode.CAUSAL, FULL or a MaskSpec "
+                    f"(CHUNK_CAUSAL needs its chunk size); got {spec.mode!r}"
                 )
+            mask = MaskSpec.of(spec.mode)
             if spec.scale is not None and (
                 isinstance(spec.scale, bool)
                 or not isinstance(spec.scale, (int, float))
@@ -413,9 +430,10 @@ class RunnerBackend:
                 head_size=spec.head_size,
                 scale=float(spec.scale) if spec.scale is not None else spec.head_size**-0.5,
                 dtype=spec.dtype,
-                mode=spec.mode,
+                mode=mask.kind,
                 cache_dtype=cache_dtype,
                 kv_scales=scales,
+                mask=mask,
             )
         shapes = {(g.num_heads, g.num_kv_heads, g.head_size, g.dtype) for g in geometry.values()}
         if len(shapes) > 1:
@@ -423,8 +441,8 @@ class RunnerBackend:
                 "native metadata builders need one rank-local attention geometry "
                 f"(num_heads, num_kv_heads, head_size, dtype); got {sorted(shapes, key=str)}"
             )
-        for mode in sorted({g.mode for g in geometry.values()}, key=lambda m: m.value):
-            layer = next(g for g in geometry.values() if g.mode is mode)
+        for mask in group_masks(geometry.values()):
+            layer = next(g for g in geometry.values() if g.mask == mask)
             requirements = self._requirements(layer)
             reasons = (
                 self.platform.not_supported_reasons(requirements, host=self.host)
@@ -441,8 +459,9 @@ class RunnerBackend:
         return dict(geometry)
 
     def _requirements(self, layer: LayerGeometry, block_size: int | None = None) -> Requirements:
-        """What a group of layers like ``layer`` needs (spans refine causal layers, so a causal
-        group needs piecewise attention too)."""
+        """What a group of layers like ``layer`` needs: its mask's kinds (spans refine plain
+        causal and full layers into causal and full segments, so such a group needs piecewise
+        attention too), window and sink."""
         return Requirements(
             dtype=layer.dtype,
             kv_cache_dtype=layer.cache_dtype,
@@ -450,7 +469,9 @@ class RunnerBackend:
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             block_size=block_size,
-            attention_modes=layer.mode.group_modes,
+            attention_modes=layer.mask.required_modes,
+            window=layer.mask.window,
+            sink=layer.mask.sink,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
         )
@@ -458,22 +479,21 @@ class RunnerBackend:
     # -- initialisation -----------------------------------------------------------------------
 
     def layout_for(self, num_blocks: int, block_size: int | None = None) -> CacheLayout:
-        """A layout for the registered layers: one group per attention mode."""
+        """A layout for the registered layers: one group per mask (``group_masks`` order)."""
         if not self.layers:
             raise StateError("register paged layers before building a cache layout")
         block = block_size if block_size is not None else self.platform.default_block_size
         groups = []
-        for mode in AttentionMode.layer_modes():
-            names = tuple(n for n, g in self.layers.items() if g.mode is mode)
-            if names:
-                g0 = self.layers[names[0]]
-                groups.append(
-                    KVCacheGroup(
-                        block,
-                        names,
-                        AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, mode, g0.cache_dtype),
-                    )
+        for mask in group_masks(self.layers.values()):
+            names = tuple(n for n, g in self.layers.items() if g.mask == mask)
+            g0 = self.layers[names[0]]
+            groups.append(
+                KVCacheGroup(
+                    block,
+                    names,
+                    AttentionSpec(g0.num_kv_heads, g0.head_size, g0.dtype, mask.kind, g0.cache_dtype, mask),
                 )
+            )
         c = self.config
         return CacheLayout(
             groups=tuple(groups),
@@ -535,11 +555,11 @@ class RunnerBackend:
         for g, group in enumerate(layout.groups):
             for name in group.layer_names:
                 geom = self.layers[name]
-                if (geom.num_kv_heads, geom.head_size, geom.dtype, geom.mode) != (
+                if (geom.num_kv_heads, geom.head_size, geom.dtype, geom.mask) != (
                     group.spec.num_kv_heads,
                     group.spec.head_size,
                     group.spec.dtype,
-                    group.spec.mode,
+                    group.spec.mask,
                 ):
                     raise ValidationError(
                         f"layer {name!r} does not match the spec of KV-cache group {g}: {group.spec}"

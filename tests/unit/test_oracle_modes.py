@@ -40,21 +40,25 @@ def test_piecewise_is_causal_plus_each_span_seen_in_full_by_its_own_queries() ->
 
 def test_a_mode_string_is_refused_with_the_accepted_values() -> None:
     with pytest.raises(
-        ValidationError, match=r"must be an AttentionMode \(CAUSAL, FULL, PIECEWISE\); got 'causal'"
+        ValidationError,
+        match=r"must be an AttentionMode \(CAUSAL, FULL, PIECEWISE, CHUNK_CAUSAL\) or a MaskSpec; got 'causal'",
     ):
         row_mask("causal", 0, 1, 1)  # type: ignore[arg-type]
 
 
 def test_what_the_core_reads_off_each_mode() -> None:
     C, F, P = AttentionMode.CAUSAL, AttentionMode.FULL, AttentionMode.PIECEWISE
+    K = AttentionMode.CHUNK_CAUSAL
     table = {m: (m.is_layer_mode, m.is_causal, m.accepts_spans, m.group_modes) for m in AttentionMode}
+    # spans cut a plain causal or full layer into causal and full segments: both groups need all three
     assert table == {
-        C: (True, True, True, frozenset({C, P})),
-        F: (True, False, True, frozenset({F})),
+        C: (True, True, True, frozenset({C, F, P})),
+        F: (True, False, True, frozenset({C, F, P})),
         P: (False, True, False, frozenset({P})),
+        K: (True, True, False, frozenset({K})),
     }
-    assert AttentionMode.layer_modes() == (C, F)
-    assert AttentionMode.layer_modes_text() == "AttentionMode.CAUSAL or FULL"
+    assert AttentionMode.layer_modes() == (C, F, K)
+    assert AttentionMode.layer_modes_text() == "AttentionMode.CAUSAL, FULL or CHUNK_CAUSAL"
 
 
 def test_a_layer_cannot_declare_piecewise() -> None:
@@ -65,13 +69,14 @@ def test_a_layer_cannot_declare_piecewise() -> None:
     with pytest.raises(ValidationError) as info:
         AttentionSpec(2, 64, torch.float32, AttentionMode.PIECEWISE)
     assert str(info.value) == (
-        "AttentionSpec.mode must be AttentionMode.CAUSAL or FULL; got <AttentionMode.PIECEWISE: 'piecewise'>"
+        "AttentionSpec.mode must be AttentionMode.CAUSAL, FULL or CHUNK_CAUSAL; got <AttentionMode.PIECEWISE: 'piecewise'>"
     )
     runner = RunnerBackend(CpuPlatform(), RunnerConfig(64, 1, 1, 64, device="cpu"))
     spec = PagedLayerSpec(2, 2, 64, torch.float32, mode=AttentionMode.PIECEWISE)
     with pytest.raises(ValidationError) as info:
         runner.register_kv_cache_layers({"l0": spec})
     assert str(info.value) == (
-        "layer 'l0': mode must be AttentionMode.CAUSAL or FULL; got <AttentionMode.PIECEWISE: 'piecewise'>"
+        "layer 'l0': mode must be AttentionMode.CAUSAL, FULL or a MaskSpec (CHUNK_CAUSAL needs its chunk size); "
+        "got <AttentionMode.PIECEWISE: 'piecewise'>"
     )
     assert runner.layers == {}  # nothing registered after the refusal

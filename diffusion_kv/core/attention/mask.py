@@ -1,0 +1,216 @@
+"""One layer's mask as a frozen, parametrised value: :class:`MaskSpec`.
+
+Every mask here has one shape, which keeps each question the core asks cheap and exact. For a
+query at absolute position ``q`` of a row with ``seq_len`` keys, its **bound** ``hi(q)`` is the
+end of what it may see:
+
+* CAUSAL: ``q + 1``; FULL: ``seq_len``; CHUNK_CAUSAL with chunk ``C``: the end of ``q``'s chunk,
+  ``min((q // C + 1) * C, seq_len)``;
+* spans (``full_attn_spans``, CAUSAL and FULL layers only) raise it to ``b`` for ``a <= q < b``.
+
+The bound composes with a **window** and **sinks**: the query sees key ``k`` when ``k < hi(q)``
+and (no window, or ``k >= hi(q) - window``, or ``k < sink``). So the visible keys of a query
+are at most two runs, ``[0, min(sink, hi))`` and ``[max(hi - window, 0), hi)``, and ``hi`` never
+decreases along a row -- which is what makes the block plan (``plan.py``) and retention
+(:meth:`MaskSpec.retention`) exact without a dense mask. The anchors: xformers' typed biases
+(``LocalAttentionFromBottomRightMask`` is CAUSAL with a window), FlexAttention's composed
+``mask_mod`` and ``BlockMask``, vLLM's ``SlidingWindowSpec`` and its skipped-token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffusion_kv.core.attention.mode import AttentionMode, dense_piecewise_mask
+from diffusion_kv.core.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What a row keeps once every query still to come sits at or after some position.
+
+    ``pinned`` leading tokens (the sink) are kept for good; every key in
+    ``[pinned, first_live)`` is seen by no later query and its blocks may be released;
+    keys from ``first_live`` on are live. Full and causal masks keep everything
+    (``first_live == pinned == 0``)."""
+
+    first_live: int
+    pinned: int
+
+    def releasable_blocks(self, block_size: int) -> range:
+        """Indices of the row's blocks lying wholly in ``[pinned, first_live)``."""
+        start = -(-self.pinned // block_size)
+        return range(start, max(start, self.first_live // block_size))
+
+
+def _positive(value: object, name: str) -> None:
+    if type(value) is not int or value <= 0:
+        raise ValidationError(f"MaskSpec.{name} must be a positive int; got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class MaskSpec:
+    """What a layer attends to (module docstring): its kind and parameters.
+
+    ``MaskSpec(AttentionMode.CAUSAL)`` and ``MaskSpec(AttentionMode.FULL)`` are today's layer
+    modes; ``MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=C, window=W, sink=S)`` is the
+    autoregressive-diffusion mask: block-causal by chunks of ``C`` tokens, each query seeing its
+    own chunk and the ``W - C`` tokens before it plus the first ``S`` tokens of the row."""
+
+    kind: AttentionMode = AttentionMode.CAUSAL
+    chunk: int | None = None
+    """CHUNK_CAUSAL only: tokens per chunk (chunks start at absolute position 0)."""
+    window: int | None = None
+    """Tokens ending at the query's bound that it sees (None: every earlier key). For
+    CHUNK_CAUSAL a multiple of ``chunk`` (the query's own chunk included)."""
+    sink: int = 0
+    """Leading tokens every query sees (within its bound) and no retention releases."""
+    spans: bool | None = None
+    """Whether ``full_attn_spans`` may refine the mask (None: for a plain CAUSAL or FULL mask,
+    as vLLM-Omni applies spans on every layer; never with a chunk, window or sink)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, AttentionMode) or not self.kind.is_layer_mode:
+            raise ValidationError(
+                f"MaskSpec.kind must be {AttentionMode.layer_modes_text()}; got {self.kind!r}"
+            )
+        if self.kind is AttentionMode.CHUNK_CAUSAL:
+            _positive(self.chunk, "chunk")
+        elif self.chunk is not None:
+            raise ValidationError(f"MaskSpec.chunk is for CHUNK_CAUSAL masks; {self.kind.name} got {self.chunk!r}")
+        if self.window is not None:
+            _positive(self.window, "window")
+            if self.chunk is not None and self.window % self.chunk:
+                raise ValidationError(
+                    f"MaskSpec.window {self.window} must be a multiple of chunk {self.chunk} "
+                    "(whole chunks are seen, the query's own included)"
+                )
+        if type(self.sink) is not int or self.sink < 0:
+            raise ValidationError(f"MaskSpec.sink must be an int >= 0; got {self.sink!r}")
+        if self.sink and self.window is None:
+            raise ValidationError("MaskSpec.sink needs a window (without one every key is seen anyway)")
+        plain = self.kind.accepts_spans and self.window is None and not self.sink
+        if self.spans is None:
+            object.__setattr__(self, "spans", plain)
+        elif type(self.spans) is not bool:
+            raise ValidationError(f"MaskSpec.spans must be a bool or None; got {self.spans!r}")
+        elif self.spans and not plain:
+            raise ValidationError(
+                f"full_attn_spans refine plain causal or full masks only; {self.describe()} cannot take them"
+            )
+
+    # -- what the core reads -------------------------------------------------------------------
+
+    @staticmethod
+    def of(mode: AttentionMode | MaskSpec) -> MaskSpec:
+        """The spec of a layer mode (a spec is returned as it is)."""
+        if isinstance(mode, MaskSpec):
+            return mode
+        return _PLAIN[mode] if mode in _PLAIN else MaskSpec(mode)
+
+    @property
+    def is_plain(self) -> bool:
+        """Today's CAUSAL or FULL mask: no chunk, window or sink (nothing to plan or release)."""
+        return self.chunk is None and self.window is None and not self.sink
+
+    @property
+    def releases(self) -> bool:
+        """Keys slide out of every later query's view: retention may release blocks."""
+        return self.window is not None
+
+    @property
+    def required_modes(self) -> frozenset[AttentionMode]:
+        """The kinds a backend must declare to run a group of such layers."""
+        if self.spans:
+            return self.kind.group_modes
+        return frozenset({self.kind})
+
+    def describe(self) -> str:
+        """``chunk_causal(chunk=4, window=12, sink=4)``: the kind and its parameters."""
+        params = [f"{n}={v}" for n, v in (("chunk", self.chunk), ("window", self.window)) if v is not None]
+        if self.sink:
+            params.append(f"sink={self.sink}")
+        return f"{self.kind.value}({', '.join(params)})" if params else self.kind.value
+
+    # -- the mask -----------------------------------------------------------------------------
+
+    def bounds(self, positions: torch.Tensor, seq_len: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """``hi(q)`` for every query position (int64, same shape)."""
+        if self.kind is AttentionMode.FULL:
+            hi = torch.full_like(positions, seq_len)
+        elif self.kind is AttentionMode.CHUNK_CAUSAL:
+            chunk = self.chunk or 1
+            hi = ((positions // chunk) + 1) * chunk
+        else:
+            hi = positions + 1
+        for a, b in spans:
+            inside = (positions >= a) & (positions < b)
+            hi = torch.where(inside, torch.clamp(hi, min=b), hi)
+        return torch.clamp(hi, max=seq_len)
+
+    def row_mask(
+        self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """``[query_len, seq_len]`` bool (True: visible) for one row whose queries sit at
+        positions ``query_offset ..`` over keys ``0 .. seq_len``: the dense oracle."""
+        if spans and not self.spans:
+            raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
+        q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
+        hi = self.bounds(q, seq_len, spans)[:, None]
+        k = torch.arange(seq_len, dtype=torch.long)[None, :]
+        visible = k < hi
+        if self.window is not None:
+            visible &= (k >= hi - self.window) | (k < self.sink)
+        return visible
+
+    def first_visible(self, position: int, seq_len: int) -> int:
+        """The lowest non-sink key a query at ``position`` sees (queries after it see none
+        lower: bounds never decrease along a row)."""
+        if self.window is None:
+            return 0
+        hi = int(self.bounds(torch.tensor([position]), max(seq_len, position + 1))[0])
+        return max(0, hi - self.window)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def retention(self, next_query: int) -> Retention:
+        """What a row keeps once every query still to come sits at position ``next_query`` or
+        later: the sink is pinned, keys below the first one such a query sees are released.
+        Causal and full masks keep everything; spans never apply to a releasing mask."""
+        if self.window is None:
+            return Retention(0, 0)
+        hi = next_query + 1
+        if self.kind is AttentionMode.CHUNK_CAUSAL:
+            chunk = self.chunk or 1
+            hi = (next_query // chunk + 1) * chunk
+        elif self.kind is AttentionMode.FULL:
+            return Retention(0, 0)  # a full row's bound is its end, not the query's
+        first_live = max(self.sink, hi - self.window)
+        return Retention(first_live, min(self.sink, first_live))
+
+    def max_live_tokens(self, query_len: int) -> int:
+        """Keys a row must hold at once while ``query_len`` new tokens attend (sink, window and
+        the new tokens; None-window masks hold the whole row)."""
+        if self.window is None:
+            raise ValidationError(f"a {self.describe()} mask keeps every key; its rows hold their whole length")
+        return self.sink + self.window + query_len
+
+
+_PLAIN = {mode: MaskSpec(mode) for mode in AttentionMode if mode.is_layer_mode and mode is not AttentionMode.CHUNK_CAUSAL}
+
+
+def key_bounds(
+    mask: MaskSpec, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per query of one row, ``(lo, hi, sink)``: it sees ``[0, min(sink, hi)) u [lo, hi)``."""
+    q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
+    hi = mask.bounds(q, seq_len, spans)
+    lo = torch.clamp(hi - mask.window, min=0) if mask.window is not None else torch.zeros_like(hi)
+    return lo, hi, mask.sink
+
+
+
+__all__ = ["MaskSpec", "Retention", "dense_piecewise_mask", "key_bounds"]

@@ -1,0 +1,105 @@
+"""The block plan: per row, which kv-blocks its queries skip, read in full, or read partially.
+
+Built once when a batch is prepared (FlexAttention's ``BlockMask`` and FlashInfer's ``plan()``
+are the anchors), from the group's :class:`~diffusion_kv.core.attention.mask.MaskSpec` and the
+rows' query ranges; a backend reads it instead of re-deriving the mask per layer: a SKIP block
+is never gathered (after retention released it, its table entry is the null entry), a FULL
+block needs no mask, a PARTIAL block does.
+
+Exact without a dense mask: a query sees at most the two runs ``[0, min(sink, hi))`` and
+``[lo, hi)`` (mask.py), so the keys of block ``[s, e)`` it sees are counted by interval
+arithmetic, for every (query, block) pair of the row at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffusion_kv.core.attention.mask import MaskSpec, key_bounds
+from diffusion_kv.core.errors import ValidationError
+
+
+class BlockKind(enum.IntEnum):
+    SKIP = 0
+    """No query of the row sees any key of the block."""
+    PARTIAL = 1
+    """Some query sees some, not every, key of the block (or some query sees none)."""
+    FULL = 2
+    """Every query of the row sees every key of the block."""
+
+
+def _overlap(s: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.minimum(e, hi) - torch.maximum(s, lo), min=0)
+
+
+def row_block_kinds(
+    mask: MaskSpec,
+    query_offset: int,
+    query_len: int,
+    seq_len: int,
+    block_size: int,
+    spans: Sequence[tuple[int, int]] = (),
+) -> torch.Tensor:
+    """``[ceil(seq_len / block_size)]`` int8 :class:`BlockKind` of one row's blocks."""
+    n_blocks = -(-seq_len // block_size)
+    if query_len == 0 or n_blocks == 0:
+        return torch.zeros(n_blocks, dtype=torch.int8)
+    lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans)
+    starts = torch.arange(n_blocks, dtype=torch.long) * block_size
+    ends = torch.clamp(starts + block_size, max=seq_len)
+    s, e = starts[None, :], ends[None, :]
+    lo_, hi_ = lo[:, None], hi[:, None]
+    sink_hi = torch.clamp(hi_, max=sink)
+    zero = torch.zeros_like(lo_)
+    seen = _overlap(s, e, lo_, hi_) + _overlap(s, e, zero, sink_hi) - _overlap(
+        s, e, lo_, torch.minimum(hi_, sink_hi)
+    )
+    kinds = torch.full((n_blocks,), int(BlockKind.PARTIAL), dtype=torch.int8)
+    kinds[(seen == 0).all(dim=0)] = int(BlockKind.SKIP)
+    kinds[(seen == (e - s)).all(dim=0)] = int(BlockKind.FULL)
+    return kinds
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Per row of a batch, the :class:`BlockKind` of each of its kv-blocks (host tensors)."""
+
+    mask: MaskSpec
+    block_size: int
+    """Tokens per block the plan counts in (the group's kernel block size)."""
+    kinds: tuple[torch.Tensor, ...]
+    """Per row, ``[ceil(seq_len / block_size)]`` int8."""
+
+    def live_blocks(self, row: int) -> torch.Tensor:
+        """Indices of the row's blocks some query reads (FULL or PARTIAL), ascending."""
+        return torch.nonzero(self.kinds[row] != int(BlockKind.SKIP)).flatten()
+
+    def counts(self) -> dict[str, int]:
+        """Blocks of each kind over the batch (what the plan saves: ``skip``)."""
+        allk = torch.cat(self.kinds) if self.kinds else torch.zeros(0, dtype=torch.int8)
+        return {k.name.lower(): int((allk == int(k)).sum()) for k in BlockKind}
+
+
+def build_block_plan(
+    mask: MaskSpec,
+    query_offsets: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_size: int,
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> BlockPlan:
+    """The plan of one batch's rows under ``mask`` (``spans`` per row, when it takes them)."""
+    if type(block_size) is not int or block_size <= 0:
+        raise ValidationError(f"block plan block_size must be a positive int; got {block_size!r}")
+    n = len(query_lens)
+    if not (len(query_offsets) == len(seq_lens) == n) or (spans is not None and len(spans) != n):
+        raise ValidationError("a block plan takes one query offset, query length, seq_len (and span list) per row")
+    kinds = tuple(
+        row_block_kinds(mask, q0, ql, sl, block_size, spans[r] if spans is not None else ())
+        for r, (q0, ql, sl) in enumerate(zip(query_offsets, query_lens, seq_lens, strict=True))
+    )
+    return BlockPlan(mask, block_size, kinds)
