@@ -20,6 +20,13 @@ from diffusion_kv.core.errors import ValidationError
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV-cache group: ``block_ids[g]`` lists the blocks of group ``g`` in order."""
 
+NULL_BLOCK = -1
+"""A place in a row's block list whose keys were released (retention: a sliding window moved
+past them). Positions stay absolute: the row keeps its length, and the released place holds no
+block. The worker's tables read it as the null entry (block 0, as past a row's end); no query
+reads it (the block plan skips it, and page provenance refuses a row that would) and no write
+lands there."""
+
 
 def _block_ids(value: object, owner: str) -> BlockIds:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

@@ -31,7 +31,13 @@ Rules (each has a test):
   translator once every paged layer ran over them) or declared computed by its snapshot
   (``cached_prefix_len``, block-aligned); it may never write inside its cached prefix;
 * free rows are handed out lowest first;
-* the registry never frees scheduler blocks: it only clears its worker rows.
+* the registry never frees scheduler blocks: it only clears its worker rows;
+* the row transitions are named (:class:`RowTransition`): INSTALL (a request's rows appear),
+  EXTEND (a newer snapshot appends blocks to a row whose length grows), SLIDE (a newer
+  snapshot releases leading blocks, ``NULL_BLOCK`` in their place, in groups whose mask has a
+  window, never the sink's), SEAL (a newer snapshot grows ``cached_prefix_len`` over written
+  tokens), REMOVE; one newer snapshot may extend, slide and seal at once. Anything else is a
+  conflict (remove the request first). Released tokens leave the row's readable spans.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from diffusion_kv.core.allocation import RequestAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import (
     GenerationError,
@@ -57,6 +63,9 @@ Identity = tuple[str, int | None, str | None]
 
 TokenSpans = tuple[tuple[int, int], ...]
 """Sorted, disjoint, non-adjacent half-open token ranges ``[a, b)``."""
+
+_NO_BLOCK = object()
+"""Stands for ``NULL_BLOCK`` places in ownership checks (held by nobody)."""
 
 DEFAULT_GENERATION_MEMORY = 16384
 """Removed request ids whose last generation the registry remembers (see module rules)."""
@@ -96,6 +105,31 @@ class KVCacheMode(enum.Enum):
     """No paged KV: installs are refused, lookups fail, cleanup is a no-op."""
     PAGED = "paged"
     """The scheduler allocates blocks; the worker installs snapshots into rows."""
+
+
+class RowTransition(enum.Enum):
+    """How an installed request's rows may change (module rules); ``install`` returns the
+    transitions a snapshot made (:attr:`RowRegistry.last_transitions`)."""
+
+    INSTALL = "install"
+    EXTEND = "extend"
+    SLIDE = "slide"
+    SEAL = "seal"
+    REMOVE = "remove"
+
+
+def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
+    """``spans`` less ``[start, end)``."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b <= start or a >= end:
+            out.append((a, b))
+            continue
+        if a < start:
+            out.append((a, start))
+        if b > end:
+            out.append((end, b))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -194,6 +228,9 @@ class RowRegistry:
         self._serial = 0
         self._removed: OrderedDict[str, int] = OrderedDict()  # request id -> last generation
         self._high_water = -1  # the highest generation installed, recorded or retired
+        self.last_transitions: frozenset[RowTransition] = frozenset()
+        """What the last :meth:`install` that changed rows did (INSTALL, or a newer snapshot's
+        EXTEND / SLIDE / SEAL)."""
 
     # -- views --------------------------------------------------------------------------------
 
@@ -285,13 +322,17 @@ class RowRegistry:
                     f"(max_model_len {self.layout.max_model_len})"
                 )
             # one pass in C for the common, valid case; the loop below names the first offence
-            if ids and not (
-                all(type(b) is int for b in ids)
-                and min(ids) >= 0
-                and max(ids) < self.layout.num_blocks
-                and len(set(ids)) == len(ids)
+            real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
+            if real and not (
+                all(type(b) is int for b in real)
+                and min(real) >= 0
+                and max(real) < self.layout.num_blocks
+                and len(set(real)) == len(real)
             ):
-                self._explain_block_ids(identity, g, ids)
+                self._explain_block_ids(identity, g, real)
+            if len(real) != len(ids):
+                released = [p for p, b in enumerate(ids) if b == NULL_BLOCK]
+                self._check_released(identity, g, released, read_only_tokens)
             normalized.append(ids)
         if read_only_tokens:
             for g, group in enumerate(groups):
@@ -302,6 +343,32 @@ class RowRegistry:
                         f"{tokens_per_block} tokens per block (a cached prefix is whole blocks)"
                     )
         return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
+
+    def _check_released(self, identity: Identity, g: int, positions: list[int], read_only_tokens: int) -> None:
+        """``NULL_BLOCK`` places only where the group's mask releases keys: a window, outside
+        the sink and the cached prefix."""
+        spec = self.layout.groups[g].spec
+        tokens_per_block = self.layout.groups[g].block_size * self.block_tables.cp_size
+        if not spec.mask.releases:
+            raise ValidationError(
+                f"row {identity!r} group {g} releases blocks at positions {positions}, but the group's mask "
+                f"{spec.mask.describe()} keeps every key (only a windowed mask releases)"
+            )
+        first_free = max(-(-spec.mask.sink // tokens_per_block), -(-read_only_tokens // tokens_per_block))
+        pinned = [p for p in positions if p < first_free]
+        if pinned:
+            raise ValidationError(
+                f"row {identity!r} group {g} releases blocks {pinned}, which hold sink or cached-prefix tokens "
+                f"(the first {first_free} blocks are kept)"
+            )
+
+    @staticmethod
+    def _released_tokens(install: RowInstall, g: int, tokens_per_block: int) -> list[tuple[int, int]]:
+        return [
+            (p * tokens_per_block, min((p + 1) * tokens_per_block, install.token_len))
+            for p, b in enumerate(install.block_ids[g])
+            if b == NULL_BLOCK
+        ]
 
     def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
         """Raise the error for the first invalid block id of ``ids`` (group ``g``)."""
@@ -396,12 +463,16 @@ class RowRegistry:
             for install in installs:
                 read_only_blocks = install.read_only_tokens // tokens_per_block
                 ids = install.block_ids[g]
+                if NULL_BLOCK in ids:
+                    ids = tuple(b if b != NULL_BLOCK else _NO_BLOCK for b in ids)
                 if live.keys().isdisjoint(ids) and proposed.keys().isdisjoint(ids):
                     # nobody else holds any of these blocks (the common case): nothing to refuse
                     for position, block_id in enumerate(ids):
                         proposed[block_id] = (install.identity, position >= read_only_blocks)
                     continue
                 for position, block_id in enumerate(ids):
+                    if block_id == _NO_BLOCK:
+                        continue
                     writes = position >= read_only_blocks
                     holders = dict(live.get(block_id, {}))
                     if block_id in proposed:
@@ -433,7 +504,10 @@ class RowRegistry:
         previous = bt.num_blocks.cpu[:, rows]  # advanced indexing: a copy
         try:
             for row, ids in zip(rows, block_ids, strict=True):
-                bt.append_block_ids(row, tuple(list(group) for group in ids), overwrite=True)
+                # a released place reads as the null entry (block 0, as past a row's end)
+                bt.append_block_ids(
+                    row, tuple([max(b, 0) for b in group] for group in ids), overwrite=True
+                )
             bt.apply_staged_writes()
         except Exception as exc:
             for table in bt.block_tables:
@@ -464,13 +538,15 @@ class RowRegistry:
                     f"stale allocation generation {gen} for request {rid!r}; installed generation is {state.generation}"
                 )
             if snapshot.content_key() != state.snapshot.content_key():
-                if gen > state.generation and self._is_seal(state.snapshot, snapshot):
-                    self._seal(state, snapshot, installs)
-                    return False
-                raise GenerationError(
-                    f"conflicting allocation snapshot for installed request {rid!r} (generation {gen} vs "
-                    f"{state.generation}); remove the request before replacing its rows"
-                )
+                transitions = self._transitions(state.snapshot, snapshot) if gen > state.generation else None
+                if transitions is None:
+                    raise GenerationError(
+                        f"conflicting allocation snapshot for installed request {rid!r} (generation {gen} vs "
+                        f"{state.generation}); only a newer snapshot that extends, slides or seals its rows "
+                        "changes them: remove the request before replacing its rows"
+                    )
+                self._update(state, snapshot, installs, transitions)
+                return False
             if gen > state.generation:
                 self._states[rid] = _RequestState(gen, snapshot, state.installs)
                 self._bindings.clear()
@@ -498,6 +574,7 @@ class RowRegistry:
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
         self._removed.pop(rid, None)
         self._high_water = max(self._high_water, gen)
+        self.last_transitions = frozenset({RowTransition.INSTALL})
         return True
 
     def seal(self, snapshot: RequestAllocation) -> bool:
@@ -517,45 +594,90 @@ class RowRegistry:
         return self.install(snapshot)
 
     @staticmethod
-    def _is_seal(old: RequestAllocation, new: RequestAllocation) -> bool:
-        """``new`` differs from ``old`` only by larger ``cached_prefix_len`` on some rows."""
+    def _transitions(old: RequestAllocation, new: RequestAllocation) -> frozenset[RowTransition] | None:
+        """What a newer snapshot does to the installed rows, or None when it is none of the
+        named transitions (module rules): the same rows and contexts; per row, a length that only
+        grows (EXTEND: blocks appended), places that only turn into ``NULL_BLOCK`` (SLIDE), a
+        cached prefix that only grows (SEAL)."""
         if old.contexts != new.contexts or len(old.sequences) != len(new.sequences):
-            return False
-        grew = False
+            return None
+        found: set[RowTransition] = set()
         for a, b in zip(old.sequences, new.sequences, strict=True):
-            if (
-                replace(a, cached_prefix_len=b.cached_prefix_len) != b
-                or b.cached_prefix_len < a.cached_prefix_len
-            ):
-                return False
-            grew |= b.cached_prefix_len > a.cached_prefix_len
-        return grew
+            if (a.sequence_id, a.prefix_len, a.context_ids) != (b.sequence_id, b.prefix_len, b.context_ids):
+                return None
+            if b.seq_len < a.seq_len or b.target_len < a.target_len or b.cached_prefix_len < a.cached_prefix_len:
+                return None
+            if len(a.block_ids) != len(b.block_ids):
+                return None
+            if b.seq_len > a.seq_len:
+                found.add(RowTransition.EXTEND)
+            if b.cached_prefix_len > a.cached_prefix_len:
+                found.add(RowTransition.SEAL)
+            for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
+                if len(new_ids) < len(old_ids) or NULL_BLOCK in new_ids[len(old_ids) :]:
+                    return None
+                for before, after in zip(old_ids, new_ids):
+                    if after == before:
+                        continue
+                    if after != NULL_BLOCK:
+                        return None  # a place changed its block: a replacement, not a transition
+                    found.add(RowTransition.SLIDE)
+        return frozenset(found) if found else None
 
-    def _seal(self, state: _RequestState, snapshot: RequestAllocation, installs: list[RowInstall]) -> None:
-        """Make the grown cached prefixes read-only for their rows (prefix caching publishes
-        them): the row must have written every token it seals, and from now on it may not
-        write them (a write inside is refused); other rows may then share the blocks."""
+    def _update(
+        self,
+        state: _RequestState,
+        snapshot: RequestAllocation,
+        installs: list[RowInstall],
+        transitions: frozenset[RowTransition],
+    ) -> None:
+        """Apply an EXTEND / SLIDE / SEAL snapshot: every check first (sealed tokens written,
+        appended blocks owned by nobody), then the tables, holders and readable spans."""
         rid = snapshot.request_id
-        for install in installs:
-            before = state.by_identity[install.identity]
-            if install.read_only_tokens <= before.read_only_tokens:
-                continue
-            gap = missing_spans(self.written_spans(install.identity), 0, install.read_only_tokens)
-            if gap:
-                raise StateError(
-                    f"row {install.identity!r} cannot seal its first {install.read_only_tokens} tokens as a "
-                    f"cached prefix: tokens {list(gap)} were never written"
-                )
-        if self.before_mutation is not None:
-            self.before_mutation()
-        for install in installs:
+        changed = [i for i in installs if i != state.by_identity[i.identity]]
+        for install in changed:
             before = state.by_identity[install.identity]
             if install.read_only_tokens > before.read_only_tokens:
-                self._hold(before, release=True)
-                self._hold(install)
+                gap = missing_spans(self.written_spans(install.identity), 0, install.read_only_tokens)
+                if gap:
+                    raise StateError(
+                        f"row {install.identity!r} cannot seal its first {install.read_only_tokens} tokens as a "
+                        f"cached prefix: tokens {list(gap)} were never written"
+                    )
+        befores = [state.by_identity[i.identity] for i in changed]
+        for before in befores:
+            self._hold(before, release=True)
+        try:
+            self._check_ownership(changed)  # appended blocks: nobody else may hold them
+        except ValidationError:
+            for before in befores:
+                self._hold(before)
+            raise
+        relaid = [i for i, b in zip(changed, befores, strict=True) if i.block_ids != b.block_ids]
+        try:
+            if relaid:
+                self._write_rows([self._rows[i.identity] for i in relaid], [i.block_ids for i in relaid])
+            elif self.before_mutation is not None:
+                self.before_mutation()
+        except Exception:
+            for before in befores:
+                self._hold(before)
+            raise
+        cp = self.block_tables.cp_size
+        for install in changed:
+            self._hold(install)
+            entry = self._written.get(install.identity)
+            if entry is None:
+                continue
+            spans = entry[1]
+            for g, group in enumerate(self.layout.groups):
+                for start, end in self._released_tokens(install, g, group.block_size * cp):
+                    spans = remove_span(spans, start, end)
+            self._written[install.identity] = (entry[0], spans)
         self._states[rid] = _RequestState(snapshot.allocation_generation, snapshot, tuple(installs))
         self._bindings.clear()
         self._high_water = max(self._high_water, snapshot.allocation_generation)
+        self.last_transitions = transitions
 
     def _hold(self, install: RowInstall, release: bool = False) -> None:
         identity = install.identity
@@ -564,6 +686,8 @@ class RowRegistry:
             holders = self._holders[g]
             ids = install.block_ids[g]
             shared, written = ids[:read_only_blocks], ids[read_only_blocks:]
+            if NULL_BLOCK in written:
+                written = tuple(b for b in written if b != NULL_BLOCK)
             if release:
                 for block_id in written:  # a written block has this row as its only holder
                     holders.pop(block_id, None)

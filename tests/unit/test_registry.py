@@ -295,7 +295,12 @@ INVALID: dict[str, Case] = {
         lambda: request("a", 0, (seq(0, 4, [64]),)),
         r"block id 64 is outside \[0, 64\)",
     ),
-    "negative block id": (lambda: request("a", 0, (seq(0, 4, [-1]),)), r"block id -1 is outside \[0, 64\)"),
+    "negative block id": (lambda: request("a", 0, (seq(0, 4, [-2]),)), r"block id -2 is outside \[0, 64\)"),
+    # -1 is NULL_BLOCK, a released place: only a windowed group's mask releases keys
+    "released block in a causal group": (
+        lambda: request("a", 0, (seq(0, 4, [-1]),)),
+        r"releases blocks at positions \[0\], but the group's mask causal keeps every key",
+    ),
     "empty context id": (
         lambda: request("a", 0, (seq(0, 4, [1]),), (context("", 4, [1]),)),
         "context_id must be a non-empty string",
