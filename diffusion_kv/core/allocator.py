@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, ContextAllocation, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.prefix_cache import PrefixCache
@@ -519,6 +519,112 @@ class DiffusionKVAllocator:
             if cache.publish(key, block):
                 res.private.remove(block)
                 res.held[i].append(key)
+        return snapshot
+
+    def release(
+        self,
+        request_id: str,
+        sequence_id: int,
+        positions: Sequence[int],
+        install: Callable[[RequestAllocation], object] | None = None,
+    ) -> RequestAllocation:
+        """Release the blocks at ``positions`` (indices into the row's block list) of one
+        sequence while the request runs -- what a sliding window no longer needs
+        (``MaskSpec.retention(...).releasable_blocks(block_size)``). Builds a snapshot one
+        generation newer with ``NULL_BLOCK`` at those places in every group, hands it to
+        ``install`` (the worker's ``install``: a SLIDE; an exception leaves the allocator
+        unchanged and propagates), then returns the blocks to the pool at once. Only blocks the
+        request took for itself are released (a cached prefix block is shared). Released places
+        already null are skipped; the new snapshot is returned."""
+        _check_id(request_id, "release")
+        res = self._reserved.get(request_id)
+        if res is None:
+            raise ValidationError(f"release of request {request_id!r}, which is not reserved")
+        old = res.allocation
+        index = next((i for i, s in enumerate(old.sequences) if s.sequence_id == sequence_id), None)
+        if index is None:
+            raise ValidationError(f"request {request_id!r} has no sequence {sequence_id!r}")
+        alloc = old.sequences[index]
+        row = list(alloc.block_ids[0])
+        if isinstance(positions, (str, bytes)) or any(type(p) is not int for p in positions):
+            raise ValidationError(f"release takes block positions (ints); got {positions!r}")
+        bad = [p for p in positions if not 0 <= p < len(row)]
+        if bad:
+            raise ValidationError(
+                f"request {request_id!r} sequence {sequence_id}: positions {bad} lie outside its {len(row)} blocks"
+            )
+        freed = [row[p] for p in dict.fromkeys(positions) if row[p] != NULL_BLOCK]
+        shared = [b for b in freed if b not in res.private]
+        if shared:
+            raise ValidationError(
+                f"request {request_id!r} sequence {sequence_id}: blocks {shared} are shared (a cached prefix); "
+                "only blocks the request took for itself are released"
+            )
+        for p in positions:
+            row[p] = NULL_BLOCK
+        sequences = list(old.sequences)
+        sequences[index] = replace(alloc, block_ids=(tuple(row),) * self.num_groups)
+        snapshot = RequestAllocation(request_id, self._generation + 1, tuple(sequences), old.contexts)
+        if install is not None:
+            install(snapshot)
+        self._generation += 1
+        res.allocation = snapshot
+        if freed:
+            gone = set(freed)
+            res.private = [b for b in res.private if b not in gone]
+            res.block_ids = [b for b in res.block_ids if b not in gone]
+            self.pool.free(freed)
+        return snapshot
+
+    def extend(
+        self,
+        request_id: str,
+        sequence_id: int,
+        tokens: int,
+        install: Callable[[RequestAllocation], object] | None = None,
+    ) -> RequestAllocation | None:
+        """Grow one sequence's target by ``tokens`` (the next chunk of a stream), appending the
+        blocks it needs from the pool: a snapshot one generation newer, handed to ``install``
+        (the worker's EXTEND; an exception returns the new blocks and propagates). None when
+        the pool is short (nothing taken); :class:`AdmissionError` past ``max_model_len``."""
+        _check_id(request_id, "extend")
+        res = self._reserved.get(request_id)
+        if res is None:
+            raise ValidationError(f"extend of request {request_id!r}, which is not reserved")
+        if not _count(tokens) or tokens == 0:
+            raise ValidationError(f"extend takes a positive token count; got {tokens!r}")
+        old = res.allocation
+        index = next((i for i, s in enumerate(old.sequences) if s.sequence_id == sequence_id), None)
+        if index is None:
+            raise ValidationError(f"request {request_id!r} has no sequence {sequence_id!r}")
+        alloc = old.sequences[index]
+        seq_len = alloc.seq_len + tokens
+        if seq_len > self.max_model_len:
+            raise AdmissionError(
+                f"request {request_id!r} sequence {sequence_id}: {seq_len} tokens exceed max_model_len "
+                f"{self.max_model_len}"
+            )
+        need = -(-seq_len // self.block_size) - len(alloc.block_ids[0])
+        taken = self.pool.allocate(need) if need else []
+        if taken is None:
+            return None
+        row = (*alloc.block_ids[0], *taken)
+        sequences = list(old.sequences)
+        sequences[index] = replace(
+            alloc, target_len=alloc.target_len + tokens, seq_len=seq_len, block_ids=(row,) * self.num_groups
+        )
+        snapshot = RequestAllocation(request_id, self._generation + 1, tuple(sequences), old.contexts)
+        if install is not None:
+            try:
+                install(snapshot)
+            except BaseException:
+                if taken:
+                    self.pool.free(taken)
+                raise
+        self._generation += 1
+        res.allocation = snapshot
+        res.private.extend(taken)
+        res.block_ids.extend(taken)
         return snapshot
 
     def free(self, request_id: str) -> int:

@@ -181,7 +181,7 @@ def _signature(
         layer.num_kv_heads,
         layer.head_size,
         layer.dtype,
-        layer.mode,
+        layer.mask,
         query.shape,
         key.shape,
         value.shape,
@@ -332,10 +332,11 @@ def _build_layer_context(
                 f"causal paged attention needs every query span to end at seq_len; invalid rows={not_suffix!r}"
             )
     plan = None
-    if spans is not None and not layer.mode.accepts_spans:
+    if spans is not None and not layer.mask.spans:
         raise UnsupportedFeatureError(
-            f"full_attn_spans cannot refine layer {layer.layer_name!r} of mode {layer.mode.name}; "
-            f"spans refine {', '.join(m.name for m in AttentionMode if m.accepts_spans)} layers"
+            f"full_attn_spans cannot refine layer {layer.layer_name!r} of mask {layer.mask.describe()}; "
+            f"spans refine plain {' and '.join(m.name for m in AttentionMode if m.accepts_spans)} layers "
+            "that do not declare spans=False"
         )
     # spans describe the row's mask whatever the layer declares (vLLM-Omni's semantics: causal
     # outside the spans, full inside); without spans a full layer sees every key

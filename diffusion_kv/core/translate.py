@@ -38,12 +38,13 @@ from diffusion_kv.core.block_tables import (
     pinned_memory_available,
     prepare_batch_torch,
 )
-from diffusion_kv.core.capabilities import AttentionMode
+from diffusion_kv.core.attention import AttentionMode, build_block_plan
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
     StaleBatchError,
     StateError,
+    UnsupportedFeatureError,
     ValidationError,
 )
 from diffusion_kv.core.layout import CacheLayout
@@ -135,6 +136,16 @@ class Translator:
         # pinned staging where the host runtime supports it
         self._pin = self.device.type != "cpu" and pinned_memory_available()
         self._modes = tuple(grp.spec.mode for grp in layout.groups)
+        self._masks = tuple(grp.spec.mask for grp in layout.groups)
+        if block_tables.cp_size > 1 and not all(m.is_plain for m in self._masks):
+            raise UnsupportedFeatureError(
+                "masks with a chunk, window or sink ("
+                + ", ".join(m.describe() for m in self._masks if not m.is_plain)
+                + f") under decode context parallelism (cp_size {block_tables.cp_size}) are not served"
+            )
+        # Page provenance asks only for the keys a row's queries see: with a window in every
+        # group, keys that slid out (and may have been released) need not be readable.
+        self._windowed = bool(self._masks) and all(m.releases for m in self._masks)
         self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m.is_causal)
         thresholds = [
             t
@@ -221,7 +232,16 @@ class Translator:
                         break
             written = binding.written
             if unread_by is None and not _reads_written(written, start, end, seq_len):
-                unread = missing_spans(written, 0, start) + missing_spans(written, end, seq_len)
+                if self._windowed and start > 0:
+                    lo = min(m.first_visible(start, seq_len) for m in self._masks)
+                    sink = min(max(m.sink for m in self._masks), lo)
+                    unread = (
+                        missing_spans(written, 0, sink)
+                        + missing_spans(written, lo, start)
+                        + missing_spans(written, end, seq_len)
+                    )
+                else:
+                    unread = missing_spans(written, 0, start) + missing_spans(written, end, seq_len)
                 if unread:
                     unread_by = (row, binding, unread)
         threshold = self._reorder_threshold
@@ -251,6 +271,7 @@ class Translator:
                 f"row {row.identity!r} would read tokens {list(unread)} that were never written since its "
                 f"install (readable: {list(binding.written)}); write them first (the prefill phase) or "
                 "declare them computed with cached_prefix_len"
+                + ("; keys a sliding window released are gone for good" if self._windowed else "")
             )
         return bindings, identities
 
@@ -356,6 +377,12 @@ class Translator:
             modes=self._modes,
             dcp_local_seq_lens=dcp,
             dcp_local_seq_lens_cpu=dcp_cpu,
+            block_plans=tuple(
+                None
+                if mask.is_plain
+                else build_block_plan(mask, starts, query_lens, seq_lens, bt.kernel_block_sizes[g])
+                for g, mask in enumerate(self._masks)
+            ),
             host_block_ids=tuple(
                 tuple([b.block_ids[g] if g < len(b.block_ids) else () for b in bindings])
                 for g in range(num_groups)

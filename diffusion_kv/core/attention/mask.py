@@ -5,11 +5,12 @@ query at absolute position ``q`` of a row with ``seq_len`` keys, its **bound** `
 end of what it may see:
 
 * CAUSAL: ``q + 1``; FULL: ``seq_len``; CHUNK_CAUSAL with chunk ``C``: the end of ``q``'s chunk,
-  ``min((q // C + 1) * C, seq_len)``;
-* spans (``full_attn_spans``, CAUSAL and FULL layers only) raise it to ``b`` for ``a <= q < b``.
+  ``(q // C + 1) * C``;
+* spans (``full_attn_spans``, CAUSAL and FULL layers only) raise it to ``b`` for ``a <= q < b``;
+* keys exist only below ``seq_len``, so the query sees below ``min(hi(q), seq_len)``.
 
-The bound composes with a **window** and **sinks**: the query sees key ``k`` when ``k < hi(q)``
-and (no window, or ``k >= hi(q) - window``, or ``k < sink``). So the visible keys of a query
+The bound composes with a **window** and **sinks**: the query sees key ``k < seq_len`` when
+``k < hi(q)`` and (no window, or ``k >= hi(q) - window``, or ``k < sink``). So the visible keys of a query
 are at most two runs, ``[0, min(sink, hi))`` and ``[max(hi - window, 0), hi)``, and ``hi`` never
 decreases along a row -- which is what makes the block plan (``plan.py``) and retention
 (:meth:`MaskSpec.retention`) exact without a dense mask. The anchors: xformers' typed biases
@@ -137,19 +138,25 @@ class MaskSpec:
 
     # -- the mask -----------------------------------------------------------------------------
 
-    def bounds(self, positions: torch.Tensor, seq_len: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """``hi(q)`` for every query position (int64, same shape)."""
+    def bounds(
+        self, positions: torch.Tensor, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` for every query position (int64): it sees ``[0, min(sink, hi))`` and
+        ``[lo, hi)``. The window counts back from the unclipped bound (the end of a chunk the
+        row has not filled yet), so what a query sees never depends on ``seq_len``."""
         if self.kind is AttentionMode.FULL:
-            hi = torch.full_like(positions, seq_len)
+            raw = torch.full_like(positions, seq_len)
         elif self.kind is AttentionMode.CHUNK_CAUSAL:
             chunk = self.chunk or 1
-            hi = ((positions // chunk) + 1) * chunk
+            raw = ((positions // chunk) + 1) * chunk
         else:
-            hi = positions + 1
+            raw = positions + 1
         for a, b in spans:
             inside = (positions >= a) & (positions < b)
-            hi = torch.where(inside, torch.clamp(hi, min=b), hi)
-        return torch.clamp(hi, max=seq_len)
+            raw = torch.where(inside, torch.clamp(raw, min=b), raw)
+        hi = torch.clamp(raw, max=seq_len)
+        lo = torch.clamp(raw - self.window, min=0) if self.window is not None else torch.zeros_like(raw)
+        return lo, hi
 
     def row_mask(
         self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
@@ -159,11 +166,11 @@ class MaskSpec:
         if spans and not self.spans:
             raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
         q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
-        hi = self.bounds(q, seq_len, spans)[:, None]
+        lo, hi = self.bounds(q, seq_len, spans)
         k = torch.arange(seq_len, dtype=torch.long)[None, :]
-        visible = k < hi
+        visible = k < hi[:, None]
         if self.window is not None:
-            visible &= (k >= hi - self.window) | (k < self.sink)
+            visible &= (k >= lo[:, None]) | (k < self.sink)
         return visible
 
     def first_visible(self, position: int, seq_len: int) -> int:
@@ -171,8 +178,8 @@ class MaskSpec:
         lower: bounds never decrease along a row)."""
         if self.window is None:
             return 0
-        hi = int(self.bounds(torch.tensor([position]), max(seq_len, position + 1))[0])
-        return max(0, hi - self.window)
+        lo, _ = self.bounds(torch.tensor([position]), max(seq_len, position + 1))
+        return int(lo[0])
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -180,16 +187,10 @@ class MaskSpec:
         """What a row keeps once every query still to come sits at position ``next_query`` or
         later: the sink is pinned, keys below the first one such a query sees are released.
         Causal and full masks keep everything; spans never apply to a releasing mask."""
-        if self.window is None:
-            return Retention(0, 0)
-        hi = next_query + 1
-        if self.kind is AttentionMode.CHUNK_CAUSAL:
-            chunk = self.chunk or 1
-            hi = (next_query // chunk + 1) * chunk
-        elif self.kind is AttentionMode.FULL:
-            return Retention(0, 0)  # a full row's bound is its end, not the query's
-        first_live = max(self.sink, hi - self.window)
-        return Retention(first_live, min(self.sink, first_live))
+        if self.window is None or self.kind is AttentionMode.FULL:
+            return Retention(0, 0)  # a full row's bound is its end, which moves with the row
+        first_live = max(self.sink, self.first_visible(next_query, next_query + 1))
+        return Retention(first_live, self.sink)
 
     def max_live_tokens(self, query_len: int) -> int:
         """Keys a row must hold at once while ``query_len`` new tokens attend (sink, window and
@@ -207,10 +208,7 @@ def key_bounds(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per query of one row, ``(lo, hi, sink)``: it sees ``[0, min(sink, hi)) u [lo, hi)``."""
     q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
-    hi = mask.bounds(q, seq_len, spans)
-    lo = torch.clamp(hi - mask.window, min=0) if mask.window is not None else torch.zeros_like(hi)
+    lo, hi = mask.bounds(q, seq_len, spans)
     return lo, hi, mask.sink
-
-
 
 __all__ = ["MaskSpec", "Retention", "dense_piecewise_mask", "key_bounds"]

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from diffusion_kv.core.attention import BlockPlan, MaskSpec
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.kv_quant import FP8_E4M3, dequantize
@@ -59,6 +60,10 @@ class CpuPagedMetadata:
     cp_size: int = 1
     cp_rank: int = 0
     cp_interleave: int = 1
+    mask: MaskSpec | None = None
+    """The group's mask when it is not plain (chunk, window, sink): applied instead of ``mode``'s."""
+    plan: BlockPlan | None = None
+    """The batch's block plan for such a mask: only the blocks it does not skip are gathered."""
 
 
 class CpuReferenceBackend(PagedBackend):
@@ -78,6 +83,8 @@ class CpuReferenceBackend(PagedBackend):
         supports_ulysses=True,
         supports_dcp=True,
         kv_cache_dtypes=frozenset({FP8_E4M3}),
+        max_window=None,
+        max_sink=None,
     )
 
     def __init__(self, group: GroupContext) -> None:
@@ -101,6 +108,8 @@ class CpuReferenceBackend(PagedBackend):
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
             cp_interleave=self.cp_interleave,
+            mask=self.group.mask if batch.block_plan is not None else None,
+            plan=batch.block_plan,
         )
 
     def forward(
@@ -145,25 +154,38 @@ class CpuReferenceBackend(PagedBackend):
             if q1 == q0 or n_local == 0:
                 continue
             sl = md.seq_lens[r]
-            blocks = md.block_table[r, : cdiv(n_local, md.block_size)].to(torch.long)
+            if md.plan is not None:  # only the blocks some query sees (released ones are skipped)
+                live = md.plan.live_blocks(r)
+                blocks = md.block_table[r].to(torch.long)[live.to(md.block_table.device)]
+                offsets = torch.arange(md.block_size)
+                key_pos = (live[:, None] * md.block_size + offsets[None, :]).flatten()
+                n_keys = int((key_pos < sl).sum())  # positions ascend: the tail past seq_len drops
+                key_pos = key_pos[:n_keys].to(device)
+            else:
+                blocks = md.block_table[r, : cdiv(n_local, md.block_size)].to(torch.long)
+                n_keys = n_local
+                key_pos = dcp_key_positions(n_local, md.cp_size, md.cp_rank, md.cp_interleave, device)
             shape = (-1, layer.num_kv_heads, layer.head_size)
             sc = layer.kv_scales
             if sc is None:
-                k = key_cache.index_select(0, blocks).reshape(shape)[:n_local]
-                v = value_cache.index_select(0, blocks).reshape(shape)[:n_local]
+                k = key_cache.index_select(0, blocks).reshape(shape)[:n_keys]
+                v = value_cache.index_select(0, blocks).reshape(shape)[:n_keys]
             else:  # e4m3 pages: gather the bytes, dequantise in the compute dtype
-                k = dequantize(_gather_bytes(key_cache, blocks).reshape(shape)[:n_local], sc.k_scale, compute)
+                k = dequantize(_gather_bytes(key_cache, blocks).reshape(shape)[:n_keys], sc.k_scale, compute)
                 v = dequantize(
-                    _gather_bytes(value_cache, blocks).reshape(shape)[:n_local], sc.v_scale, compute
+                    _gather_bytes(value_cache, blocks).reshape(shape)[:n_keys], sc.v_scale, compute
                 )
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
             q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
-            scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_local]
-            # the mode's own mask over the row's keys, at the global positions of this rank's keys
-            key_pos = dcp_key_positions(n_local, md.cp_size, md.cp_rank, md.cp_interleave, device)
-            visible = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl).to(device)[:, key_pos]
+            scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_keys]
+            # the mask over the row's keys, at the global positions of the keys gathered
+            if md.mask is not None:
+                full = md.mask.row_mask(sl - (q1 - q0), q1 - q0, sl)
+            else:
+                full = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl)
+            visible = full.to(device)[:, key_pos]
             scores = scores.masked_fill(~visible, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where no local key is visible
             finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
