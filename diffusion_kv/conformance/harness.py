@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.backend import BackendChoice, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
-from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.rows import PagedRow
@@ -96,7 +96,8 @@ class PagedHarness:
     max_model_len: int = 256
     max_rows_per_request: int = 4
     max_num_seqs: int = 2
-    mode: AttentionMode = AttentionMode.CAUSAL
+    mode: AttentionMode | MaskSpec = AttentionMode.CAUSAL
+    """The layers' mask: a plain kind or a parametrised ``MaskSpec``."""
     layer_names: tuple[str, ...] = ("layer.0", "layer.1")
     slot_mapping_dtype: torch.dtype | None = None
     device: torch.device | None = None

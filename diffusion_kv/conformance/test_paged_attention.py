@@ -18,7 +18,8 @@ import torch
 from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
-from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.attention import MaskSpec
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.batch import KVCache, key_value_caches
 from diffusion_kv.core.capabilities import dtype_name
@@ -75,7 +76,7 @@ def harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
     kw.setdefault("dtype", pick_dtype(backend))
     kw.setdefault("head_size", pick_head_size(backend))
     block = kw.setdefault("block_size", pick_block_size(platform, backend))
-    mode = kw.get("mode", AttentionMode.CAUSAL)
+    mask = MaskSpec.of(kw.get("mode", AttentionMode.CAUSAL))  # type: ignore[arg-type]
     require(
         platform,
         backend,
@@ -84,7 +85,9 @@ def harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
         num_heads=kw.get("num_heads", 4),
         num_kv_heads=kw.get("num_kv_heads", 4),
         block_size=block,
-        attention_modes=frozenset({mode}),
+        attention_modes=mask.required_modes,
+        window=mask.window,
+        sink=mask.sink,
     )
     kw.setdefault("backend_choice", backend)
     kw.setdefault("max_model_len", max(256, 4 * int(block)))  # type: ignore[call-overload]
@@ -158,7 +161,7 @@ def expected(
     h: PagedHarness,
     rows: Sequence[PagedRow],
     data: list[RowData],
-    mode: AttentionMode,
+    mode: AttentionMode | MaskSpec,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     outs = []
@@ -204,7 +207,8 @@ def test_suffix_over_cached_prefix(dkv_platform: Platform, dkv_backend: Backend)
 
 def test_full_attention_over_cache(dkv_platform: Platform, dkv_backend: Backend) -> None:
     require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.FULL}))
-    h = harness(dkv_platform, dkv_backend, mode=AttentionMode.FULL)
+    # a full layer that takes no spans: a full-only backend serves it
+    h = harness(dkv_platform, dkv_backend, mode=MaskSpec(AttentionMode.FULL, spans=False))
     n = h.block_size + 7
     h.install("r", [n])
     data = make_rows(h, [n], seed=3)
@@ -1051,3 +1055,43 @@ def test_undeclared_kv_cache_dtype_is_refused(dkv_platform: Platform, dkv_backen
             dkv_platform, dtype=dtype, head_size=pick_head_size(dkv_backend), kv_cache_dtype=FP8_E4M3,
             block_size=pick_block_size(dkv_platform, dkv_backend), backend_choice=dkv_backend,
         )  # fmt: skip
+
+
+# --- masks with a chunk, a window and sinks (autoregressive diffusion) ---------------------------
+
+
+def test_chunk_causal_window_sink_stream(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A stream of chunks over one row: chunk-causal attention over a sink chunk and a window of
+    two chunks (the chunk's own included), the row extended by a chunk at a time, blocks that
+    slid out of the window released (``NULL_BLOCK`` in the snapshot). Every chunk equals dense
+    attention over the whole history under the same mask; a row that would read a released key
+    is refused before any cache write."""
+    bs = pick_block_size(dkv_platform, dkv_backend)
+    spec = MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=bs, window=2 * bs, sink=bs)
+    require(dkv_platform, dkv_backend, attention_modes=spec.required_modes, window=spec.window, sink=spec.sink)
+    h = harness(dkv_platform, dkv_backend, mode=spec, block_size=bs, layer_names=("layer.0",))
+    chunks = 5
+    data = make_rows(h, [chunks * bs], seed=11)[0]
+    blocks: list[int] = []
+    generation = 0
+    for c in range(chunks):
+        start, end = c * bs, (c + 1) * bs
+        blocks.extend(h.take_blocks(1, "permuted"))
+        seq = SequenceAllocation(0, 0, end, end, (tuple(blocks),))
+        h.registry.install(RequestAllocation("s", generation, (seq,)))
+        generation += 1
+        rows = (PagedRow("s", bs, end, start, sequence_id=0),)
+        out = run(h, rows, [data])
+        check(h, out, expected(h, rows, [data], spec))
+        keep = spec.retention(end)
+        for b in keep.releasable_blocks(h.block_size):
+            blocks[b] = NULL_BLOCK
+        if NULL_BLOCK in blocks:
+            seq = SequenceAllocation(0, 0, end, end, (tuple(blocks),))
+            h.registry.install(RequestAllocation("s", generation, (seq,)))
+            generation += 1
+    assert blocks[1 : chunks - 1] == [NULL_BLOCK] * (chunks - 2)
+    before = h.cache_snapshot()
+    with pytest.raises(StateError, match="would read tokens"):
+        h.translator.prepare((PagedRow("s", bs, (chunks - 1) * bs, (chunks - 2) * bs, sequence_id=0),))
+    assert all(torch.equal(a, b) for a, b in zip(before, h.cache_snapshot(), strict=True))
