@@ -346,7 +346,7 @@ class DiffusionKVPlatformHooks:
         """Refuse a backend ``DIFFUSION_KV_BACKEND`` forces whose kernel cannot serve the
         configured block size, naming the size, the backend, the sizes it takes and the
         platform's backends that serve the size (an unknown name is left to the selection)."""
-        forced = forced_backend(self.platform.name)
+        forced = forced_backend(self.platform.name, self.platform.plugins)
         block = requirements.block_size
         if forced is None or block is None:
             return
