@@ -278,7 +278,7 @@ def test_groups_must_share_block_tables_and_a_slot_dtype() -> None:
         pass
 
     own = backend("own", 300)
-    own.block_tables_cls = classmethod(lambda cls: OwnTables)  # type: ignore[method-assign]
+    own.block_tables_cls = classmethod(lambda cls: OwnTables)  # type: ignore[method-assign,assignment]
 
     class Mixed(Toy):
         backends = (int32_only, int64_only, own)  # type: ignore[assignment]
