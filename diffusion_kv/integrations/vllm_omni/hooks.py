@@ -424,12 +424,6 @@ class DiffusionKVPlatformHooks:
             self._factories[backend] = factory
         return factory
 
-    @staticmethod
-    def requires_prewrite() -> bool:
-        """The core (and the wrapped backends) write each layer's K/V once, then attention reads
-        pages only."""
-        return True
-
 
 __all__ = [
     "CONFIG_KEY",
