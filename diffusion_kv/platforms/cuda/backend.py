@@ -38,6 +38,7 @@ from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.platforms.interface import (
     Availability,
@@ -200,7 +201,7 @@ class CudaPagedBackend(TorchSdpaBackend):
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
         reasons = super().not_supported_reasons(requirements)
-        quant = requirements.kv_cache_dtype not in (None, requirements.dtype)
+        quant = not is_unquantised(requirements.kv_cache_dtype, requirements.dtype)
         if quant and cls.way is not KernelWay.SDPA and not triton_available():
             reasons.append(
                 f"kv_cache_dtype {requirements.kv_cache_dtype} needs Triton ({triton_available().reason})"
