@@ -64,6 +64,21 @@ def parse_kv_cache_dtype(value: object) -> torch.dtype | None:
     )
 
 
+def is_unquantised(kv_cache_dtype: object, compute: torch.dtype | None = None) -> bool:
+    """Whether ``kv_cache_dtype`` asks for pages in the layer's compute dtype: ``None``,
+    ``"auto"`` (any spelling :func:`parse_kv_cache_dtype` takes) or ``compute`` itself (a dtype
+    or its name). The one reading of "unquantised" every entry point uses (``RunnerConfig``, the
+    CLI, requirements, the vLLM and vLLM-Omni integrations). A value the parser refuses is not
+    unquantised (the caller reports it)."""
+    if kv_cache_dtype is None or (compute is not None and kv_cache_dtype == compute):
+        return True
+    try:
+        parsed = parse_kv_cache_dtype(kv_cache_dtype)
+    except ValidationError:
+        return False
+    return parsed is None or (compute is not None and parsed == compute)
+
+
 def cache_dtype_name(dtype: torch.dtype | None) -> str:
     if dtype is None:
         return "auto"
@@ -73,7 +88,7 @@ def cache_dtype_name(dtype: torch.dtype | None) -> str:
 def resolve_cache_dtype(compute: torch.dtype, requested: torch.dtype | None, what: str) -> torch.dtype | None:
     """The cache dtype of a layer computing in ``compute`` (None: the same); a 16-bit cache dtype
     other than the compute dtype is refused (pages convert only to and from e4m3 with scales)."""
-    if requested is None or requested == compute:
+    if is_unquantised(requested, compute):
         return None
     if requested in QUANTIZED_CACHE_DTYPES:
         return requested
@@ -175,6 +190,7 @@ __all__ = [
     "cache_dtype_name",
     "dequantize",
     "fake_quantize",
+    "is_unquantised",
     "parse_kv_cache_dtype",
     "quantize",
     "resolve_cache_dtype",

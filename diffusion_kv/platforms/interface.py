@@ -19,14 +19,21 @@ backends, so they cannot disagree.
 
 Vendor imports belong inside methods, never at module import time, so discovery stays cheap
 and safe on every machine.
+
+This module imports nothing from discovery (:mod:`~diffusion_kv.platforms.selection`): the
+platform discovery constructs is handed its plugin set (:meth:`Platform.use_plugins`: the
+backends other distributions add, the installed platform names, where a backend's failure is
+recorded); a platform constructed directly reads the default one, which discovery registers
+when it is imported (:func:`set_default_plugins`). Calls on backends run guarded
+(:mod:`~diffusion_kv.platforms.isolation`).
 """
 
 from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -43,6 +50,7 @@ from diffusion_kv.core.capabilities import (
 )
 from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.host import HostRuntime, check_host
+from diffusion_kv.platforms.isolation import BackendCallError, FailureReport, backend_call
 
 __all__ = [
     "ENV_BACKEND",
@@ -52,6 +60,7 @@ __all__ = [
     "Capabilities",
     "GroupContext",
     "HostRuntime",
+    "InstalledPlugins",
     "KVCache",
     "KVPageLayout",
     "LayerGeometry",
@@ -63,26 +72,61 @@ __all__ = [
     "allocate_pages",
     "capability_reasons",
     "forced_backend",
+    "set_default_plugins",
 ]
 
 ENV_BACKEND = "DIFFUSION_KV_BACKEND"
 """``<platform>:<backend>``: the default of the backend choice (``RunnerConfig.backend``)."""
 
 
-def forced_backend(platform: str) -> str | None:
+class InstalledPlugins(FailureReport, Protocol):
+    """What discovery hands a platform (:meth:`Platform.use_plugins`): the installed platforms'
+    names, the backends other distributions add (entry-point group ``diffusion_kv.backends``),
+    and where a failing backend is recorded. ``diffusion_kv.platforms.selection.PluginSet`` is
+    the implementation."""
+
+    namespace: str
+    """The platforms' entry-point group."""
+
+    @property
+    def names(self) -> list[str]:
+        """The installed platforms' names."""
+        ...
+
+    def backends_for(self, platform: str) -> list[type[PagedBackend]]:
+        """The valid entry-point backends serving ``platform`` (one that failed is left out)."""
+        ...
+
+
+_default_plugins: Callable[[], InstalledPlugins] | None = None
+
+
+def set_default_plugins(source: Callable[[], InstalledPlugins] | None) -> None:
+    """Where a platform that discovery did not construct (``CpuPlatform()`` in a test or a
+    script) finds its plugin set: discovery registers its ``discover`` when it is imported
+    (``diffusion_kv.platforms`` imports it). None: such a platform has only its built-in
+    backends."""
+    global _default_plugins
+    _default_plugins = source
+
+
+def default_plugins() -> InstalledPlugins | None:
+    """The plugin set a platform constructed directly uses (see :func:`set_default_plugins`)."""
+    return _default_plugins() if _default_plugins is not None else None
+
+
+def forced_backend(platform: str, plugins: InstalledPlugins | None = None) -> str | None:
     """The backend ``DIFFUSION_KV_BACKEND`` forces on ``platform`` (None: not set, or it names
     another installed platform); a malformed value, or one naming a platform that is not
-    installed, is a :class:`ConfigurationError`."""
+    installed (in ``plugins``, default :func:`default_plugins`), is a :class:`ConfigurationError`."""
     forced = forced_setting()
     if forced is None:
         return None
     name, backend = forced
     if name == platform:
         return backend
-    from diffusion_kv.platforms.selection import discover  # lazy: discovery
-
-    plugins = discover()
-    if name not in plugins.records:
+    plugins = plugins if plugins is not None else default_plugins()
+    if plugins is not None and name not in plugins.names:
         raise forced_platform_missing(name, plugins.namespace, plugins.names)
     return None
 
@@ -127,12 +171,15 @@ def _check_backends(backends: object) -> tuple[type[PagedBackend], ...]:
     return tuple(backends)
 
 
-def _block_tables_of(backend: type[PagedBackend]) -> type:
+def _block_tables_of(backend: type[PagedBackend], report: FailureReport | None) -> type:
     """``backend.block_tables_cls()``, guarded like every call on a plugin's backend."""
-    from diffusion_kv.platforms.selection import backend_call  # lazy: discovery
-
     return backend_call(
-        backend, "block_tables_cls()", backend.block_tables_cls, lambda r: isinstance(r, type), "a class"
+        backend,
+        "block_tables_cls()",
+        backend.block_tables_cls,
+        lambda r: isinstance(r, type),
+        "a class",
+        report,
     )
 
 
@@ -156,6 +203,21 @@ class Platform(abc.ABC):
     """The ``torch.distributed`` backend of multi-rank runs (``nccl``, ``hccl``, ...)."""
     backends: ClassVar[tuple[type[PagedBackend], ...]] = ()
     """Built-in paged backends; entry-point backends for this platform join them by priority."""
+    _plugins: InstalledPlugins | None = None
+
+    # --- what discovery hands the platform ------------------------------------------------------
+
+    def use_plugins(self, plugins: InstalledPlugins) -> None:
+        """Hand the platform its plugin set: discovery does it for every platform it constructs
+        (``get_platform``, ``discover().instance(name)``). The platform reads its added backends
+        and the installed platform names from it, and records a failing backend there."""
+        self._plugins = plugins
+
+    @property
+    def plugins(self) -> InstalledPlugins | None:
+        """The plugin set handed to the platform, else the default one (:func:`default_plugins`:
+        discovery's, for a platform constructed directly); None: neither exists."""
+        return self._plugins if self._plugins is not None else default_plugins()
 
     # --- detection and devices ----------------------------------------------------------------
 
@@ -186,9 +248,9 @@ class Platform(abc.ABC):
     def candidate_backends(self) -> tuple[type[PagedBackend], ...]:
         """Every backend of this platform, highest priority first (built-ins and those other
         distributions add through ``diffusion_kv.backends``; ties keep built-ins first)."""
-        from diffusion_kv.platforms.selection import added_backends  # lazy: discovery
-
-        merged = [*self.backends, *added_backends(self.name)]
+        plugins = self.plugins
+        added = plugins.backends_for(self.name) if plugins is not None else []
+        merged = [*self.backends, *added]
         return tuple(sorted(merged, key=lambda b: -b.priority))
 
     @property
@@ -203,8 +265,7 @@ class Platform(abc.ABC):
         type is not served: that is its reason (an entry-point backend is also reported as
         broken and skipped from then on). What the backend needs of an embedding host is
         :meth:`host_reasons`; selection asks both."""
-        from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
-
+        report = self.plugins
         try:
             found = backend_call(
                 backend,
@@ -212,6 +273,7 @@ class Platform(abc.ABC):
                 backend.is_available,
                 lambda r: isinstance(r, Availability),
                 "an Availability",
+                report,
             )
             if not found:
                 return [f"unavailable: {found.reason}"]
@@ -222,6 +284,7 @@ class Platform(abc.ABC):
                     lambda: backend.not_supported_reasons(requirements),
                     lambda r: isinstance(r, list) and all(type(x) is str for x in r),
                     "a list of strings",
+                    report,
                 )
             )
         except BackendCallError as exc:
@@ -230,8 +293,6 @@ class Platform(abc.ABC):
     def host_reasons(self, backend: type[PagedBackend], host: HostRuntime | None) -> list[str]:
         """Every reason ``backend`` cannot serve with ``host`` (the embedding host's runtime;
         None: standalone): its ``host_reasons``, guarded like every call on a plugin's backend."""
-        from diffusion_kv.platforms.selection import BackendCallError, backend_call  # lazy: discovery
-
         try:
             return list(
                 backend_call(
@@ -240,6 +301,7 @@ class Platform(abc.ABC):
                     lambda: backend.host_reasons(check_host(host)),
                     lambda r: isinstance(r, list) and all(type(x) is str for x in r),
                     "a list of strings",
+                    self.plugins,
                 )
             )
         except BackendCallError as exc:
@@ -256,7 +318,7 @@ class Platform(abc.ABC):
         """The backend to force and who forces it: ``force`` when given (a name or a class),
         else ``DIFFUSION_KV_BACKEND``'s choice for this platform (its default), else None."""
         if force is None:
-            name = forced_backend(self.name)
+            name = forced_backend(self.name, self.plugins)
             return (name, ENV_BACKEND) if name is not None else None
         if isinstance(force, str) and force.strip():
             return force.strip(), "the backend choice"
@@ -293,23 +355,22 @@ class Platform(abc.ABC):
                     f"{[b.name for b in candidates]}"
                 )
             candidates = tuple(named)
-        from diffusion_kv.platforms.selection import BackendCallError  # lazy: discovery
-
+        report = self.plugins
         out = []
         for backend in candidates:
             reasons = self.backend_reasons(backend, requirements) + self.host_reasons(backend, host)
             if not reasons or compatible_with:  # its BlockTables class is what a worker builds next
                 try:
-                    tables = _block_tables_of(backend)
+                    tables = _block_tables_of(backend, report)
                 except BackendCallError as exc:
                     out.append((backend, [*reasons, f"broken: its {exc.what} {exc.problem}"]))
                     continue
             if compatible_with:
                 other = compatible_with[0]
-                if tables is not _block_tables_of(other):
+                if tables is not _block_tables_of(other, report):
                     reasons.append(
                         f"its BlockTables ({tables.__name__}) differs from the one "
-                        f"KV-cache group 0's backend {other.name!r} uses ({_block_tables_of(other).__name__})"
+                        f"KV-cache group 0's backend {other.name!r} uses ({_block_tables_of(other, report).__name__})"
                     )
                 common = frozenset.intersection(
                     backend.capabilities.slot_mapping_dtypes,

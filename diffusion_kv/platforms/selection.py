@@ -30,17 +30,15 @@ Rules, in order:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import inspect
-import io
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from stevedore import ExtensionManager, NamedExtensionManager
@@ -63,6 +61,15 @@ from diffusion_kv.platforms.interface import (
     Requirements,
     forced_platform_missing,
     forced_setting,
+    set_default_plugins,
+)
+from diffusion_kv.platforms.isolation import (  # importable from here too (their earlier home)
+    BackendCallError,
+    PluginFailure,
+    backend_call,
+    guarded,
+    printed_note,
+    safe_repr,
 )
 
 ENTRY_POINT_GROUP = "diffusion_kv.platforms"
@@ -79,18 +86,6 @@ BUILTIN_ENTRY_POINTS = {
     "npu": "diffusion_kv.platforms.npu:NpuPlatform",
 }
 """The built-in platforms: their names cannot be taken over by another entry point."""
-
-T = TypeVar("T")
-
-
-class PluginFailure(Exception):
-    """What a plugin raised (anything but ``KeyboardInterrupt``), with its captured stdout."""
-
-    def __init__(self, exc: BaseException, printed: str) -> None:
-        super().__init__(f"{type(exc).__name__}: {safe_repr(exc, str)}")
-        self.original = exc
-        self.printed = printed
-
 
 REMOVED_NAMES: frozenset[str] = frozenset(
     {
@@ -145,40 +140,7 @@ def _import_fix(failure: PluginFailure, default: str) -> str:
     )
 
 
-def safe_repr(obj: object, how: Callable[[object], str] = repr) -> str:
-    """``repr(obj)`` (or ``how(obj)``), or a placeholder when that raises."""
-    try:
-        return how(obj)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        return f"<{type(obj).__name__} whose {how.__name__} raised {type(exc).__name__}>"
-
-
-def guarded(call: Callable[[], T]) -> tuple[T, str]:
-    """Run plugin code: ``(result, captured stdout)``, or :class:`PluginFailure` for anything it
-    raises except ``KeyboardInterrupt`` (``SystemExit`` included)."""
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buffer):
-            result = call()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        raise PluginFailure(exc, buffer.getvalue()) from exc
-    return result, buffer.getvalue()
-
-
-def _printed_note(printed: str, when: str) -> str | None:
-    if not printed:
-        return None
-    shown = printed.strip().replace("\n", " | ")
-    if len(shown) > 120:
-        shown = shown[:117] + "..."
-    return (
-        f"printed {len(printed)} characters to stdout {when} ({shown!r}); they were captured. "
-        "Fix: log through logging or warnings instead of print"
-    )
+_printed_note = printed_note
 
 
 class PluginLoadWarning(UserWarning):
@@ -455,56 +417,6 @@ class BackendRecord:
         return self.backend_cls.platform if self.backend_cls is not None else self.serves
 
 
-class BackendCallError(PlatformError):
-    """A call on a paged backend class raised (``SystemExit`` included) or answered with the
-    wrong type; the backend is skipped, and an entry-point one is reported as broken."""
-
-    def __init__(self, backend: str, what: str, problem: str) -> None:
-        super().__init__(f"backend {backend!r}: its {what} {problem}")
-        self.what = what
-        self.problem = problem
-
-
-def backend_call(
-    backend: type[PagedBackend],
-    what: str,
-    call: Callable[[], T],
-    expect: Callable[[object], bool],
-    expected: str,
-) -> T:
-    """Run plugin code on a backend class (``what`` names it, ``is_available()`` say) and check
-    its answer. Whatever it raises (``SystemExit`` included; ``KeyboardInterrupt`` propagates)
-    or a wrong answer is a :class:`BackendCallError`; for a backend another distribution added
-    through an entry point the failure is also recorded (``diffusion-kv platforms`` lists it
-    with the fix, a :class:`PluginLoadWarning` says so once, and the backend is skipped from
-    then on). What it prints to stdout is captured."""
-    name = safe_repr(backend, lambda b: str(getattr(b, "name", b)))
-    try:
-        result, printed = guarded(call)
-    except PluginFailure as failure:
-        error = BackendCallError(name, what, f"raised {failure}")
-        error.__cause__ = failure.original
-        _record_backend_failure(backend, error, failure.printed)
-        raise error from failure.original
-    if not expect(result):
-        error = BackendCallError(name, what, f"returned {safe_repr(result)}, not {expected}")
-        _record_backend_failure(backend, error, printed)
-        raise error
-    if printed:
-        _record_backend_note(backend, _printed_note(printed, f"in its {what}"))
-    return result
-
-
-def _record_backend_failure(backend: type[PagedBackend], error: BackendCallError, printed: str) -> None:
-    for plugins in list(_CACHE.values()):
-        plugins.backend_failed(backend, error, printed)
-
-
-def _record_backend_note(backend: type[PagedBackend], note: str | None) -> None:
-    for plugins in list(_CACHE.values()):
-        plugins.backend_note(backend, note)
-
-
 class PluginSet:
     """The plugins of one entry-point group, loaded once (see :func:`discover`)."""
 
@@ -703,6 +615,17 @@ class PluginSet:
             )
             warnings.warn(str(failure), PluginLoadWarning, stacklevel=4)
 
+    def report_failure(self, backend: type[PagedBackend], error: BackendCallError, printed: str) -> None:
+        """A call on ``backend`` failed (:func:`~diffusion_kv.platforms.isolation.backend_call`):
+        recorded in this set and in every other loaded set that holds the backend."""
+        for plugins in {id(p): p for p in (self, *_CACHE.values())}.values():
+            plugins.backend_failed(backend, error, printed)
+
+    def report_note(self, backend: type[PagedBackend], note: str | None) -> None:
+        """A call on ``backend`` printed to stdout: noted like :meth:`report_failure`."""
+        for plugins in {id(p): p for p in (self, *_CACHE.values())}.values():
+            plugins.backend_note(backend, note)
+
     def backend_note(self, backend: type[PagedBackend], note: str | None) -> None:
         if not note:
             return
@@ -794,6 +717,7 @@ class PluginSet:
                 self._note(name, _printed_note(failure.printed, "while constructed"))
                 raise err from failure.original
             self._note(name, _printed_note(printed, "while constructed"))
+            platform.use_plugins(self)  # its added backends, the installed names: handed, not looked up
             self._instances[name] = platform
         return self._instances[name]
 
@@ -1055,6 +979,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                             b.is_available,
                             lambda r: isinstance(r, Availability),
                             "an Availability",
+                            plugins,
                         )
                         if found:  # what selection asks next: a backend raising there is broken too
                             backend_call(
@@ -1063,6 +988,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                                 lambda b=b: b.not_supported_reasons(Requirements()),  # type: ignore[misc]
                                 lambda r: isinstance(r, list) and all(type(x) is str for x in r),
                                 "a list of strings",
+                                plugins,
                             )
                             backend_call(
                                 b,
@@ -1070,6 +996,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                                 b.block_tables_cls,
                                 lambda r: isinstance(r, type),
                                 "a class",
+                                plugins,
                             )
                     except BackendCallError as exc:
                         found = Availability(False, f"broken: its {exc.what} {exc.problem}")
@@ -1104,3 +1031,6 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
             )
         )
     return out
+
+
+set_default_plugins(discover)  # what a platform constructed directly (not by discovery) reads

@@ -382,12 +382,6 @@ def test_platform_worker_init_runs_the_selected_backends_init(
     assert vendor.log == ["adapt_patch", ("init_ascend_config", "VLLM-CONFIG")]
 
 
-def test_configure_block_size_takes_the_first_integer_kernel_size(vendor: Vendor) -> None:
-    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16))
-    assert VllmAscendBackend.configure_block_size(config) == 128
-    assert config.cache_config.block_size == 128
-
-
 # --- BlockTables ------------------------------------------------------------------------------------
 
 

@@ -25,7 +25,13 @@ from diffusion_kv.platforms.interface import (
     Requirements,
     capability_reasons,
 )
-from diffusion_kv.platforms.selection import validate_backend_class, validate_platform_class
+from diffusion_kv.platforms.isolation import BackendCallError
+from diffusion_kv.platforms.selection import (
+    discover,
+    get_platform,
+    validate_backend_class,
+    validate_platform_class,
+)
 
 
 def _caps(**overrides: object) -> Capabilities:
@@ -317,3 +323,64 @@ def test_backend_validation_names_every_problem() -> None:
     assert validate_backend_class(NoPartial) == [
         "declares supports_dcp but does not implement forward_partial"
     ]
+
+
+class _HandedPlugins:
+    """An InstalledPlugins of our own: two installed platforms, one added backend for ``toy``."""
+
+    namespace = "test.platforms"
+
+    def __init__(self, added: list[type[PagedBackend]]) -> None:
+        self.added = added
+        self.failures: list[tuple[str, str]] = []
+        self.notes: list[str | None] = []
+
+    @property
+    def names(self) -> list[str]:
+        return ["toy", "other"]
+
+    def backends_for(self, platform: str) -> list[type[PagedBackend]]:
+        return list(self.added) if platform == "toy" else []
+
+    def report_failure(self, backend: type[PagedBackend], error: BackendCallError, printed: str) -> None:
+        self.failures.append((backend.name, error.what))
+
+    def report_note(self, backend: type[PagedBackend], note: str | None) -> None:
+        self.notes.append(note)
+
+
+def test_a_platform_reads_the_plugins_it_is_handed(monkeypatch: pytest.MonkeyPatch) -> None:
+    added = backend("added", 150)
+    raising = backend("raising", 250)
+
+    def broken() -> Availability:
+        raise RuntimeError("driver gone")
+
+    raising.is_available = staticmethod(broken)  # type: ignore[method-assign]
+    handed = _HandedPlugins([added, raising])
+    toy = Toy()
+    assert [b.name for b in toy.candidate_backends()] == ["gone", "fast", "broad", "last"]  # default set
+    toy.use_plugins(handed)
+    assert toy.plugins is handed
+    assert [b.name for b in toy.candidate_backends()] == ["gone", "fast", "raising", "broad", "added", "last"]
+    assert toy.backend_reasons(raising, Requirements()) == [
+        "broken: its is_available() raised RuntimeError: driver gone"
+    ]
+    assert handed.failures == [("raising", "is_available()")]  # recorded where it was handed
+    assert Toy().plugins is discover()  # another instance keeps the default set
+    monkeypatch.setenv(ENV_BACKEND, "other:x")  # installed in the handed set: another platform's choice
+    assert toy.select_backend(Requirements(dtype=torch.float32)).name == "broad"
+    monkeypatch.setenv(ENV_BACKEND, "cuda:triton")  # installed for discovery, not in the handed set
+    with pytest.raises(
+        ConfigurationError,
+        match=r"names platform 'cuda', which is not installed in group 'test.platforms' "
+        r"\(installed: toy, other\)",
+    ):
+        toy.select_backend(Requirements(dtype=torch.float32))
+
+
+def test_discovery_hands_the_platforms_it_constructs_their_plugin_set() -> None:
+    plugins = discover()
+    platform = plugins.instance("cpu")
+    assert platform.plugins is plugins
+    assert get_platform("cpu") is platform

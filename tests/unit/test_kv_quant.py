@@ -171,3 +171,19 @@ def test_cli_demo_fp8_catches_a_corrupted_block() -> None:
     assert proc.returncode == 1, proc.stdout
     assert "DISAGREE" in proc.stdout
     assert "final-latent cosine similarity" in proc.stderr and "below the fp8_e4m3 bound 0.999" in proc.stderr
+
+
+def test_one_reading_of_unquantised() -> None:
+    from diffusion_kv.core.kv_quant import FP8_E4M3, is_unquantised, resolve_cache_dtype
+
+    bf16 = torch.bfloat16
+    for same in (None, "auto", "AUTO", bf16, "bfloat16", "bf16"):
+        assert is_unquantised(same, bf16) is True, same
+    for quant in ("fp8", "fp8_e4m3", FP8_E4M3):
+        assert is_unquantised(quant, bf16) is False, quant
+    assert is_unquantised(torch.float32, torch.float32) is True  # a compute dtype no name lists
+    assert is_unquantised("float16", bf16) is False  # another 16-bit dtype is not the layer's
+    assert is_unquantised("bfloat16") is False  # without a compute dtype only None/auto are
+    assert is_unquantised("fp8_e5m2", bf16) is False  # refused by the parser: not unquantised
+    assert resolve_cache_dtype(bf16, bf16, "layer") is None
+    assert resolve_cache_dtype(bf16, FP8_E4M3, "layer") is FP8_E4M3

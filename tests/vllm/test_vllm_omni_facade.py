@@ -489,7 +489,6 @@ def test_configure_records_the_decision_in_the_config(monkeypatch: pytest.Monkey
     assert hooks.ulysses_reasons(CpuReferenceBackend, 2) == []
     with pytest.raises(ValueError, match="ulysses_degree must be a positive integer; got 0"):
         hooks.ulysses_reasons(CpuReferenceBackend, 0)
-    assert hooks.requires_prewrite() is True
 
 
 def test_omni_block_tables_take_upstream_keywords() -> None:

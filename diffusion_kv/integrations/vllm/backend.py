@@ -34,6 +34,7 @@ from diffusion_kv.core.capabilities import (
     Requirements,
 )
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm.versions import (
     UnsupportedVllmVersionError,
@@ -263,7 +264,7 @@ class VllmFlashAttnBackend(VllmPagedBackend):
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
         reasons = super().not_supported_reasons(requirements)
-        if requirements.kv_cache_dtype not in (None, requirements.dtype):
+        if not is_unquantised(requirements.kv_cache_dtype, requirements.dtype):
             reasons.append(
                 "vLLM FlashAttention's fp8 path (q/k/v descale factors) is not wired into this backend yet; "
                 "the cuda platform's own paged/triton backends serve fp8_e4m3 pages"

@@ -69,7 +69,6 @@ def layer_adapter_cls(compat: VllmCompat) -> type[Any]:
             vllm_config: Any,
             device: torch.device,
             ulysses_degree: int = 1,
-            requires_prewrite: bool = True,
         ) -> None:
             if type(ulysses_degree) is not int or ulysses_degree <= 0:
                 raise ValueError(f"ulysses_degree must be a positive integer; got {ulysses_degree!r}")
@@ -106,9 +105,9 @@ def layer_adapter_cls(compat: VllmCompat) -> type[Any]:
             self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
             self.isa: str | None = None
             with compat.current_config(vllm_config):
-                self.impl = self._create_impl(vllm_config, requires_prewrite)
+                self.impl = self._create_impl(vllm_config)
 
-        def _create_impl(self, vllm_config: Any, requires_prewrite: bool) -> Any:
+        def _create_impl(self, vllm_config: Any) -> Any:
             backend = self.attn_backend
             impl = backend.get_impl_cls()(
                 num_heads=self.num_heads,
@@ -125,10 +124,8 @@ def layer_adapter_cls(compat: VllmCompat) -> type[Any]:
             name = backend.get_name()
             if not callable(getattr(impl, "forward", None)):
                 raise RuntimeError(f"native paged-attention backend {name!r} has no forward implementation")
-            explicit_update = requires_prewrite or not getattr(
-                backend, "forward_includes_kv_cache_update", True
-            )
-            if explicit_update and not callable(getattr(impl, "do_kv_cache_update", None)):
+            # the core writes each layer's K/V once (do_kv_cache_update), then attention reads pages
+            if not callable(getattr(impl, "do_kv_cache_update", None)):
                 raise RuntimeError(f"native paged-attention backend {name!r} cannot update the KV cache")
             if hasattr(impl, "vllm_flash_attn_version") and impl.vllm_flash_attn_version is None:
                 raise RuntimeError(

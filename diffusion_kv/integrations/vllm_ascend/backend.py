@@ -501,16 +501,6 @@ class VllmAscendBackend(PagedBackend):
         _import(UTILS_MODULE).adapt_patch()
         _import(ASCEND_CONFIG_MODULE).init_ascend_config(host.config)
 
-    @staticmethod
-    def configure_block_size(vllm_config: Any) -> int:
-        """Set ``cache_config.block_size`` to vllm-ascend's kernel block size (before KV specs)."""
-        backend = _import(ATTENTION_MODULE).AscendAttentionBackend
-        sizes = [s for s in backend.get_supported_kernel_block_sizes() if type(s) is int and s > 0]
-        if not sizes:
-            raise StateError("vllm-ascend's AscendAttentionBackend reports no integer kernel block size")
-        vllm_config.cache_config.block_size = sizes[0]
-        return sizes[0]
-
     # --- one instance per KV-cache group ------------------------------------------------------
 
     def __init__(self, group: GroupContext) -> None:

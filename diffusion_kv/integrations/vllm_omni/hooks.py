@@ -346,7 +346,7 @@ class DiffusionKVPlatformHooks:
         """Refuse a backend ``DIFFUSION_KV_BACKEND`` forces whose kernel cannot serve the
         configured block size, naming the size, the backend, the sizes it takes and the
         platform's backends that serve the size (an unknown name is left to the selection)."""
-        forced = forced_backend(self.platform.name)
+        forced = forced_backend(self.platform.name, self.platform.plugins)
         block = requirements.block_size
         if forced is None or block is None:
             return
@@ -423,12 +423,6 @@ class DiffusionKVPlatformHooks:
             )
             self._factories[backend] = factory
         return factory
-
-    @staticmethod
-    def requires_prewrite() -> bool:
-        """The core (and the wrapped backends) write each layer's K/V once, then attention reads
-        pages only."""
-        return True
 
 
 __all__ = [

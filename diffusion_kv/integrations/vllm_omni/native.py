@@ -46,6 +46,7 @@ from diffusion_kv.core.errors import (
     UnsupportedRequirementsError,
     ValidationError,
 )
+from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.integrations.vllm_omni.hooks import paged_batch
 from diffusion_kv.platforms.interface import Platform
@@ -147,7 +148,7 @@ class PagedImpl:
             )
             if value is not None
         ]
-        if kv_cache_dtype not in ("auto", None):
+        if not is_unquantised(kv_cache_dtype):
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
         if str(attn_type).lower() not in ("decoder", "attentiontype.decoder"):
             unsupported.append(f"attn_type={attn_type!r}")

@@ -260,7 +260,7 @@ def platform_class(delegate: str | None = None) -> type:
         def requires_diffusion_paged_kv_prewrite(cls) -> bool:
             if decision().vllm_native:
                 return bool(super().requires_diffusion_paged_kv_prewrite())
-            return hooks.requires_prewrite()
+            return True  # the core (and the wrapped backends) write each layer's K/V once, then read pages
 
         @classmethod
         def build_diffusion_kv_attn_metadata(cls, **kwargs: Any) -> dict[str, Any]:

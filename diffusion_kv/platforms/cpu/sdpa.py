@@ -8,8 +8,9 @@ fused CPU attention kernel (FlashAttention for CPU) instead of materialising the
 K/V are written by one indexed copy per cache. Decode context parallelism returns the partial
 with its log-sum-exp from the same CPU kernel.
 
-The planning code is the ``cuda`` plugin's (device-agnostic torch); nothing of Triton or CUDA is
-imported or run here.
+The gather + SDPA code is the platforms' shared device-neutral module
+(:mod:`diffusion_kv.platforms.torch_sdpa`, which the ``cuda`` plugin extends with its Triton
+way); nothing of Triton or CUDA is imported or run here.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ from typing import ClassVar
 import torch
 
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
-from diffusion_kv.platforms.cuda.backend import SdpaPagedBackend
+from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.platforms.interface import (
     Availability,
     Capabilities,
-    GroupContext,
     KVCache,
     LayerGeometry,
+    MultipleOf,
 )
+from diffusion_kv.platforms.torch_sdpa import TorchSdpaBackend
 
 
-class CpuSdpaBackend(SdpaPagedBackend):
+class CpuSdpaBackend(TorchSdpaBackend):
     """Gather or view + torch SDPA on the host (the ``cpu`` platform's default)."""
 
     name: ClassVar[str] = "sdpa"
@@ -38,10 +40,10 @@ class CpuSdpaBackend(SdpaPagedBackend):
     description: ClassVar[str] = "rows of one shape per SDPA call over their pages (views when contiguous)"
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        head_sizes=SdpaPagedBackend.capabilities.head_sizes,
-        kernel_block_sizes=SdpaPagedBackend.capabilities.kernel_block_sizes,
-        slot_mapping_dtypes=SdpaPagedBackend.capabilities.slot_mapping_dtypes,
-        attention_modes=SdpaPagedBackend.capabilities.attention_modes,
+        head_sizes=frozenset(range(8, 257, 8)),
+        kernel_block_sizes=(MultipleOf(16),),
+        slot_mapping_dtypes=frozenset({torch.int64}),
+        attention_modes=BASE_MODES,
         supports_gqa=True,
         supports_ulysses=True,
         supports_dcp=True,
@@ -56,10 +58,6 @@ class CpuSdpaBackend(SdpaPagedBackend):
     def block_tables_cls(cls) -> type[BlockTables]:
         return TorchBlockTables
 
-    def __init__(self, group: GroupContext) -> None:
-        super().__init__(group)
-        self.triton_ok = False  # the host path: torch writes, never a Triton launch
-
     def write_kv(
         self,
         layer: LayerGeometry,
@@ -72,4 +70,4 @@ class CpuSdpaBackend(SdpaPagedBackend):
         keep = slots >= 0
         if not bool(keep.all()):  # the host knows at once: drop the padding tokens
             slots, key, value = slots[keep], key[keep], value[keep]
-        self.write_kv_valid(layer, key, value, kv_cache, slots)  # the cuda plugin's indexed copy
+        self.write_kv_valid(layer, key, value, kv_cache, slots)  # one indexed copy per cache

@@ -29,19 +29,17 @@ metadata.
 
 from __future__ import annotations
 
-import enum
 import importlib.util
-from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from diffusion_kv.core.batch import key_value_caches, write_pages
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import cdiv
-from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.interface import (
     Availability,
     Capabilities,
@@ -49,10 +47,44 @@ from diffusion_kv.platforms.interface import (
     KVCache,
     LayerGeometry,
     MultipleOf,
-    PagedBackend,
     PagedBatch,
     Requirements,
 )
+from diffusion_kv.platforms.torch_sdpa import (  # the gather + SDPA way, shared with other plugins
+    BIAS_ALIGN,
+    CudaPagedMetadata,
+    KernelWay,
+    RowShapes,
+    SdpaRowGroup,
+    TorchSdpaBackend,
+    contiguous_run,
+    dcp_causal_mask,
+    page_view,
+    row_shapes,
+    sdpa_row_groups,
+    sdpa_with_lse,
+)
+
+__all__ = [
+    "BIAS_ALIGN",
+    "CAPABILITIES",
+    "CudaPagedBackend",
+    "CudaPagedMetadata",
+    "KernelWay",
+    "RowShapes",
+    "SdpaPagedBackend",
+    "SdpaRowGroup",
+    "TritonPagedBackend",
+    "choose_way",
+    "contiguous_run",
+    "cuda_available",
+    "dcp_causal_mask",
+    "page_view",
+    "row_shapes",
+    "sdpa_row_groups",
+    "sdpa_with_lse",
+    "triton_available",
+]
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
@@ -61,218 +93,6 @@ DEFAULT_NUM_SMS = 132
 PLAN_CACHE_SIZE = 64
 """Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
 is dropped first)."""
-BIAS_ALIGN = 16
-"""The memory-efficient SDPA kernel wants the rows of an additive mask 16-element aligned."""
-
-
-@dataclass(frozen=True)
-class SdpaRowGroup:
-    """Rows sharing one (query_len, seq_len) shape: one gather (or view) + one SDPA call per layer."""
-
-    query_len: int
-    seq_len: int
-    rows: tuple[int, ...]
-    row_index: torch.Tensor | None  # device indices when the rows are not consecutive
-    view: tuple[int, int] | None = None
-    """``(first kernel block, kernel blocks from one row's start to the next)`` when every row's
-    pages form one contiguous run and the runs are evenly spaced: K/V are then read as a strided
-    view of the cache, with no gather."""
-    kv_len: int | None = None
-    """Keys read from this rank's pages: the local keys under DCP; None means ``seq_len``."""
-    bias: torch.Tensor | None = None
-    """DCP causal partials: additive mask ``[1, 1, G * query_len, keys]`` (0 or -inf) over the
-    query heads of one KV head folded into the query sequence (``G = H // Hkv``); None when
-    every query sees every local key."""
-    visible: torch.Tensor | None = None
-    """DCP causal partials: ``[query_len]`` bool, whether a query sees any local key; None when
-    every query does."""
-
-    @property
-    def contiguous(self) -> bool:
-        return self.row_index is None
-
-    @property
-    def keys(self) -> int:
-        return self.seq_len if self.kv_len is None else self.kv_len
-
-
-def contiguous_run(ids: tuple[int, ...], ratio: int, count: int) -> int | None:
-    """The first kernel block when the first ``count`` kernel blocks of a row (scheduler ids
-    ``ids``, ``ratio`` kernel blocks each) are consecutive, else None."""
-    needed = -(-count // ratio)
-    if len(ids) < needed:
-        return None
-    first = ids[0]
-    if needed <= 1:
-        return first * ratio
-    if ids[needed - 1] != first + needed - 1:  # rejects most placements at once
-        return None
-    return first * ratio if tuple(ids[:needed]) == tuple(range(first, first + needed)) else None
-
-
-RowShapes = tuple[tuple[int, int, tuple[int, ...], "torch.Tensor | None"], ...]
-"""``(query_len, seq_len, rows, device row index or None when the rows are consecutive)`` per
-row shape of a batch, rows without queries left out."""
-
-
-def row_shapes(qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> RowShapes:
-    """A batch's rows grouped by shape (the part of :func:`sdpa_row_groups` that depends on the
-    lengths alone)."""
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for r in range(len(seq)):
-        shapes.setdefault((qsl[r + 1] - qsl[r], seq[r]), []).append(r)
-    out = []
-    for (ql, sl), rows in shapes.items():
-        if ql == 0:  # a row without queries in this (piecewise) segment
-            continue
-        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-        out.append((ql, sl, tuple(rows), index))
-    return tuple(out)
-
-
-def page_view(
-    rows: tuple[int, ...], seq_len: int, host_block_ids: tuple[tuple[int, ...], ...], ratio: int, page: int
-) -> tuple[int, int] | None:
-    """``SdpaRowGroup.view`` for rows of ``seq_len`` keys placed at ``host_block_ids``."""
-    if not host_block_ids:
-        return None
-    nblk = -(-seq_len // page)
-    starts: list[int] = []
-    for r in rows:  # stop at the first row whose pages are not one run
-        start = contiguous_run(host_block_ids[r], ratio, nblk)
-        if start is None:
-            return None
-        starts.append(start)
-    first = starts[0]
-    step = (starts[1] - first) if len(starts) > 1 else nblk
-    evenly = all(st == first + i * step for i, st in enumerate(starts))
-    return (first, step) if evenly and step >= nblk else None
-
-
-def sdpa_row_groups(
-    qsl: tuple[int, ...],
-    seq: tuple[int, ...],
-    device: torch.device,
-    host_block_ids: tuple[tuple[int, ...], ...] = (),
-    ratio: int = 1,
-    page: int = 1,
-    shapes: RowShapes | None = None,
-    kv_lens: tuple[int, ...] | None = None,
-) -> tuple[SdpaRowGroup, ...]:
-    """Rows grouped by shape, each group read as a strided view of the cache when its pages
-    allow it; ``shapes`` is ``row_shapes(qsl, seq, device)`` when the caller has it already.
-    ``kv_lens`` are the keys each row reads from this rank's pages when they differ from
-    ``seq`` (DCP; equal within a group); a group with no local keys is left out."""
-    if shapes is None:
-        shapes = row_shapes(qsl, seq, device)
-    groups = []
-    for ql, sl, rows, index in shapes:
-        kv_len = None if kv_lens is None else kv_lens[rows[0]]
-        keys = sl if kv_len is None else kv_len
-        if keys == 0:  # no key of these rows lives on this rank
-            continue
-        view = page_view(rows, keys, host_block_ids, ratio, page)
-        groups.append(SdpaRowGroup(ql, sl, rows, index, view, kv_len))
-    return tuple(groups)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device``, through pinned memory on CUDA (the copy does not block
-    the host)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def dcp_causal_mask(
-    grp: SdpaRowGroup,
-    heads_per_kv: int,
-    cp_size: int,
-    cp_rank: int,
-    interleave: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> SdpaRowGroup:
-    """``grp`` with the DCP causal ``bias`` and ``visible`` its partial needs (built on the
-    device at ``build`` from host lengths; no synchronisation).
-
-    Query ``m`` of the group sits at absolute position ``seq_len - query_len + m`` and sees the
-    local keys at absolute positions up to it: a prefix of the local keys (their positions grow
-    with their index) of length ``dcp_local_seq_lens(position + 1)``.
-    """
-    ql, sl, keys = grp.query_len, grp.seq_len, grp.keys
-    positions = torch.arange(sl - ql, sl, dtype=torch.int32)
-    seen = dcp_local_seq_lens(positions + 1, cp_size, cp_rank, interleave)  # host, [ql]
-    least = int(seen.min())
-    bias = visible = None
-    if least < keys:
-        counts = _to_device(seen.repeat(heads_per_kv), device)  # folded row g * ql + m
-        padded = cdiv(keys, BIAS_ALIGN) * BIAS_ALIGN
-        cols = torch.arange(padded, device=device)
-        full = torch.zeros((heads_per_kv * ql, padded), dtype=dtype, device=device)
-        full.masked_fill_(cols[None, :] >= counts[:, None], float("-inf"))
-        bias = full[:, :keys][None, None]
-    if least == 0:
-        visible = _to_device(seen > 0, device)
-    return replace(grp, bias=bias, visible=visible)
-
-
-def sdpa_with_lse(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, M, D]`` over ``[B, H, N, D]`` -> ``(out [B, H, M, D], natural-log lse [B, H, M]
-    float32)``, with an optional additive ``bias`` ``[B, H, M, N]`` in the query's dtype.
-
-    On CUDA: torch's memory-efficient kernel (cuDNN and FlashAttention take no such mask).
-    Elsewhere (the CPU, under Triton's interpreter in CI): torch's CPU flash kernel. A query
-    whose keys are all masked has an undefined result here: the caller masks it out.
-    """
-    if query.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, True, 0.0, False, scale=scale
-        )[:2]
-        return out, lse[..., : query.shape[2]]  # the kernel pads the LSE rows to a multiple of 32
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, False, attn_mask=bias, scale=scale
-    )
-    return out, lse
-
-
-@dataclass(frozen=True)
-class CudaPagedMetadata:
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool
-    page: int
-    host_query_start_loc: tuple[int, ...]
-    host_seq_lens: tuple[int, ...]
-    way: KernelWay
-    reason: str
-    tile_row: torch.Tensor | None = None
-    tile_q0: torch.Tensor | None = None
-    block_m: int = 64
-    block_n: int = 64
-    num_splits: int = 1
-    num_warps: int = 4
-    sdpa_groups: tuple[SdpaRowGroup, ...] = ()
-    local_seq_lens: torch.Tensor | None = None
-    """Under DCP, ``[num_reqs]`` keys of each row on this rank (device); None without DCP."""
-    cp_size: int = 1
-    cp_rank: int = 0
-    cp_interleave: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
-    views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    """Per (layer cache address, row group): the K/V strided views of contiguous pages, made by
-    the batch's first layer and reused by the others (a layer's cache never moves)."""
 
 
 class _BatchPlan(NamedTuple):
@@ -314,15 +134,6 @@ def cuda_available() -> Availability:
     return Availability(True, f"CUDA {torch.version.cuda}")
 
 
-class KernelWay(enum.Enum):
-    """How a cuda backend attends for one batch."""
-
-    TRITON = "triton"
-    """The Triton kernel reading the pages in place."""
-    SDPA = "sdpa"
-    """Gather each row's pages (or view them when contiguous), then torch SDPA (cuDNN)."""
-
-
 def choose_way(
     query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool
 ) -> tuple[KernelWay, str]:
@@ -362,19 +173,7 @@ converted in registers in the attention), so ``paged`` takes the Triton way for 
 ``sdpa`` backend, which would need a dequantised copy, does not declare them."""
 
 
-def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
-    """``[rows, tokens, Hkv, D]`` over ``cache`` ``[blocks, page, Hkv, D]``: row ``r`` starts at
-    kernel block ``first + r * step``."""
-    first, step = view
-    page_elems = cache.stride(0)
-    return cache.as_strided(
-        (rows, tokens, cache.shape[2], cache.shape[3]),
-        (step * page_elems, cache.stride(1), cache.stride(2), cache.stride(3)),
-        cache.storage_offset() + first * page_elems,
-    )
-
-
-class CudaPagedBackend(PagedBackend):
+class CudaPagedBackend(TorchSdpaBackend):
     """Writes with the Triton writer; attends in place or by gather + SDPA, chosen per batch."""
 
     name: ClassVar[str] = "paged"
@@ -402,7 +201,7 @@ class CudaPagedBackend(PagedBackend):
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
         reasons = super().not_supported_reasons(requirements)
-        quant = requirements.kv_cache_dtype not in (None, requirements.dtype)
+        quant = not is_unquantised(requirements.kv_cache_dtype, requirements.dtype)
         if quant and cls.way is not KernelWay.SDPA and not triton_available():
             reasons.append(
                 f"kv_cache_dtype {requirements.kv_cache_dtype} needs Triton ({triton_available().reason})"
@@ -419,19 +218,14 @@ class CudaPagedBackend(PagedBackend):
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)
-        self._bind_dcp()
         self.triton_ok = bool(triton_available())
         layer = group.layers[0]
-        self.group_ratio = layer.num_heads // layer.num_kv_heads
-        self.kv_heads = layer.num_kv_heads
-        self.head_size = layer.head_size
         self.num_sms = DEFAULT_NUM_SMS
         if group.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
         self.quantized = layer.cache_dtype is not None
         """e4m3 pages: every batch takes the Triton way (the only one reading them in place)."""
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
-        self._cudnn_answers: dict[tuple[Any, ...], bool] = {}
 
     def _plan(self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> _BatchPlan:
         """The plan of one batch shape, made once: a batch of a shape seen before reuses it, its
@@ -526,13 +320,7 @@ class CudaPagedBackend(PagedBackend):
     ) -> CudaPagedMetadata:
         """Under DCP each rank reads its local keys only: the schedule and row groups follow the
         rank-local lengths, and causal partials of the gather + SDPA way carry their mask."""
-        host = batch.dcp_local_seq_lens_cpu
-        if host is None:
-            host = dcp_local_seq_lens(batch.seq_lens_cpu, self.cp_size, self.cp_rank, self.cp_interleave)
-        local = tuple(int(x) for x in host.tolist())
-        local_dev = batch.dcp_local_seq_lens
-        if local_dev is None:
-            local_dev = _to_device(host.to(torch.int32), device)
+        local, local_dev = self._dcp_local(batch, device)
         lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
         if self.quantized:
             way, reason = KernelWay.TRITON, "e4m3 pages are read in place by the Triton kernel only"
@@ -552,60 +340,9 @@ class CudaPagedBackend(PagedBackend):
                 num_warps=8 if block_m >= 128 else 4,
             )
         else:
-            g = self.group
-            groups = sdpa_row_groups(
-                qsl,
-                seq,
-                device,
-                batch.host_block_ids,
-                g.block_size // g.kernel_block_size,
-                g.kernel_block_size,
-                kv_lens=local,
-            )
-            if batch.causal:
-                layer = g.layers[0]
-                groups = tuple(
-                    dcp_causal_mask(
-                        grp,
-                        self.group_ratio,
-                        self.cp_size,
-                        self.cp_rank,
-                        self.cp_interleave,
-                        layer.dtype,
-                        device,
-                    )
-                    for grp in groups
-                )
+            groups = self._dcp_sdpa_groups(batch, qsl, seq, local, device)
             extra = dict(sdpa_groups=groups)
         return self._metadata(batch, qsl, seq, way, reason, extra, local_dev)
-
-    def _metadata(
-        self,
-        batch: PagedBatch,
-        qsl: tuple[int, ...],
-        seq: tuple[int, ...],
-        way: KernelWay,
-        reason: str,
-        extra: dict[str, Any],
-        local_seq_lens: torch.Tensor | None = None,
-    ) -> CudaPagedMetadata:
-        return CudaPagedMetadata(
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            block_table=batch.block_table,
-            slot_mapping=batch.slot_mapping,
-            causal=batch.causal,
-            page=self.group.kernel_block_size,
-            host_query_start_loc=qsl,
-            host_seq_lens=seq,
-            way=way,
-            reason=reason,
-            local_seq_lens=local_seq_lens,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
-            cp_interleave=self.cp_interleave,
-            **extra,
-        )
 
     def write_kv(
         self,
@@ -626,34 +363,7 @@ class CudaPagedBackend(PagedBackend):
             else:
                 kernels.write_kv(key, value, k_cache, v_cache, slots)
             return
-        # Without Triton: route -1 slots to a scratch row so no host sync is needed.
-        nb, page, hkv, d = k_cache.shape
-        flat_k = k_cache.view(nb * page, hkv, d)
-        flat_v = v_cache.view(nb * page, hkv, d)
-        keep = slots >= 0
-        idx = torch.where(keep, slots, torch.zeros_like(slots)).long()
-        old_k = flat_k.index_select(0, idx)
-        old_v = flat_v.index_select(0, idx)
-        flat_k.index_copy_(0, idx, torch.where(keep[:, None, None], key.to(k_cache.dtype), old_k))
-        flat_v.index_copy_(0, idx, torch.where(keep[:, None, None], value.to(v_cache.dtype), old_v))
-
-    def write_kv_valid(
-        self,
-        layer: LayerGeometry,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Every slot is real: one indexed copy per cache (no launcher, no padding mask); e4m3
-        pages take the Triton writer, which quantises in the same pass."""
-        if layer.kv_scales is not None:
-            self.write_kv(layer, key, value, kv_cache, slot_mapping)
-            return
-        k_cache, v_cache = key_value_caches(kv_cache)
-        slots = slot_mapping[: key.shape[0]]
-        write_pages(k_cache, slots, key)
-        write_pages(v_cache, slots, value)
+        super().write_kv(layer, key, value, kv_cache, slot_mapping)  # without Triton: torch, no host sync
 
     def forward(
         self,
@@ -726,160 +436,6 @@ class CudaPagedBackend(PagedBackend):
             k_scale=layer.kv_scales.k_scale if layer.kv_scales is not None else None,
             v_scale=layer.kv_scales.v_scale if layer.kv_scales is not None else None,
         )
-
-    @staticmethod
-    def _group_tensors(
-        layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata, grp: SdpaRowGroup
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One row group's ``q [R, ql, H, D]`` and ``k``/``v`` ``[R, keys, Hkv, D]`` (a view of the
-        cache when its pages are contiguous, else gathered)."""
-        hkv, hd = layer.num_kv_heads, layer.head_size
-        qsl, rows, ql, keys = md.host_query_start_loc, grp.rows, grp.query_len, grp.keys
-        nblk = cdiv(keys, md.page)
-        R = len(rows)
-        k_cache, v_cache = key_value_caches(kv_cache)
-        if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
-            at = (k_cache.data_ptr(), id(grp))
-            cached = md.views.get(at)
-            if cached is None:
-                cached = md.views[at] = (
-                    _row_view(k_cache, grp.view, R, nblk * md.page)[:, :keys],
-                    _row_view(v_cache, grp.view, R, nblk * md.page)[:, :keys],
-                )
-            k, v = cached
-        else:
-            if grp.row_index is None:
-                table = md.block_table[rows[0] : rows[0] + R, :nblk]
-            else:
-                table = md.block_table[grp.row_index, :nblk]
-            flat = table.reshape(-1).long()
-            k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
-            v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
-        if grp.contiguous:
-            q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
-        else:
-            q = torch.stack([query[qsl[r] : qsl[r] + ql] for r in rows])
-        return q, k, v
-
-    def _gather_sdpa_partial(
-        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather + SDPA with the log-sum-exp. The ``G`` query heads of each KV head are folded
-        into the query sequence (``[R, Hkv, G * ql, D]``), so GQA needs no copy of K/V.
-
-        Under DCP the causal masks were built at ``build``. Without DCP (a direct call: the core
-        calls ``forward_partial`` only under DCP) a causal mask is built here, per call."""
-        hkv, heads, hd = layer.num_kv_heads, layer.num_heads, layer.head_size
-        per_kv = heads // hkv
-        qsl = md.host_query_start_loc
-        out = torch.zeros_like(query)  # rows without local keys keep out 0 and lse -inf
-        lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
-        groups = md.sdpa_groups
-        if md.cp_size == 1 and md.causal:
-            groups = tuple(dcp_causal_mask(g, per_kv, 1, 0, 1, query.dtype, query.device) for g in groups)
-        for grp in groups:
-            q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
-            R, ql, keys = len(grp.rows), grp.query_len, grp.keys
-            qf = q.reshape(R, ql, hkv, per_kv, hd).permute(0, 2, 3, 1, 4).reshape(R, hkv, per_kv * ql, hd)
-            bias = None if grp.bias is None else grp.bias.expand(R, hkv, per_kv * ql, keys)
-            o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), bias, layer.scale)
-            o = o.reshape(R, hkv, per_kv, ql, hd).permute(0, 3, 1, 2, 4).reshape(R, ql, heads, hd)
-            lg = lg.reshape(R, hkv, per_kv, ql).permute(0, 3, 1, 2).reshape(R, ql, heads)
-            if grp.visible is not None:  # queries that see no local key: out 0, lse -inf
-                o = torch.where(grp.visible[None, :, None, None], o, 0.0)
-                lg = torch.where(grp.visible[None, :, None], lg, float("-inf"))
-            if grp.contiguous:
-                at = slice(qsl[grp.rows[0]], qsl[grp.rows[0]] + R * ql)
-                out[at].view(R, ql, heads, hd).copy_(o)
-                lse[at].view(R, ql, heads).copy_(lg)
-            else:
-                for i, r in enumerate(grp.rows):
-                    out[qsl[r] : qsl[r] + ql] = o[i]
-                    lse[qsl[r] : qsl[r] + ql] = lg[i]
-        return out, lse
-
-    def _cudnn_serves(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, gqa: bool
-    ) -> bool:
-        """Whether SDPA's cuDNN kernel takes these inputs (asked once per input signature)."""
-        sig = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, is_causal, gqa)
-        known = self._cudnn_answers.get(sig)
-        if known is None:
-            known = False
-            if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():  # type: ignore[no-untyped-call]
-                try:
-                    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, gqa)
-                    known = bool(torch.backends.cuda.can_use_cudnn_attention(params))
-                except (RuntimeError, TypeError):  # an older SDPAParams signature
-                    known = False
-            if len(self._cudnn_answers) >= 256:
-                self._cudnn_answers.clear()
-            self._cudnn_answers[sig] = known
-        return known
-
-    def _gather_sdpa(
-        self,
-        layer: LayerGeometry,
-        query: torch.Tensor,
-        kv_cache: KVCache,
-        md: CudaPagedMetadata,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        hd = layer.head_size
-        qsl = md.host_query_start_loc
-        order = [
-            SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH,
-        ]
-        # One group covering every row in order: SDPA's own output (already [tokens, H, D] in
-        # memory) is returned as is, without a copy into ``out``.
-        single = len(md.sdpa_groups) == 1 and out is None
-        result = out
-        for grp in md.sdpa_groups:
-            ql, sl, rows = grp.query_len, grp.seq_len, grp.rows
-            R = len(rows)
-            contiguous = grp.contiguous
-            q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
-            mask: Any = None
-            is_causal = False
-            if md.causal and ql == sl:
-                is_causal = True
-            elif md.causal:
-                # imported here: torch.nn.attention.bias pulls in torch's compiler stack (a second
-                # or more on a first import), and only a causal call with fewer queries than keys
-                # needs it
-                from torch.nn.attention.bias import causal_lower_right
-
-                mask = causal_lower_right(ql, sl)
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            gqa = layer.num_heads != layer.num_kv_heads
-            o: torch.Tensor
-            if mask is None and self._cudnn_serves(qt, kt, vt, is_causal, gqa):
-                # cuDNN's kernel called directly: the kernel SDPA's priority below would pick,
-                # without the dispatcher's per-call backend selection on the host
-                o = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    qt, kt, vt, None, False, 0.0, is_causal, False, scale=layer.scale
-                )[0]
-            else:
-                with sdpa_kernel(order, set_priority=True):
-                    o = torch.nn.functional.scaled_dot_product_attention(
-                        qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
-                    )
-            o = o.transpose(1, 2)
-            if single and contiguous and R * ql == query.shape[0]:
-                return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]
-            if result is None:
-                result = torch.empty_like(query)
-            if contiguous:
-                result[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd).copy_(o)
-            else:
-                for i, r in enumerate(rows):
-                    result[qsl[r] : qsl[r] + ql] = o[i]
-        return result if result is not None else torch.zeros_like(query)
 
 
 class TritonPagedBackend(CudaPagedBackend):
