@@ -15,6 +15,7 @@ import torch
 
 from diffusion_kv.core.attention.mode import BASE_MODES, AttentionMode
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.kv_quant import is_unquantised
 
 __all__ = [
     "BASE_MODES",
@@ -314,12 +315,9 @@ def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
         reasons.append(
             f"dtype={dtype_name(req.dtype)} (supported: {sorted(dtype_name(d) for d in caps.dtypes)})"
         )
-    if (
-        req.kv_cache_dtype is not None
-        and req.kv_cache_dtype != req.dtype
-        and req.kv_cache_dtype not in caps.kv_cache_dtypes
-    ):
+    if not is_unquantised(req.kv_cache_dtype, req.dtype) and req.kv_cache_dtype not in caps.kv_cache_dtypes:
         served = sorted(_cache_name(d) for d in caps.kv_cache_dtypes)
+        assert req.kv_cache_dtype is not None  # unquantised otherwise
         reasons.append(
             f"kv_cache_dtype={_cache_name(req.kv_cache_dtype)} (pages hold the compute dtype"
             + (f" or {', '.join(served)})" if served else " only)")

@@ -49,15 +49,9 @@ ALLOWED: dict[str, frozenset[str]] = {
 PLUGINS = frozenset({"cpu", "cuda", "npu"})
 """The built-in plugins under ``platforms/``: none imports another."""
 
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        # The attention mode (core/capabilities.py) and its piecewise mask (core/piecewise.py)
-        # import each other. Issue 37's attention spec removes this cycle: delete this entry
-        # then (the test fails while it is listed and no longer there).
-        frozenset({"diffusion_kv.core.capabilities", "diffusion_kv.core.piecewise"}),
-    }
-)
-"""Import cycles tolerated for now, each a set of modules; no other cycle may appear."""
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
+"""Import cycles tolerated for now, each a set of modules; no other cycle may appear (the last
+one, the attention mode and its piecewise mask, went with ``core/attention``)."""
 
 
 def module_files() -> dict[str, pathlib.Path]:
