@@ -27,6 +27,10 @@ its own step:
 * **reaping**: rows the worker holds for a request the allocator does not reserve (a late
   snapshot installed behind the scheduler's back, rows left by a scheduler that went away) are
   retired at the start of every step, so their blocks can serve the next owner.
+* **outcomes, handed back once**: an ended request leaves every per-request structure, its
+  payload is released, and its record is handed back once (:attr:`StepReport.outcomes`, or
+  :meth:`DiffusionScheduler.drain_outcomes`); only a bounded window of recent outcomes
+  (``outcome_memory``) stays for status queries, so nothing grows with the work served.
 
 The scheduler and its allocator must describe the worker: every KV-cache group (``num_groups``),
 its block size, the pool, row and length limits are checked at construction, and the
