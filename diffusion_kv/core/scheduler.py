@@ -27,6 +27,10 @@ its own step:
 * **reaping**: rows the worker holds for a request the allocator does not reserve (a late
   snapshot installed behind the scheduler's back, rows left by a scheduler that went away) are
   retired at the start of every step, so their blocks can serve the next owner.
+* **outcomes, handed back once**: an ended request leaves every per-request structure, its
+  payload is released, and its record is handed back once (:attr:`StepReport.outcomes`, or
+  :meth:`DiffusionScheduler.drain_outcomes`); only a bounded window of recent outcomes
+  (``outcome_memory``) stays for status queries, so nothing grows with the work served.
 
 The scheduler and its allocator must describe the worker: every KV-cache group (``num_groups``),
 its block size, the pool, row and length limits are checked at construction, and the
@@ -42,8 +46,9 @@ and propagate.
 
 from __future__ import annotations
 
+import copy
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -319,7 +324,9 @@ class DiffusionRequest:
 
 @dataclass
 class RequestRecord:
-    """A request's progress and outcome (``error`` is set for failed requests)."""
+    """A request's progress and outcome (``error`` is set for failed requests). Once the
+    request has ended its ``request`` is a copy with ``payload=None``: the scheduler keeps no
+    payload of a request that is over."""
 
     request: DiffusionRequest
     status: RequestStatus = RequestStatus.WAITING
@@ -389,14 +396,75 @@ class StepReport:
     blocks_total: int
     reaped: tuple[str, ...] = ()
     """Requests whose rows the worker held without an allocator reservation: retired."""
+    outcomes: tuple[RequestRecord, ...] = ()
+    """The record of every request that ended since outcomes were last handed back, in the
+    order they ended: this step's finished, failed and cancelled requests, and any cancelled
+    between steps. Each outcome is handed back once, here or by
+    :meth:`DiffusionScheduler.drain_outcomes`."""
 
 
 StepFn = Callable[[StepBatch], None]
 
+DEFAULT_OUTCOME_MEMORY = 1024
+"""Ended requests whose record :class:`DiffusionScheduler` keeps for status queries (the most
+recent ones; a few hundred bytes each, no payload)."""
+
+
+class RecordsView(Mapping[str, RequestRecord]):
+    """A read-only, live view of a scheduler's records: every waiting and running request, then
+    the ``outcome_memory`` most recent ended ones. Building it copies nothing; a lookup, ``in``
+    and ``len`` are O(1); iterating costs what it shows."""
+
+    __slots__ = ("_live", "_recent")
+
+    def __init__(self, live: Mapping[str, RequestRecord], recent: Mapping[str, RequestRecord]) -> None:
+        self._live = live
+        self._recent = recent
+
+    def __getitem__(self, request_id: str) -> RequestRecord:
+        rec = self._live.get(request_id)
+        if rec is None:
+            rec = self._recent[request_id]
+        return rec
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._live or request_id in self._recent
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._recent)  # disjoint: a resubmitted id leaves the window
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._live
+        yield from self._recent
+
+    def __repr__(self) -> str:
+        return f"RecordsView({len(self._live)} live, {len(self._recent)} recent outcomes)"
+
+
+def _without_payload(request: DiffusionRequest) -> DiffusionRequest:
+    """``request`` with ``payload=None`` (a shallow copy; the caller's request is unchanged)."""
+    if request.payload is None:
+        return request
+    out = copy.copy(request)
+    object.__setattr__(out, "payload", None)
+    return out
+
 
 class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
     """See the module docstring. ``max_batch_tokens`` caps the tokens of one step (default: the
-    worker's ``max_num_batched_tokens``); ``max_running`` caps the requests stepped together."""
+    worker's ``max_num_batched_tokens``); ``max_running`` caps the requests stepped together.
+
+    **Nothing grows with the work served.** The scheduler holds a record only for requests that
+    are waiting or running. When a request ends (finished, failed, cancelled) its record leaves
+    every per-request structure, its payload is released (the record keeps the request with
+    ``payload=None``), and its outcome is handed back once: in the next :class:`StepReport`
+    (``outcomes``), or by :meth:`drain_outcomes` (after :meth:`close`, say). For status queries
+    the scheduler keeps the records of the ``outcome_memory`` most recent ended requests
+    (default :data:`DEFAULT_OUTCOME_MEMORY`; 0 keeps none), least recent forgotten first;
+    :meth:`record`, :meth:`status` and the :attr:`records` view answer in O(1) per request and
+    copy nothing. Late snapshots of ended requests are refused by the worker's tombstones
+    (:class:`~diffusion_kv.core.registry.RowRegistry`, ``generation_memory``), not by this
+    window."""
 
     def __init__(
         self,
@@ -406,6 +474,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         max_batch_tokens: int | None = None,
         max_running: int | None = None,
         model_id: str | None = None,
+        outcome_memory: int = DEFAULT_OUTCOME_MEMORY,
     ) -> None:
         if not isinstance(runner, RunnerBackend):
             raise ValidationError(f"the scheduler needs a RunnerBackend; got {type(runner).__name__}")
@@ -432,6 +501,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             budget = min(budget, max_batch_tokens)
         if max_running is not None:
             _positive(max_running, "max_running")
+        _positive(outcome_memory, "outcome_memory", zero=True)
         self._stepper = runner.stepper()
         self._runtime: PagedRuntime = self._stepper.__enter__()
         # Nothing was refused: from here on the scheduler owns its side of the protocol.
@@ -440,7 +510,10 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self.allocator = allocator
         self.max_batch_tokens = budget
         self.max_running = max_running
-        self._records: dict[str, RequestRecord] = {}
+        self.outcome_memory = outcome_memory
+        self._live: dict[str, RequestRecord] = {}  # waiting and running requests only
+        self._recent: OrderedDict[str, RequestRecord] = OrderedDict()  # the last outcome_memory outcomes
+        self._outcomes: list[RequestRecord] = []  # ended, not yet handed back
         self._waiting: deque[str] = deque()
         self._running: list[str] = []
         self._cancel_pending: set[str] = set()
@@ -470,7 +543,33 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
 
     @property
     def records(self) -> Mapping[str, RequestRecord]:
-        return dict(self._records)
+        """Waiting and running requests, then the ``outcome_memory`` most recent ended ones: a
+        live, read-only :class:`RecordsView` (no copy; O(1) lookups)."""
+        return RecordsView(self._live, self._recent)
+
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The record of a waiting or running request, or of a recently ended one (within the
+        ``outcome_memory`` window); None otherwise. O(1)."""
+        rec = self._live.get(request_id)
+        return rec if rec is not None else self._recent.get(request_id)
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """:attr:`RequestRecord.status` of :meth:`record`; None for an unknown or forgotten id."""
+        rec = self.record(request_id)
+        return rec.status if rec is not None else None
+
+    def drain_outcomes(self) -> tuple[RequestRecord, ...]:
+        """Hand back, once, the record of every request that ended since outcomes were last
+        handed back (:attr:`StepReport.outcomes` hands them back at each step; this is for
+        outcomes no step reported: cancellations between steps, :meth:`close`)."""
+        out = tuple(self._outcomes)
+        self._outcomes.clear()
+        return out
+
+    @property
+    def pending_outcomes(self) -> int:
+        """Ended requests whose outcome was not handed back yet."""
+        return len(self._outcomes)
 
     @property
     def waiting(self) -> tuple[str, ...]:
@@ -530,8 +629,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         if not isinstance(request, DiffusionRequest):
             raise ValidationError(f"submit takes a DiffusionRequest; got {type(request).__name__}")
         rid = request.request_id
-        known = self._records.get(rid)
-        if known is not None and not known.status.terminal:
+        known = self._live.get(rid)
+        if known is not None:
             raise ValidationError(f"request {rid!r} is already {known.status.value}")
         if rid in self._quarantined:
             raise ValidationError(f"request {rid!r} is quarantined ({self._quarantined[rid]})")
@@ -548,7 +647,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 f"request {rid!r} needs {prefill_tokens} tokens in its first step; a step takes at most "
                 f"{self.max_batch_tokens}"
             )
-        self._records[rid] = RequestRecord(request, submitted_tick=self._tick)
+        self._recent.pop(rid, None)  # an earlier request under this id: the new one supersedes it
+        self._live[rid] = RequestRecord(request, submitted_tick=self._tick)
         self._keys[rid] = keys
         self._waiting.append(rid)
 
@@ -557,8 +657,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         step ends). False when it is unknown or already over."""
         if type(request_id) is not str or not request_id:
             raise ValidationError(f"cancel takes a non-empty request id string; got {request_id!r}")
-        rec = self._records.get(request_id)
-        if rec is None or rec.status.terminal:
+        rec = self._live.get(request_id)
+        if rec is None:
             return False
         if rec.status is RequestStatus.WAITING:
             self._waiting.remove(request_id)
@@ -574,7 +674,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
 
     def step(self, fn: StepFn) -> StepReport | None:
         """Admit, run one batch with every running request through ``fn``, retire; None when
-        there is nothing to run."""
+        there is nothing to run and nothing to report (no outcome to hand back, nothing refused
+        or reaped)."""
         self._check_open()
         if self._in_step:
             raise StateError("scheduler.step was called from inside a step")
@@ -583,11 +684,12 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         reaped = self._reap()
         admitted, refused = self._admit()
         if not self._running:
-            if not refused and not reaped:
+            if not refused and not reaped and not self._outcomes:
                 return None
             self._tick += 1
             return self._report(tick, admitted, (), refused, (), (), False, reaped)
         entries = self._compose()
+        live = {e.request.request_id: self._live[e.request.request_id] for e in entries}
         rows = tuple(r for e in entries for r in e.rows)
         spans = tuple(e.request.full_attn_spans or () for e in entries for _ in e.rows)
         before = self._runtime.preparations
@@ -630,7 +732,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             self._in_step = False
             sealed_failed = self._publish([e for e in entries if e.phase is Phase.PREFILL])
             for e in entries:
-                rec = self._records[e.request.request_id]
+                rec = live[e.request.request_id]
                 if e.request.request_id in sealed_failed:
                     continue
                 rec.steps_done += 1
@@ -646,7 +748,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._tick += 1
         ended = [*failed, *finished, *cancelled]  # by final status: a failed removal is a failure
         by_status = {
-            status: tuple(rid for rid in ended if self._records[rid].status is status)
+            status: tuple(rid for rid in ended if live[rid].status is status)
             for status in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
         }
         report = self._report(
@@ -666,10 +768,14 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
     def run(
         self, fn: StepFn, on_step: Callable[[StepReport], None] | None = None
     ) -> dict[str, RequestRecord]:
-        """Step until nothing is waiting or running; returns every request's record."""
+        """Step until nothing is waiting or running; returns, by request id, the outcome of
+        every request that ended meanwhile (and of any ended earlier and not yet handed back):
+        the outcomes the steps' reports carried, which ``on_step`` sees too. For an endless
+        stream, call :meth:`step` and take each report's ``outcomes`` instead."""
         _check_callable(fn, "run takes the model callback fn(batch)")
         if on_step is not None:
             _check_callable(on_step, "run's on_step takes a callback on_step(report) or None")
+        ended: dict[str, RequestRecord] = {}
         while not self.idle:
             report = self.step(fn)
             if report is None:
@@ -677,9 +783,11 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                     f"requests {list(self._waiting)} wait, but nothing runs and none can be admitted "
                     "(the block pool or the worker rows are held outside this scheduler)"
                 )
+            ended.update((r.request.request_id, r) for r in report.outcomes)
             if on_step is not None:
                 on_step(report)
-        return dict(self._records)
+        ended.update((r.request.request_id, r) for r in self.drain_outcomes())
+        return ended
 
     def close(self) -> None:
         """Cancel every waiting and running request and release the runtime (idempotent).
@@ -691,11 +799,11 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             self._close_pending = True
             self._cancel_pending.update(self._running)
             for rid in list(self._waiting):
-                self._end(self._records[rid], RequestStatus.CANCELLED)
+                self._end(self._live[rid], RequestStatus.CANCELLED)
             self._waiting.clear()
             return
         for rid in list(self._waiting):
-            self._end(self._records[rid], RequestStatus.CANCELLED)
+            self._end(self._live[rid], RequestStatus.CANCELLED)
         self._waiting.clear()
         try:
             self._retire(list(self._running), RequestStatus.CANCELLED)
@@ -726,12 +834,10 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         ones behind it go on."""
         admitted: list[str] = []
         failed: list[str] = []
-        tokens = sum(
-            self._records[rid].request.step_tokens(self._records[rid].steps_done) for rid in self._running
-        )
+        tokens = sum(self._live[rid].request.step_tokens(self._live[rid].steps_done) for rid in self._running)
         while self._waiting:
             rid = self._waiting[0]
-            rec = self._records[rid]
+            rec = self._live[rid]
             if self.max_running is not None and len(self._running) >= self.max_running:
                 break
             need = rec.request.step_tokens(0)
@@ -803,15 +909,15 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         order = sorted(
             self._running,
             key=lambda rid: (
-                self._records[rid]
-                .request.rows(self._records[rid].steps_done, self._cached.get(rid, ()))[0]
+                self._live[rid]
+                .request.rows(self._live[rid].steps_done, self._cached.get(rid, ()))[0]
                 .query_len
             ),
         )
         entries: list[BatchEntry] = []
         row_offset = token_offset = 0
         for rid in order:
-            rec = self._records[rid]
+            rec = self._live[rid]
             step = rec.steps_done
             rows = rec.request.rows(step, self._cached.get(rid, ()))
             entry = BatchEntry(rec.request, step, rec.request.phase(step), rows, row_offset, token_offset)
@@ -827,7 +933,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             return
         self._runtime.deactivate()  # removing rows changes the block tables
         for rid in ids:
-            rec = self._records[rid]
+            rec = self._live[rid]
             if rid in self._running:
                 self._running.remove(rid)
             try:  # for good: a snapshot of it still in flight is refused, not installed again
@@ -840,12 +946,22 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             self._end(rec, status, error)
 
     def _end(self, rec: RequestRecord, status: RequestStatus, error: str | None = None) -> None:
-        self._cached.pop(rec.request.request_id, None)
-        self._keys.pop(rec.request.request_id, None)
+        """The request is over: it leaves every per-request structure, its payload is released,
+        and its outcome waits to be handed back (and stays in the recent window)."""
+        rid = rec.request.request_id
+        self._cached.pop(rid, None)
+        self._keys.pop(rid, None)
+        del self._live[rid]
+        rec.request = _without_payload(rec.request)
         rec.status = status
         rec.finished_tick = self._tick
         if error is not None:
             rec.error = error
+        self._outcomes.append(rec)
+        if self.outcome_memory:
+            self._recent[rid] = rec
+            if len(self._recent) > self.outcome_memory:
+                self._recent.popitem(last=False)
 
     def _report(
         self,
@@ -870,6 +986,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             blocks_in_use=self.blocks_in_use,
             blocks_total=self.allocator.pool.num_total,
             reaped=reaped,
+            outcomes=self.drain_outcomes(),
         )
 
 
@@ -880,10 +997,12 @@ def iter_entries(batch: StepBatch) -> Iterator[tuple[BatchEntry, slice]]:
 
 
 __all__ = [
+    "DEFAULT_OUTCOME_MEMORY",
     "BatchEntry",
     "DiffusionRequest",
     "DiffusionScheduler",
     "Phase",
+    "RecordsView",
     "RequestRecord",
     "RequestStatus",
     "StepBatch",

@@ -411,6 +411,7 @@ def serve(
     utilisation: list[float] = []
     most_running = 0
     done = 0
+    statuses: dict[str, str] = {}  # each request's outcome, as the step reports hand it back
 
     def step(batch: StepBatch) -> None:
         nonlocal most_running, prefill_tokens, query_tokens
@@ -436,13 +437,13 @@ def serve(
             report = scheduler.step(step)
             if report is None:
                 continue
+            statuses.update((rec.request.request_id, rec.status.value) for rec in report.outcomes)
             if report.failed:
-                errors = {rid: scheduler.records[rid].error for rid in report.failed}
+                errors = {r.request.request_id: r.error for r in report.outcomes if r.error is not None}
                 raise RuntimeError(f"stream requests failed: {errors}")
             done += len(report.finished)
             if progress is not None:
                 progress(label, report, done, len(requests))
-        records = scheduler.records
         preparations = scheduler.preparations
         peak = scheduler.peak_blocks_in_use
         peak_held = scheduler.peak_blocks_held
@@ -451,7 +452,8 @@ def serve(
     cache_stats = allocator.prefix_cache.stats() if allocator.prefix_cache is not None else {}
     _sync(runner.device)
     wall = (time.perf_counter() - t0) * 1e3
-    bad = {rid: rec.status.value for rid, rec in records.items() if rec.status is not RequestStatus.FINISHED}
+    statuses.update((rec.request.request_id, rec.status.value) for rec in scheduler.drain_outcomes())
+    bad = {rid: status for rid, status in statuses.items() if status != RequestStatus.FINISHED.value}
     if bad:
         raise RuntimeError(f"stream requests did not finish: {bad}")
     return ServeRun(
@@ -476,7 +478,7 @@ def serve(
         prefill_tokens=prefill_tokens,
         query_tokens=query_tokens,
         latents=dict(stream.latents),
-        records={rid: rec.status.value for rid, rec in records.items()},
+        records=statuses,
     )
 
 

@@ -596,3 +596,170 @@ def test_bad_scheduler_parts_are_refused(runner: object, allocator: object, erro
             real if runner in ("ok", "dense") else runner,  # type: ignore[arg-type]
             make_allocator(real) if allocator == "ok" else allocator,  # type: ignore[arg-type]
         )
+
+
+# --- nothing grows with the work served ----------------------------------------------------------
+
+
+class Payload:
+    """A payload a weak reference can follow (the scheduler must drop it when the request ends)."""
+
+
+def per_request_sizes(sched: DiffusionScheduler) -> dict[str, int]:
+    registry = sched.runner.registry
+    assert registry is not None
+    cache = sched.allocator.prefix_cache
+    return {
+        "scheduler.live": len(sched._live),
+        "scheduler.recent": len(sched._recent),
+        "scheduler.pending": sched.pending_outcomes,
+        "scheduler.cached": len(sched._cached),
+        "scheduler.keys": len(sched._keys),
+        "scheduler.quarantined": len(sched._quarantined),
+        "allocator.reserved": len(sched.allocator._reserved),
+        "prefix_cache.entries": len(cache) if cache is not None else 0,
+        "registry.states": len(registry._states),
+        "registry.rows": len(registry._rows),
+        "registry.written": len(registry._written),
+        "registry.bindings": len(registry._bindings),
+        "registry.tombstones": len(registry._removed),
+    }
+
+
+@pytest.mark.parametrize("served", [20, 80])
+def test_per_request_maps_are_bounded_by_their_windows_not_by_requests_served(served: int) -> None:
+    import gc
+    import weakref
+
+    from diffusion_kv.core.prefix_cache import ContentSpan, PrefixCache
+
+    runner = make_runner(pool_blocks=24)
+    assert runner.registry is not None
+    runner.registry.generation_memory = 32
+    cache = PrefixCache(max_blocks=6)
+    sched = DiffusionScheduler(
+        runner, make_allocator(runner, prefix_cache=cache), model_id="m@1", max_running=3, outcome_memory=8
+    )
+    oracle = Oracle(sched)
+    payloads = []
+    handed_back: list[str] = []
+    for i in range(served):
+        payload = Payload()
+        payloads.append(weakref.ref(payload))
+        content = ((ContentSpan(0, 16, f"p{i % 3}"),),) if i % 2 else ()
+        sched.submit(DiffusionRequest(f"r{i}", 16, 8, steps=2, payload=payload, prefix_content=content))
+        del payload
+        if i % 7 == 3:
+            assert sched.cancel(f"r{i}")  # ends while waiting, between steps
+        report = sched.step(oracle)
+        assert report is not None
+        handed_back.extend(r.request.request_id for r in report.outcomes)
+    while not sched.idle:
+        report = sched.step(oracle)
+        assert report is not None
+        handed_back.extend(r.request.request_id for r in report.outcomes)
+    assert sorted(handed_back) == sorted(f"r{i}" for i in range(served))  # each outcome once
+    assert sched.drain_outcomes() == () and sched.step(oracle) is None
+    oracle.batches.clear()  # the test's own references to the step batches
+    gc.collect()
+    assert [ref() for ref in payloads] == [None] * served  # every payload released
+    cached = len(cache)
+    installed = served - len(range(3, served, 7))  # those cancelled while waiting never reached the worker
+    assert per_request_sizes(sched) == {
+        "scheduler.live": 0,
+        "scheduler.recent": 8,  # outcome_memory
+        "scheduler.pending": 0,
+        "scheduler.cached": 0,
+        "scheduler.keys": 0,
+        "scheduler.quarantined": 0,
+        "allocator.reserved": 0,
+        "prefix_cache.entries": cached,
+        "registry.states": 0,
+        "registry.rows": 0,
+        "registry.written": 0,
+        "registry.bindings": 0,
+        "registry.tombstones": min(32, installed),  # generation_memory
+    }
+    assert 0 < cached <= 6 and cache.num_idle == cached
+    assert sched.blocks_in_use == cached  # the pool is back to its cached blocks
+    assert list(sched.records) == handed_back[-8:]  # the most recent outcomes, in the order they ended
+    assert all(rec.request.payload is None for rec in sched.records.values())
+
+
+def test_outcomes_are_handed_back_once_in_step_reports_or_by_drain() -> None:
+    sched = make(max_running=1)
+    oracle = Oracle(sched)
+    for rid in "abc":
+        sched.submit(DiffusionRequest(rid, 8, 8, steps=2, payload=torch.zeros(4)))
+    first = sched.step(oracle)
+    assert first is not None and first.admitted == ("a",) and first.outcomes == ()
+    assert sched.cancel("c") and sched.pending_outcomes == 1  # between steps: handed back next step
+    second = sched.step(oracle)
+    assert second is not None and second.finished == ("a",) and second.cancelled == ()
+    assert [(r.request.request_id, r.status) for r in second.outcomes] == [
+        ("c", RequestStatus.CANCELLED),
+        ("a", RequestStatus.FINISHED),
+    ]
+    assert all(r.request.payload is None for r in second.outcomes)
+    assert sched.pending_outcomes == 0 and sched.drain_outcomes() == ()
+    assert sched.step(oracle) is not None  # b is admitted
+    sched.close()  # b is cancelled outside any step: drain hands it back
+    drained = sched.drain_outcomes()
+    assert [(r.request.request_id, r.status, r.steps_done) for r in drained] == [
+        ("b", RequestStatus.CANCELLED, 1)
+    ]
+    assert sched.drain_outcomes() == ()
+    # the window still answers status queries for recent outcomes
+    assert (sched.status("a"), sched.status("b"), sched.status("c")) == (
+        RequestStatus.FINISHED,
+        RequestStatus.CANCELLED,
+        RequestStatus.CANCELLED,
+    )
+    assert sched.status("nobody") is None and sched.record("nobody") is None
+
+
+def test_a_cancellation_on_an_idle_scheduler_is_reported_by_the_next_step() -> None:
+    sched = make()
+    sched.submit(DiffusionRequest("a", 8, 8, steps=1))
+    assert sched.cancel("a")
+    report = sched.step(Oracle(sched))  # nothing to run, but an outcome to hand back
+    assert report is not None and report.rows == 0 and report.cancelled == ()
+    assert [(r.request.request_id, r.status) for r in report.outcomes] == [("a", RequestStatus.CANCELLED)]
+    assert sched.step(Oracle(sched)) is None
+
+
+def test_the_records_view_copies_nothing_and_the_window_forgets_oldest_first() -> None:
+    from diffusion_kv.core.scheduler import RecordsView
+
+    sched = make(outcome_memory=2)
+    assert sched.outcome_memory == 2
+    for rid in "abc":
+        sched.submit(DiffusionRequest(rid, 8, 8, steps=1))
+    view = sched.records
+    assert isinstance(view, RecordsView) and not isinstance(view, dict)
+    assert len(view) == 3 and view["a"].status is RequestStatus.WAITING
+    sched.run(Oracle(sched))
+    assert len(view) == 2 and list(view) == ["b", "c"] and "a" not in view  # live: no copy was taken
+    assert sched.record("a") is None and sched.status("c") is RequestStatus.FINISHED
+    sched.submit(DiffusionRequest("b", 8, 8, steps=1))  # a resubmitted id supersedes its old outcome
+    assert list(view) == ["b", "c"] and view["b"].status is RequestStatus.WAITING and len(view) == 2
+    with pytest.raises(KeyError):
+        view["a"]
+
+
+def test_outcome_memory_zero_keeps_no_outcome_but_still_hands_each_back() -> None:
+    sched = make(outcome_memory=0)
+    sched.submit(DiffusionRequest("a", 8, 8, steps=1))
+    records = sched.run(Oracle(sched))
+    assert list(records) == ["a"] and records["a"].status is RequestStatus.FINISHED
+    assert len(sched.records) == 0 and sched.status("a") is None
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_a_bad_outcome_memory_is_refused(value: object) -> None:
+    runner = make_runner()
+    allocator = make_allocator(runner)
+    with pytest.raises(ValidationError, match=f"^outcome_memory must be an int >= 0; got {value!r}$"):
+        DiffusionScheduler(runner, allocator, outcome_memory=value)  # type: ignore[arg-type]
+    assert allocator.generation == 0
+    DiffusionScheduler(runner, allocator).close()  # nothing was taken: the runner is still free
