@@ -124,6 +124,10 @@ class RunnerConfig:
     kv_cache_dtype: torch.dtype | str = "auto"
     """The pages' dtype: ``auto`` (each layer's own), or ``fp8_e4m3`` (``float8_e4m3fn``: one byte
     per element, per-KV-head scales; ``diffusion_kv.core.kv_quant``); a backend must declare it."""
+    graph_capture: bool = False
+    """The host captures steps as CUDA graphs (:meth:`RunnerBackend.capture`): a selection
+    requirement (``Requirements.graph_capture``), so every group gets a backend declaring
+    ``supports_graph_capture``; a forced choice that does not is refused with the reason."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,8 @@ class RunnerBackend:
                 raise ValidationError(
                     f"RunnerConfig.{rank} must lie in [0, {size}={getattr(config, size)}); got {value!r}"
                 )
+        if type(config.graph_capture) is not bool:
+            raise ValidationError(f"RunnerConfig.graph_capture must be a bool; got {config.graph_capture!r}")
         cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
         choice = config.backend
         if choice is not None and not (
@@ -474,6 +480,7 @@ class RunnerBackend:
             sink=layer.mask.sink,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
+            graph_capture=self.config.graph_capture,
         )
 
     # -- initialisation -----------------------------------------------------------------------

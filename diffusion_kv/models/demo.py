@@ -7,6 +7,7 @@ translator, the platform's BlockTables, metadata builder, backend and caches) ->
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
+from diffusion_kv.core.errors import UnsupportedRequirementsError
 from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow, PhaseRows
@@ -52,6 +54,9 @@ class DemoConfig:
     backend supports it on a CUDA device; False: never; True: required)."""
     kv_cache_dtype: torch.dtype | None = None
     """The pages' dtype (None: the model's; ``torch.float8_e4m3fn``: fp8 pages, scales 1.0)."""
+    warmup: bool | None = None
+    """Run each mode once, untimed, before the timed runs (None: on a CUDA device), so run-time
+    compilation and library set-up are reported apart (``DemoResult.warmup_ms``)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -98,6 +103,11 @@ class DemoResult:
     """K and V bytes one token takes over every layer, in the model's dtype and in fp8_e4m3."""
     cosine_similarity: float = 1.0
     """Of the final latents, paged against dense (the agreement check with an fp8 cache)."""
+    warmup_ms: dict[str, float] = field(default_factory=dict)
+    """Wall time of each mode's untimed warm-up pass (``dense``, ``paged``); empty without one."""
+    capture_step: int | None = None
+    """The paged step that captured the CUDA graph (one eager step plus the capture, a one-off
+    cost); None when the paged run did not capture."""
 
     @property
     def dense_total_ms(self) -> float:
@@ -110,6 +120,20 @@ class DemoResult:
     @property
     def speedup(self) -> float:
         return self.dense_total_ms / self.paged_total_ms
+
+    @property
+    def capture_step_ms(self) -> float:
+        """Wall time of the capturing paged step (0 without a capture)."""
+        return self.paged_step_ms[self.capture_step] if self.capture_step is not None else 0.0
+
+    @property
+    def speedup_without_capture(self) -> float:
+        """The whole-run speedup with the capturing step left out of both runs (the same as
+        :attr:`speedup` when nothing was captured)."""
+        k = self.capture_step
+        if k is None:
+            return self.speedup
+        return (self.dense_total_ms - self.dense_step_ms[k]) / (self.paged_total_ms - self.paged_step_ms[k])
 
     @property
     def steady_speedup(self) -> float:
@@ -131,6 +155,8 @@ class DemoResult:
             dense_total_ms=self.dense_total_ms,
             paged_total_ms=self.paged_total_ms,
             speedup=self.speedup,
+            speedup_without_capture=self.speedup_without_capture,
+            capture_step_ms=self.capture_step_ms,
             steady_state_speedup=self.steady_speedup,
             ideal_speedup=self.ideal_speedup,
         )
@@ -189,7 +215,8 @@ def run_paged(
     seq_len = cfg.prefix_len + cfg.target_len
     rows = cfg.cfg_rows
     num_blocks = rows * cdiv(seq_len, block) + 1
-    runner = RunnerBackend(
+    mc = model.cfg
+    runner = paged_runner(
         platform,
         RunnerConfig(
             max_model_len=cfg.max_model_len,
@@ -199,12 +226,11 @@ def run_paged(
             device=device,
             kv_cache_dtype=cfg.kv_cache_dtype or "auto",
         ),
+        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names},
+        num_blocks,
+        block,
+        cfg.graphs,
     )
-    mc = model.cfg
-    runner.register_kv_cache_layers(
-        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
-    )
-    runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
     allocator = DiffusionKVAllocator(
         block_size=block,
         max_model_len=cfg.max_model_len,
@@ -227,6 +253,7 @@ def run_paged(
     )
     use_graphs = runner.supports_graph_capture if cfg.graphs is None else cfg.graphs
     captured = None
+    capture_step: int | None = None
 
     def denoise_step(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model.paged_step(prefixes, target, t, 1, runner.forward)
@@ -243,6 +270,7 @@ def run_paged(
                     if captured is None or not captured.valid:
                         captured = runner.capture(denoise_step, *inputs)
                         velocity = captured.warmup_output
+                        capture_step = step
                     else:
                         velocity = captured.replay(*inputs)
                 else:
@@ -265,8 +293,47 @@ def run_paged(
         "preparations": 2 if cfg.steps > 1 else 1,
         "graph_replays": captured.replays if captured is not None else 0,
         "graphs": bool(use_graphs),
+        "capture_step": capture_step,
     }
     return latent, times, info
+
+
+def wants_graph_capture(graphs: bool | None, device: torch.device) -> bool:
+    """Whether a run states graph capture as a selection requirement (``RunnerConfig.graph_capture``):
+    ``graphs`` when given, else on a CUDA device (the only one that captures)."""
+    return graphs if graphs is not None else device.type == "cuda"
+
+
+def paged_runner(
+    platform: Platform,
+    config: RunnerConfig,
+    layers: dict[str, PagedLayerSpec],
+    num_blocks: int,
+    block_size: int,
+    graphs: bool | None,
+) -> RunnerBackend:
+    """A runner with ``layers`` registered and its cache initialised, stating graph capture as a
+    selection requirement where the run wants graphs (:func:`wants_graph_capture`), so a backend
+    that cannot be captured is not picked for it. With ``graphs=None`` (capture where possible)
+    and no backend able to serve the requirement (a forced one that cannot be captured, say),
+    the runner is built without it and the run stays eager; ``graphs=True`` is refused then."""
+    device = config.device if config.device is not None else platform.device()
+    want = wants_graph_capture(graphs, torch.device(device))
+
+    def build(capture: bool) -> RunnerBackend:
+        runner = RunnerBackend(platform, dataclasses.replace(config, graph_capture=capture))
+        runner.register_kv_cache_layers(layers)
+        runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block_size)
+        return runner
+
+    if not want:
+        return build(False)
+    try:
+        return build(True)
+    except UnsupportedRequirementsError:
+        if graphs is not None:
+            raise
+        return build(False)
 
 
 def _corrupt(runner: RunnerBackend, block_id: int) -> None:
@@ -339,6 +406,7 @@ def make_result(
         blocks_used=info["blocks_used"],
         block_utilisation=info["tokens"] / (info["blocks_used"] * info["block_size"]),
         extra=extra or {},
+        capture_step=info.get("capture_step"),
         kv_cache_dtype=cache_dtype_name(cfg.kv_cache_dtype if quantized else None),
         kv_bytes_per_token={
             str(cfg.dtype).removeprefix("torch."): per_token * cfg.layers,
@@ -361,13 +429,36 @@ def run_demo(
     device = device or platform.device()
     progress = progress or (lambda _mode, _i, _n: None)
     model = build_model(cfg, device)
+    warmup_ms = warm_up(model, cfg, platform, device) if _warms_up(cfg, device) else {}
     dense_out, dense_ms = run_dense(model, cfg, device, progress)
     paged_out, paged_ms, info = run_paged(model, cfg, platform, device, progress)
     diff = float(max_difference(dense_out, paged_out).item())
     extra = {"graphs": info["graphs"], "graph_replays": info["graph_replays"]}
-    return make_result(
+    result = make_result(
         platform, cfg, device, diff, dense_ms, paged_ms, info, extra, cosine(dense_out, paged_out)
     )
+    result.warmup_ms = warmup_ms
+    return result
+
+
+def _warms_up(cfg: DemoConfig, device: torch.device) -> bool:
+    return cfg.warmup if cfg.warmup is not None else device.type == "cuda"
+
+
+def warm_up(model: TinyDiT, cfg: DemoConfig, platform: Platform, device: torch.device) -> dict[str, float]:
+    """One untimed pass of each mode over the first two steps (the full write and the first
+    cached step: every kernel shape the timed runs use), so run-time compilation and library
+    set-up stay out of the timed steps; returns each pass's wall time (ms)."""
+    short = dataclasses.replace(cfg, steps=min(cfg.steps, 2), inject_fault=False)
+    quiet: Progress = lambda _mode, _i, _n: None  # noqa: E731
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    run_dense(model, short, device, quiet)
+    out["dense"] = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    run_paged(model, short, platform, device, quiet)
+    out["paged"] = (time.perf_counter() - t0) * 1e3
+    return out
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -376,6 +467,18 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     if not bool(torch.isfinite(y).all()):
         return 0.0
     return float(torch.nn.functional.cosine_similarity(x, y, dim=0).item())
+
+
+def _whole_run(r: DemoResult) -> str:
+    if r.capture_step is None:
+        return f"whole run {r.paged_total_ms:.0f} ms vs {r.dense_total_ms:.0f} ms ({r.speedup:.2f}x over {r.steps} steps)"
+    k = r.capture_step
+    return (
+        f"whole run {r.paged_total_ms - r.paged_step_ms[k]:.0f} ms vs {r.dense_total_ms - r.dense_step_ms[k]:.0f} ms "
+        f"({r.speedup_without_capture:.2f}x over {r.steps - 1} steps, step {k} left out of both: it captured "
+        f"the CUDA graph, a one-off {r.capture_step_ms:.0f} ms for one eager step and the capture; "
+        f"{r.speedup:.2f}x with it)"
+    )
 
 
 def format_result(r: DemoResult) -> str:
@@ -403,7 +506,7 @@ def format_result(r: DemoResult) -> str:
         f"ideal for this shape: about {r.ideal_speedup:.1f}x by token count (a paged step computes the "
         f"{s['target_len']} target tokens of {s['seq_len']}; its attention still reads every cached key)",
         f"step 0 (paged: writes every K/V): {r.paged_step_ms[0]:.1f} ms vs dense {r.dense_step_ms[0]:.1f} ms; "
-        f"whole run {r.paged_total_ms:.0f} ms vs {r.dense_total_ms:.0f} ms ({r.speedup:.2f}x over {r.steps} steps)",
+        + _whole_run(r),
         f"KV memory: paged blocks {r.kv_bytes_paged / mib:.2f} MiB vs dense max-length cache "
         f"{r.kv_bytes_dense_max_len / mib:.2f} MiB (max_model_len {s['max_model_len']})",
         f"block utilisation: {r.block_utilisation:.1%} of {r.blocks_used} blocks",
@@ -411,6 +514,11 @@ def format_result(r: DemoResult) -> str:
     if r.extra.get("graphs"):
         lines.append(
             f"steady-state paged steps: CUDA graph replays ({r.extra['graph_replays']} after one capture)"
+        )
+    if r.warmup_ms:
+        lines.append(
+            "warm-up before timing (one-off: compilation, library set-up; in no figure above): "
+            + ", ".join(f"{mode} {ms:.0f} ms" for mode, ms in r.warmup_ms.items())
         )
     par = r.extra.get("parallel")
     if par:

@@ -61,6 +61,7 @@ from diffusion_kv.models.demo import (
     combine_guidance,
     cosine,
     max_difference,
+    paged_runner,
 )
 from diffusion_kv.models.demo import DemoConfig as _DemoConfig
 from diffusion_kv.models.tiny_dit import TinyDiT
@@ -599,7 +600,8 @@ def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | N
     if cfg.kv_cache_dtype is not None and cfg.kv_cache_dtype != cfg.dtype:  # equal pool memory
         pool_blocks *= cfg.dtype.itemsize // cfg.kv_cache_dtype.itemsize
     concurrency = min(cfg.max_running, len(requests))
-    runner = RunnerBackend(
+    mc = model.cfg
+    runner = paged_runner(  # graph capture a selection requirement where the run wants graphs
         platform,
         RunnerConfig(
             max_model_len=max_len,
@@ -611,12 +613,11 @@ def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | N
             device=device,
             kv_cache_dtype=cfg.kv_cache_dtype or "auto",
         ),
+        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names},
+        pool_blocks,
+        block,
+        cfg.graphs,
     )
-    mc = model.cfg
-    runner.register_kv_cache_layers(
-        {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names}
-    )
-    runner.initialize_kv_cache(num_blocks=pool_blocks, block_size=block)
     return StreamSetup(cfg, device, model, runner, requests, inputs, block, pool_blocks, max_len, concurrency)
 
 

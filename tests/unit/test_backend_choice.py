@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 import diffusion_kv
-from diffusion_kv.core.capabilities import Requirements
+from diffusion_kv.core.capabilities import Requirements, capability_reasons
 from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
+from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
 
 
 def runner(backend: object = None, kv_cache_dtype: str = "auto") -> RunnerBackend:
@@ -79,3 +81,69 @@ def test_the_package_never_writes_the_environment() -> None:
         if writes.search(line)
     ]
     assert offenders == []
+
+
+# --- graph capture as a selection requirement (RunnerConfig.graph_capture) -------------------------
+
+
+class CapturingReference(CpuReferenceBackend):
+    """The reference backend declaring graph capture (the cpu platform's own declare none)."""
+
+    name = "capturing"
+    capabilities = dataclasses.replace(CpuReferenceBackend.capabilities, supports_graph_capture=True)
+
+
+class GraphCpu(CpuPlatform):
+    """sdpa (priority 120, cannot be captured) above a capturing backend (100)."""
+
+    backends = (CpuSdpaBackend, CapturingReference)
+
+
+def graph_runner(platform: CpuPlatform, graph_capture: object, backend: object = None) -> RunnerBackend:
+    return RunnerBackend(
+        platform,
+        RunnerConfig(
+            max_model_len=64, max_rows_per_request=1, max_num_seqs=1, max_num_batched_tokens=64,
+            backend=backend, graph_capture=graph_capture,  # type: ignore[arg-type]
+        ),
+    )  # fmt: skip
+
+
+def test_a_runner_that_wants_graphs_gets_a_backend_that_can_be_captured() -> None:
+    picked = {}
+    for wants in (False, True):
+        r = graph_runner(GraphCpu(), wants)
+        r.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 16, torch.float32)})
+        r.initialize_kv_cache(num_blocks=4, block_size=16)
+        picked[wants] = [type(b).name for b in r.backends]
+    assert picked == {False: ["sdpa"], True: ["capturing"]}  # the priority list, then the requirement
+
+
+def test_a_forced_backend_that_cannot_be_captured_is_refused_with_the_reason() -> None:
+    r = graph_runner(GraphCpu(), True, backend="sdpa")
+    r.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 16, torch.float32)})
+    with pytest.raises(UnsupportedRequirementsError) as err:
+        r.initialize_kv_cache(num_blocks=4, block_size=16)
+    assert "graph_capture=True" in str(err.value) and "      graph capture" in str(err.value)
+    assert not r.initialized and r.backends == ()
+
+
+def test_no_backend_that_can_be_captured_is_refused_at_registration() -> None:
+    r = graph_runner(CpuPlatform(), True)  # neither sdpa nor reference declares capture
+    with pytest.raises(UnsupportedRequirementsError, match=r"platform 'cpu' cannot serve these layers \(.*"
+                       r"graph_capture=True\): .*graph capture"):  # fmt: skip
+        r.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 16, torch.float32)})
+    assert r.layers == {}
+    with pytest.raises(ValidationError, match="RunnerConfig.graph_capture must be a bool; got 'yes'"):
+        graph_runner(CpuPlatform(), "yes")
+
+
+def test_vllm_flash_attn_is_ruled_out_by_the_requirement_and_the_cuda_backends_are_not() -> None:
+    from diffusion_kv.integrations.vllm.backend import VllmFlashAttnBackend
+    from diffusion_kv.platforms.cuda.backend import CudaPagedBackend, SdpaPagedBackend, TritonPagedBackend
+
+    wants = Requirements(dtype=torch.bfloat16, head_size=128, graph_capture=True)
+    assert capability_reasons(VllmFlashAttnBackend.capabilities, wants) == ["graph capture"]
+    assert capability_reasons(VllmFlashAttnBackend.capabilities, Requirements(graph_capture=False)) == []
+    for own in (CudaPagedBackend, TritonPagedBackend, SdpaPagedBackend):
+        assert capability_reasons(own.capabilities, wants) == []
