@@ -92,57 +92,12 @@ class PluginFailure(Exception):
         self.printed = printed
 
 
-REMOVED_NAMES: frozenset[str] = frozenset(
-    {
-        "KVWritePolicy",
-        "MetadataBuilder",
-        "PagedAttentionBackend",
-        "PartialAttentionBackend",
-        "REQUIRED_MEMBERS",
-        "REQUIRED_ATTRIBUTES",
-        "kv_write_policy",
-        "metadata_builder",
-        "paged_backend",
-        "kv_cache_shape",
-        "backend_variants",
-        "bind_vllm_runtime",
-        "bound_vllm_runtime",
-        "unbind_vllm_runtime",
-        "VllmRuntime",
-        "NO_RUNTIME_REASON",
-        "is_vllm_native",
-        "diffusion_kv.platforms.npu.runtime",
-    }
-)
-"""Names of the plugin API before the ``PagedBackend`` contract (``docs/migration.md`` maps each
-to its replacement)."""
-
-MIGRATION_DOC = "docs/migration.md"
-
-
-def older_api_name(exc: BaseException) -> str | None:
-    """The removed diffusion-kv name ``exc`` (an import or attribute failure) is about, if any."""
-    ours = (isinstance(exc, ImportError) and (exc.name or "").startswith("diffusion_kv")) or (
-        isinstance(exc, AttributeError) and "diffusion_kv" in str(exc)
-    )
-    if not ours:
-        return None
-    text = str(exc)
-    for name in sorted(REMOVED_NAMES):
-        if f"'{name}'" in text:
-            return name
-    return None
-
-
 def _import_fix(failure: PluginFailure, default: str) -> str:
-    """``default``, or, for a plugin importing a removed name, the migration page."""
-    removed = older_api_name(failure.original)
-    if removed is None:
-        return default
-    return (
-        f"the plugin was written for an older diffusion-kv API ({removed!r} was removed); port it with "
-        f"{MIGRATION_DOC}, which maps every removed name to its replacement"
-    )
+    """``default``, or, for a plugin importing a removed name, that name's replacement
+    (:mod:`diffusion_kv.platforms.migration`)."""
+    from diffusion_kv.platforms.migration import older_api_fix  # lazy: only a failing plugin needs it
+
+    return older_api_fix(failure.original) or default
 
 
 def safe_repr(obj: object, how: Callable[[object], str] = repr) -> str:
