@@ -17,7 +17,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from diffusion_kv.core.errors import DiffusionKVError, PlatformError, PlatformNotFoundError, ValidationError
+from diffusion_kv.core.errors import (
+    ConfigurationError,
+    DiffusionKVError,
+    PlatformError,
+    PlatformNotFoundError,
+    ValidationError,
+)
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 from diffusion_kv.platforms.selection import (
     ENV_PLATFORM,
@@ -174,6 +180,8 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
     try:
         selection = select_platform(warn=lambda _m: None)
         selected, how = selection.platform.name, selection.how
+    except ConfigurationError:
+        raise  # an unusable DIFFUSION_KV_BACKEND: its one line, not the table
     except PlatformError as exc:
         selected, error = None, str(exc)
     statuses = [PlatformStatus(**{**s.as_dict(), "selected": s.name == selected}) for s in statuses]
@@ -246,7 +254,7 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         print(_table(rows))
         print()
         for s in statuses:
-            print(f"{s.name}: {_caps_line(s)}")
+            print(f"{s.name}{f' — {s.description}' if s.description else ''}: {_caps_line(s)}")
         broken = [s for s in statuses if s.error is not None]
         broken_backends = plugins.broken_backends()
         if broken or plugins.shadowed or broken_backends:

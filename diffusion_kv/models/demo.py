@@ -98,6 +98,8 @@ class DemoResult:
     """K and V bytes one token takes over every layer, in the model's dtype and in fp8_e4m3."""
     cosine_similarity: float = 1.0
     """Of the final latents, paged against dense (the agreement check with an fp8 cache)."""
+    backends: tuple[str, ...] = ()
+    """The paged backend(s) that served the KV-cache groups (``platform:backend``)."""
 
     @property
     def dense_total_ms(self) -> float:
@@ -265,8 +267,14 @@ def run_paged(
         "preparations": 2 if cfg.steps > 1 else 1,
         "graph_replays": captured.replays if captured is not None else 0,
         "graphs": bool(use_graphs),
+        "backends": served_by(runner),
     }
     return latent, times, info
+
+
+def served_by(runner: RunnerBackend) -> tuple[str, ...]:
+    """``platform:backend`` of each backend serving a KV-cache group of ``runner`` (once each)."""
+    return tuple(dict.fromkeys(f"{runner.platform.name}:{b.name}" for b in runner.backends))
 
 
 def _corrupt(runner: RunnerBackend, block_id: int) -> None:
@@ -345,6 +353,7 @@ def make_result(
             "fp8_e4m3": 2 * cfg.kv_heads * head_size * cfg.layers,
         },
         cosine_similarity=cosine_similarity,
+        backends=tuple(b if ":" in b else f"{platform.name}:{b}" for b in info.get("backends", ())),
     )
 
 
@@ -382,7 +391,8 @@ def format_result(r: DemoResult) -> str:
     mib = 1024 * 1024
     s = r.shapes
     lines = [
-        f"platform: {r.platform} (device {r.device}, {r.dtype})",
+        f"platform: {r.platform} (device {r.device}, {r.dtype})"
+        + (f", paged backend {', '.join(r.backends)}" if r.backends else ""),
         f"shapes: prefix {s['prefix_len']} + target {s['target_len']} tokens, hidden {s['hidden']}, "
         f"heads {s['heads']} (kv {s['kv_heads']}, head size {s['head_size']}), layers {s['layers']}",
         f"steps: {r.steps}, CFG rows: {r.cfg_rows}, block size: {r.block_size}",

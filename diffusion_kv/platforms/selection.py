@@ -180,6 +180,8 @@ class PlatformStatus:
     backends: tuple[dict[str, Any], ...] = field(default=())
     """Each backend in priority order: name, priority, source, available, reason."""
     distributed_backend: str | None = None
+    description: str = ""
+    """The platform class's ``description`` (empty when it failed to load or has none)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -844,6 +846,21 @@ def added_backends(platform: str) -> list[type[PagedBackend]]:
     return discover().backends_for(platform)
 
 
+def backend_origin(
+    platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None
+) -> str:
+    """Where ``platform``'s ``backend`` comes from: ``built-in``, the backend entry point and
+    its distribution (of ``plugins``; default: the discovered set), or a class given as the
+    backend choice."""
+    if backend in platform.backends:
+        return "built-in"
+    plugins = plugins if plugins is not None else discover()
+    for record in plugins.backend_records:
+        if record.backend_cls is backend:
+            return f"entry point '{record.entry_point}', {record.distribution}"
+    return "a class given as the backend choice"
+
+
 def refresh() -> None:
     """Forget loaded plugins and stevedore's in-process entry-point cache.
 
@@ -1032,7 +1049,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                         {
                             "name": b.name,
                             "priority": b.priority,
-                            "source": "built-in" if b in builtin else f"entry point ({b.__module__})",
+                            "source": "built-in" if b in builtin else backend_origin(platform, b, plugins),
                             "available": found.available,
                             "reason": found.reason,
                         }
@@ -1056,6 +1073,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                 notes=plugins.notes_of(n),
                 backends=tuple(backends),
                 distributed_backend=cls.distributed_backend if cls else None,
+                description=str(getattr(cls, "description", "") or "") if cls else "",
             )
         )
     return out
