@@ -17,7 +17,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from diffusion_kv.core.errors import DiffusionKVError, PlatformError, PlatformNotFoundError, ValidationError
+from diffusion_kv.core.errors import (
+    ConfigurationError,
+    DiffusionKVError,
+    PlatformError,
+    PlatformNotFoundError,
+    ValidationError,
+)
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 from diffusion_kv.platforms.selection import (
     ENV_PLATFORM,
@@ -174,6 +180,8 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
     try:
         selection = select_platform(warn=lambda _m: None)
         selected, how = selection.platform.name, selection.how
+    except ConfigurationError:
+        raise  # an unusable DIFFUSION_KV_BACKEND: its one line, not the table
     except PlatformError as exc:
         selected, error = None, str(exc)
     statuses = [PlatformStatus(**{**s.as_dict(), "selected": s.name == selected}) for s in statuses]
@@ -246,7 +254,7 @@ def _cmd_platforms(args: argparse.Namespace) -> int:
         print(_table(rows))
         print()
         for s in statuses:
-            print(f"{s.name}: {_caps_line(s)}")
+            print(f"{s.name}{f' — {s.description}' if s.description else ''}: {_caps_line(s)}")
         broken = [s for s in statuses if s.error is not None]
         broken_backends = plugins.broken_backends()
         if broken or plugins.shadowed or broken_backends:
@@ -293,15 +301,43 @@ class _Interrupts:
         self.seen = True
 
 
+_REWRITE_WARNING = "Module already imported so cannot be rewritten; diffusion_kv"  # pytest escapes it
+
+
+def _option_value(argv: Sequence[str], option: str) -> str | None:
+    """The value of ``option`` in pytest arguments (``--opt V`` or ``--opt=V``; the last wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1 :]
+    return value
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     try:
         import pytest
     except ImportError:
         raise RunError("the conformance kit needs pytest: pip install 'diffusion-kv[test]'") from None
+    from diffusion_kv.conformance.plugin import backend_under_test
+
     platform = _select(args.platform, warn=lambda _m: None)
-    print(f"conformance kit on platform {platform.name!r}", flush=True)
+    option = _option_value(args.pytest_args, "--dkv-backend")
+    try:
+        backend, source = backend_under_test(platform, option)
+    except DiffusionKVError as exc:
+        if option is None:
+            raise  # DIFFUSION_KV_BACKEND's: a configuration error (exit 1), not an argument's
+        raise UsageError(str(exc)) from exc
+    shown = repr(backend.name) if backend is not None else "none usable here"
+    print(f"conformance kit on platform {platform.name!r}, backend {shown} ({source})", flush=True)
     argv = ["--pyargs", "diffusion_kv.conformance", "--dkv-platform", platform.name, "-p", "no:cacheprovider"]
     argv += ["-q"] if not args.verbose else ["-v"]
+    # This command imported diffusion_kv before pytest could mark it for assertion rewriting (an
+    # installed distribution with a pytest11 entry point gets its top-level package marked); the
+    # kit's own modules are imported later and rewritten, so the warning says nothing here.
+    argv += ["-W", f"ignore:{_REWRITE_WARNING}:pytest.PytestAssertRewriteWarning"]
 
     interrupts = _Interrupts()
     code = int(pytest.main([*argv, *args.pytest_args], plugins=[interrupts]))

@@ -4,7 +4,7 @@ Every case builds a worker through :class:`PagedHarness` with the backend under 
 (``dkv_backend``), runs paged layers, and compares with :func:`dense_attention` computed here.
 What runs is derived from the backend's declared capabilities; cases needing something it does
 not declare are skipped with its own reasons, and ``test_declared_capability_matrix`` sweeps
-every declared dtype, head size (bounded), slot dtype and GQA ratio.
+every declared dtype, head size (bounded), slot dtype and GQA ratio (1, 2, the largest declared).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 
 from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
-from diffusion_kv.conformance.reference import dense_attention, row_mask, tolerance
+from diffusion_kv.conformance.reference import dense_attention, mismatch, row_mask, tolerance
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.attention import MaskSpec
-from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import KVCache, key_value_caches
 from diffusion_kv.core.capabilities import dtype_name
 from diffusion_kv.core.errors import (
@@ -157,24 +157,41 @@ def prefill(h: PagedHarness, request_id: str, data: list[RowData]) -> None:
     h.prefill(request_id, [len(d.k) for d in data], [(d.k, d.v) for d in data])
 
 
+@dataclass(frozen=True)
+class Expected:
+    """Dense attention for a batch, with what locates a mismatch: its rows, mode and spans."""
+
+    out: torch.Tensor
+    rows: tuple[PagedRow, ...]
+    mode: AttentionMode
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None
+
+
 def expected(
     h: PagedHarness,
     rows: Sequence[PagedRow],
     data: list[RowData],
     mode: AttentionMode | MaskSpec,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
-) -> torch.Tensor:
+) -> Expected:
     outs = []
     for i, (d, r) in enumerate(zip(data, rows, strict=True)):
         mask = row_mask(mode, r.kv_start_pos, r.query_len, r.seq_len, spans[i] if spans else ())
         q = d.q[r.kv_start_pos : r.kv_start_pos + r.query_len]
         outs.append(dense_attention(q, d.k[: r.seq_len], d.v[: r.seq_len], mask, h.head_size**-0.5))
-    return torch.cat(outs)
+    return Expected(torch.cat(outs), tuple(rows), mode, spans)
 
 
-def check(h: PagedHarness, out: torch.Tensor, ref: torch.Tensor) -> None:
+def check(h: PagedHarness, out: torch.Tensor, ref: Expected | torch.Tensor) -> None:
+    """``out`` equals ``ref`` within the backend's tolerance; a mismatch names the row, the
+    key/query position, the head and the mode of the first differing value (``mismatch``)."""
     tol = tolerance(h.dtype, type(h.backend))
-    torch.testing.assert_close(out.detach().to("cpu", torch.float64), ref, atol=tol["atol"], rtol=tol["rtol"])
+    if isinstance(ref, Expected):
+        problem = mismatch(out, ref.out, tol["atol"], tol["rtol"], ref.rows, ref.mode, ref.spans)
+    else:
+        problem = mismatch(out, ref, tol["atol"], tol["rtol"])
+    if problem is not None:
+        raise AssertionError(f"{h.platform.name}:{h.backend.name}: {problem}")
 
 
 # --- cases -----------------------------------------------------------------------------------------
@@ -598,9 +615,25 @@ def _matrix_case(platform: Platform, backend: Backend, **kw: object) -> str | No
     return None
 
 
+GQA_UNBOUNDED = 16
+"""The largest GQA ratio the matrix tries on a backend that declares no ``max_gqa_ratio``."""
+
+
+def gqa_ratios(backend: Backend) -> list[int]:
+    """1 (plain multi-head), 2 (the smallest grouping) and the largest the backend declares
+    (``max_gqa_ratio``; :data:`GQA_UNBOUNDED` when it declares no limit); a backend without
+    ``supports_gqa`` still lists 2 and the largest, which its own reasons skip."""
+    caps = backend.capabilities
+    largest = caps.max_gqa_ratio if caps.max_gqa_ratio is not None else GQA_UNBOUNDED
+    return sorted({1, 2, max(largest, 1)})
+
+
 def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend) -> None:
     """Every declared dtype x head size (at most three sizes), each declared slot dtype, and GQA
-    ratios 1, 2 and the largest declared (up to 8): paged equals dense for each."""
+    ratios 1, 2 and the largest declared (:func:`gqa_ratios`): paged equals dense for each. Every
+    cell runs, whatever another cell did; the matrix is printed (the summary's matrix section)
+    with each cell passed, failed (with the first line of its failure) or skipped (with the
+    backend's reasons), and the case fails naming each failing cell."""
     caps = dkv_backend.capabilities
     sizes = sorted(caps.head_sizes) if caps.head_sizes is not None else [64, 128]
     head_sizes = sorted({sizes[0], sizes[-1], *(s for s in (64, 128) if s in sizes)})[:3]
@@ -616,26 +649,35 @@ def test_declared_capability_matrix(dkv_platform: Platform, dkv_backend: Backend
                 {"dtype": base_dtype, "head_size": base_head, "slot_mapping_dtype": slot},
             )
         )
-    ratios = [2, min(caps.max_gqa_ratio or 8, 8)] if caps.supports_gqa else [2]
-    for ratio in sorted(set(ratios)):
+    for ratio in gqa_ratios(dkv_backend):
         cases.append(
             (
                 f"gqa={ratio}:1",
                 {"dtype": base_dtype, "head_size": base_head, "num_heads": 2 * ratio, "num_kv_heads": 2},
             )
         )
-    ran: list[str] = []
-    skipped: list[str] = []
+    cells: list[tuple[str, str, str]] = []  # (outcome, label, reason)
     for label, kw in cases:
-        reason = _matrix_case(dkv_platform, dkv_backend, **kw)
-        (skipped if reason else ran).append(label + (f": {reason}" if reason else ""))
+        try:
+            reason = _matrix_case(dkv_platform, dkv_backend, **kw)
+        except pytest.skip.Exception as exc:
+            cells.append(("skipped", label, str(exc.msg)))
+            continue
+        except (AssertionError, DiffusionKVError, RuntimeError, ValueError, TypeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            cells.append(("failed", label, f"{type(exc).__name__}: {first}"))
+            continue
+        cells.append(("skipped", label, reason) if reason else ("passed", label, ""))
+    counts = {o: sum(1 for c in cells if c[0] == o) for o in ("passed", "failed", "skipped")}
     MATRIX.append(
         f"{dkv_platform.name}:{dkv_backend.name} declared cells (dtype x head size, slot dtypes, GQA): "
-        f"{len(ran)} passed, {len(skipped)} skipped (the kit's other cases are counted above)"
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped (the kit's "
+        "other cases are counted above)"
     )
-    MATRIX.extend(f"  passed   {label}" for label in ran)
-    MATRIX.extend(f"  skipped  {label}" for label in skipped)
-    assert ran, f"no declared combination could run: {skipped}"
+    MATRIX.extend(f"  {o:<8} {label}" + (f": {why}" if why else "") for o, label, why in cells)
+    failed = [f"{label} ({why})" for o, label, why in cells if o == "failed"]
+    assert not failed, f"failing matrix cell(s): {'; '.join(failed)}"
+    assert counts["passed"], f"no declared combination could run: {[c[1:] for c in cells]}"
 
 
 @pytest.mark.parametrize(
@@ -999,6 +1041,8 @@ def test_fp8_kv_cache_equals_dense_over_the_stored_values(
         expected(h, rows_for("r", [(0, n)] * 2), stored, AttentionMode.CAUSAL),
     )
     k_cache, _ = key_value_caches(h.kv_caches[h.layer_names[0]])
+    if h.backend.page_layout is KVPageLayout.HEAD_FIRST:  # [blocks, Hkv, page, D]: see it token-major
+        k_cache = k_cache.transpose(1, 2)
     sc = h.geometry[h.layer_names[0]].kv_scales
     assert sc is not None
     page = h.kernel_block_size

@@ -138,15 +138,43 @@ class KVScales:
             _per_head(v_scale, num_kv_heads, f"layer {layer!r} v_scale"), dtype=torch.float32, device=device
         )
         self.saturated = torch.zeros(2, dtype=torch.int64, device=device)
+        self._values = self._as_float32(self.k_scale, self.v_scale)
+        self.version = 0
+        """How many times :meth:`set` changed the scales (the prefix cache keys on the values)."""
+
+    @staticmethod
+    def _as_float32(k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return (
+            tuple(float(x) for x in k.detach().to("cpu").tolist()),
+            tuple(float(x) for x in v.detach().to("cpu").tolist()),
+        )
+
+    @property
+    def values(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``(k_scale, v_scale)`` per KV head as the tensors hold them (float32 values), kept on
+        the host: reading them never syncs the device."""
+        return self._values
+
+    def identity(self) -> str:
+        """The scales as exact text (``float.hex`` per head), for the prefix cache's identity:
+        pages written under other scales decode to other values."""
+        k, v = self._values
+        return "k=" + ",".join(x.hex() for x in k) + ";v=" + ",".join(x.hex() for x in v)
 
     def set(self, k_scale: object, v_scale: object) -> None:
         """New scales, copied into the same tensors (a captured graph reads them at replay);
         both are checked before either changes. Pages written under the old scales are not
-        rescaled: set scales before the first write of the K/V they describe."""
+        rescaled: set scales before the first write of the K/V they describe. Bumps
+        :attr:`version`; the prefix cache never serves a block written under other scales
+        (``docs/architecture.md``, "Prefix caching")."""
         k = _per_head(k_scale, self.num_kv_heads, f"layer {self.layer!r} k_scale")
         v = _per_head(v_scale, self.num_kv_heads, f"layer {self.layer!r} v_scale")
-        self.k_scale.copy_(torch.tensor(k, dtype=torch.float32))
-        self.v_scale.copy_(torch.tensor(v, dtype=torch.float32))
+        k_new = torch.tensor(k, dtype=torch.float32)
+        v_new = torch.tensor(v, dtype=torch.float32)
+        self.k_scale.copy_(k_new)
+        self.v_scale.copy_(v_new)
+        self._values = self._as_float32(k_new, v_new)
+        self.version += 1
 
     @staticmethod
     def from_amax(amax: torch.Tensor) -> list[float]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -57,6 +58,8 @@ from typing import Any
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import DiffusionKVError, StateError, ValidationError
+from diffusion_kv.core.kv_quant import cache_dtype_name
+from diffusion_kv.core.layout import KVCacheGroup
 from diffusion_kv.core.prefix_cache import (
     ContentSpan,
     PrefixNamespace,
@@ -159,20 +162,45 @@ def reap_unreserved(
     return tuple(reaped)
 
 
+def scales_version(runner: RunnerBackend) -> int:
+    """A counter that grows whenever a quantised layer's ``k_scale``/``v_scale`` is set
+    (:meth:`~diffusion_kv.core.kv_quant.KVScales.set`); 0 on a worker without fp8 pages."""
+    return sum(g.kv_scales.version for g in runner.layers.values() if g.kv_scales is not None)
+
+
+def _group_identity(runner: RunnerBackend, group: KVCacheGroup) -> str:
+    layers = [runner.layers.get(n) for n in group.layer_names]
+    spec = group.spec
+    page = {
+        cache_dtype_name(g.kv_dtype) if g is not None else cache_dtype_name(spec.cache_dtype or spec.dtype)
+        for g in layers
+    }
+    text = (
+        f"{spec.mode.value}/{group.block_size}/{spec.dtype}/pages {','.join(sorted(page))}/"
+        f"{spec.num_kv_heads}x{spec.head_size}/layers {','.join(group.layer_names)}"
+    )
+    scales = [
+        f"{g.layer_name} {g.kv_scales.identity()}"
+        for g in layers
+        if g is not None and g.kv_scales is not None
+    ]
+    if scales:
+        text += "/scales " + hashlib.blake2b("|".join(scales).encode(), digest_size=8).hexdigest()
+    return text
+
+
 def worker_namespace(
     runner: RunnerBackend, model_id: str, branch: int = 0, adapter: str | None = None
 ) -> PrefixNamespace:
     """The prefix-cache namespace of CFG branch ``branch`` on ``runner``'s worker: the model
-    identity, the KV layout (per group: attention mode, block size, cache dtype and head
-    geometry) and the rank geometry (decode context parallelism, CFG parallelism, Ulysses and
-    ring degrees)."""
+    identity, the KV layout (per group: attention mode, block size, compute dtype, the pages'
+    dtype, head geometry, its layers, and a digest of the fp8 ``k_scale``/``v_scale`` values as
+    they are now) and the rank geometry (decode context parallelism, CFG parallelism, Ulysses and
+    ring degrees). Keys made from it after a scale changed never match keys made before."""
     layout = runner.layout
     if layout is None:
         raise StateError("a prefix-cache namespace needs an initialised runner (initialize_kv_cache first)")
-    groups = ";".join(
-        f"{g.spec.mode.value}/{g.block_size}/{g.spec.dtype}/{g.spec.num_kv_heads}x{g.spec.head_size}"
-        for g in layout.groups
-    )
+    groups = ";".join(_group_identity(runner, g) for g in layout.groups)
     c = runner.config
     ranks = (
         f"cp {c.cp_size}:{c.cp_rank}:{c.cp_interleave}, cfg {c.cfg_parallel_size}:{c.cfg_parallel_rank}, "
@@ -531,6 +559,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self.model_id = model_id
         self._cached: dict[str, tuple[int, ...]] = {}  # request id -> prefix tokens hit, per row
         self._keys: dict[str, tuple[tuple[bytes, ...], ...]] = {}
+        self._keyed_under: dict[str, int] = {}  # request id -> scales_version its keys were made at
+        self._scales_seen = scales_version(runner)
         self.prefix_hit_tokens = 0
         """Prefix tokens admitted requests found cached (summed over their rows)."""
         self.prefix_hit_blocks = 0
@@ -650,6 +680,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._recent.pop(rid, None)  # an earlier request under this id: the new one supersedes it
         self._live[rid] = RequestRecord(request, submitted_tick=self._tick)
         self._keys[rid] = keys
+        self._keyed_under[rid] = scales_version(self.runner)
         self._waiting.append(rid)
 
     def cancel(self, request_id: str) -> bool:
@@ -682,6 +713,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         _check_callable(fn, "step takes the model callback fn(batch)")
         tick = self._tick
         reaped = self._reap()
+        self._drop_stale_prefixes()
         admitted, refused = self._admit()
         if not self._running:
             if not refused and not reaped and not self._outcomes:
@@ -852,6 +884,10 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
                 )
                 failed.append(rid)
                 continue
+            if self._keys.get(rid) and self._keyed_under.get(rid) != self._scales_seen:
+                # fp8 scales changed since submission: key under the scales its pages get now
+                self._keys[rid] = self.prefix_keys(rec.request)
+                self._keyed_under[rid] = self._scales_seen
             try:
                 snapshot = self.allocator.reserve(rec.request.kv_request(self._keys.get(rid, ())))
             except DiffusionKVError as exc:
@@ -892,12 +928,25 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             rid = e.request.request_id
             if not any(self._keys.get(rid, ())):
                 continue
+            if self._keyed_under.get(rid) != scales_version(self.runner):
+                continue  # scales set during its prefill: its pages may mix two scales, share none
             self._runtime.deactivate()  # sealing changes what the rows may write
             try:
                 self.allocator.publish(rid, self.runner.seal)
             except Exception as exc:
                 refused[rid] = f"sealing its prefix for the prefix cache failed: {type(exc).__name__}: {exc}"
         return refused
+
+    def _drop_stale_prefixes(self) -> None:
+        """After an fp8 scale changed, no lookup can match a block cached before (its keys hold
+        the old scales): give the idle ones back to the pool now instead of waiting for LRU."""
+        now = scales_version(self.runner)
+        if now == self._scales_seen:
+            return
+        self._scales_seen = now
+        cache = self.allocator.prefix_cache
+        if cache is not None:
+            self.allocator.pool.free(cache.evict(cache.num_idle))
 
     def _reap(self) -> tuple[str, ...]:
         """Retire the rows of requests the allocator does not reserve (see module docstring)."""
@@ -952,6 +1001,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         self._cached.pop(rid, None)
         self._keys.pop(rid, None)
         del self._live[rid]
+        self._keyed_under.pop(rid, None)
         rec.request = _without_payload(rec.request)
         rec.status = status
         rec.finished_tick = self._tick
@@ -1010,5 +1060,6 @@ __all__ = [
     "iter_entries",
     "reap_unreserved",
     "row_prefix_keys",
+    "scales_version",
     "worker_namespace",
 ]

@@ -108,6 +108,8 @@ class DemoResult:
     capture_step: int | None = None
     """The paged step that captured the CUDA graph (one eager step plus the capture, a one-off
     cost); None when the paged run did not capture."""
+    backends: tuple[str, ...] = ()
+    """The paged backend(s) that served the KV-cache groups (``platform:backend``)."""
 
     @property
     def dense_total_ms(self) -> float:
@@ -294,6 +296,7 @@ def run_paged(
         "graph_replays": captured.replays if captured is not None else 0,
         "graphs": bool(use_graphs),
         "capture_step": capture_step,
+        "backends": served_by(runner),
     }
     return latent, times, info
 
@@ -334,6 +337,9 @@ def paged_runner(
         if graphs is not None:
             raise
         return build(False)
+def served_by(runner: RunnerBackend) -> tuple[str, ...]:
+    """``platform:backend`` of each backend serving a KV-cache group of ``runner`` (once each)."""
+    return tuple(dict.fromkeys(f"{runner.platform.name}:{b.name}" for b in runner.backends))
 
 
 def _corrupt(runner: RunnerBackend, block_id: int) -> None:
@@ -413,6 +419,7 @@ def make_result(
             "fp8_e4m3": 2 * cfg.kv_heads * head_size * cfg.layers,
         },
         cosine_similarity=cosine_similarity,
+        backends=tuple(b if ":" in b else f"{platform.name}:{b}" for b in info.get("backends", ())),
     )
 
 
@@ -485,7 +492,8 @@ def format_result(r: DemoResult) -> str:
     mib = 1024 * 1024
     s = r.shapes
     lines = [
-        f"platform: {r.platform} (device {r.device}, {r.dtype})",
+        f"platform: {r.platform} (device {r.device}, {r.dtype})"
+        + (f", paged backend {', '.join(r.backends)}" if r.backends else ""),
         f"shapes: prefix {s['prefix_len']} + target {s['target_len']} tokens, hidden {s['hidden']}, "
         f"heads {s['heads']} (kv {s['kv_heads']}, head size {s['head_size']}), layers {s['layers']}",
         f"steps: {r.steps}, CFG rows: {r.cfg_rows}, block size: {r.block_size}",

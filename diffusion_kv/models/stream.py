@@ -505,6 +505,8 @@ class StreamResult:
     kv_bytes_per_block: int = 0
     min_cosine_similarity: float = 1.0
     """Over every request, of its final latent against its dense run's."""
+    backends: tuple[str, ...] = ()
+    """The paged backend(s) that served the KV-cache groups (``platform:backend``)."""
 
     @property
     def speedup(self) -> float:
@@ -732,6 +734,7 @@ def run_stream(
         kv_cache_dtype=cache_dtype_name(cfg.kv_cache_dtype if quantized else None),
         kv_bytes_per_block=runner.kv_bytes_per_block(),
         min_cosine_similarity=min(cosines),
+        backends=tuple(dict.fromkeys(f"{platform.name}:{b.name}" for b in runner.backends)),
     )
 
 
@@ -783,7 +786,9 @@ def format_stream(r: StreamResult) -> str:
         for x in r.requests
     )
     lines = [
-        f"platform: {r.platform} (device {r.device}, {r.dtype}), block size {r.block_size}, pool {r.pool_blocks} blocks",
+        f"platform: {r.platform} (device {r.device}, {r.dtype})"
+        + (f", paged backend {', '.join(r.backends)}" if r.backends else "")
+        + f", block size {r.block_size}, pool {r.pool_blocks} blocks",
         f"requests ({len(r.requests)}, prefix+target x CFG rows): {shapes}",
         (
             f"max |dense - paged| over every request: {r.max_abs_diff:.3g} (tolerance {r.tolerance:g}) -> "

@@ -438,6 +438,10 @@ class Platform(abc.ABC):
             verdict = (
                 "selected" if backend is chosen else ("supported" if not reasons else "; ".join(reasons))
             )
+            from diffusion_kv.platforms.selection import backend_origin  # lazy: discovery
+
             description = f" — {backend.description}" if backend.description else ""
-            lines.append(f"  [{backend.priority:>3}] {backend.name}{description}: {verdict}")
+            origin = backend_origin(self, backend)
+            where = "" if origin == "built-in" else f" [{origin}]"
+            lines.append(f"  [{backend.priority:>3}] {backend.name}{description}{where}: {verdict}")
         return lines

@@ -87,57 +87,14 @@ BUILTIN_ENTRY_POINTS = {
 }
 """The built-in platforms: their names cannot be taken over by another entry point."""
 
-REMOVED_NAMES: frozenset[str] = frozenset(
-    {
-        "KVWritePolicy",
-        "MetadataBuilder",
-        "PagedAttentionBackend",
-        "PartialAttentionBackend",
-        "REQUIRED_MEMBERS",
-        "REQUIRED_ATTRIBUTES",
-        "kv_write_policy",
-        "metadata_builder",
-        "paged_backend",
-        "kv_cache_shape",
-        "backend_variants",
-        "bind_vllm_runtime",
-        "bound_vllm_runtime",
-        "unbind_vllm_runtime",
-        "VllmRuntime",
-        "NO_RUNTIME_REASON",
-        "is_vllm_native",
-        "diffusion_kv.platforms.npu.runtime",
-    }
-)
-"""Names of the plugin API before the ``PagedBackend`` contract (``docs/migration.md`` maps each
-to its replacement)."""
-
-MIGRATION_DOC = "docs/migration.md"
-
-
-def older_api_name(exc: BaseException) -> str | None:
-    """The removed diffusion-kv name ``exc`` (an import or attribute failure) is about, if any."""
-    ours = (isinstance(exc, ImportError) and (exc.name or "").startswith("diffusion_kv")) or (
-        isinstance(exc, AttributeError) and "diffusion_kv" in str(exc)
-    )
-    if not ours:
-        return None
-    text = str(exc)
-    for name in sorted(REMOVED_NAMES):
-        if f"'{name}'" in text:
-            return name
-    return None
 
 
 def _import_fix(failure: PluginFailure, default: str) -> str:
-    """``default``, or, for a plugin importing a removed name, the migration page."""
-    removed = older_api_name(failure.original)
-    if removed is None:
-        return default
-    return (
-        f"the plugin was written for an older diffusion-kv API ({removed!r} was removed); port it with "
-        f"{MIGRATION_DOC}, which maps every removed name to its replacement"
-    )
+    """``default``, or, for a plugin importing a removed name, that name's replacement
+    (:mod:`diffusion_kv.platforms.migration`)."""
+    from diffusion_kv.platforms.migration import older_api_fix  # lazy: only a failing plugin needs it
+
+    return older_api_fix(failure.original) or default
 
 
 _printed_note = printed_note
@@ -187,6 +144,8 @@ class PlatformStatus:
     backends: tuple[dict[str, Any], ...] = field(default=())
     """Each backend in priority order: name, priority, source, available, reason."""
     distributed_backend: str | None = None
+    description: str = ""
+    """The platform class's ``description`` (empty when it failed to load or has none)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -813,6 +772,21 @@ def added_backends(platform: str) -> list[type[PagedBackend]]:
     return discover().backends_for(platform)
 
 
+def backend_origin(
+    platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None
+) -> str:
+    """Where ``platform``'s ``backend`` comes from: ``built-in``, the backend entry point and
+    its distribution (of ``plugins``; default: the discovered set), or a class given as the
+    backend choice."""
+    if backend in platform.backends:
+        return "built-in"
+    plugins = plugins if plugins is not None else discover()
+    for record in plugins.backend_records:
+        if record.backend_cls is backend:
+            return f"entry point '{record.entry_point}', {record.distribution}"
+    return "a class given as the backend choice"
+
+
 def refresh() -> None:
     """Forget loaded plugins and stevedore's in-process entry-point cache.
 
@@ -1004,7 +978,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                         {
                             "name": b.name,
                             "priority": b.priority,
-                            "source": "built-in" if b in builtin else f"entry point ({b.__module__})",
+                            "source": "built-in" if b in builtin else backend_origin(platform, b, plugins),
                             "available": found.available,
                             "reason": found.reason,
                         }
@@ -1028,6 +1002,7 @@ def available_platforms(*, namespace: str | None = None) -> list[PlatformStatus]
                 notes=plugins.notes_of(n),
                 backends=tuple(backends),
                 distributed_backend=cls.distributed_backend if cls else None,
+                description=str(getattr(cls, "description", "") or "") if cls else "",
             )
         )
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import pathlib
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -51,7 +52,10 @@ TOL = 1e-2  # bfloat16 (vllm-ascend's precision tests use the same)
 SCATTER = "npu_scatter_pa_kv_cache"
 FIA = "npu_fused_infer_attention_score"
 DIRECT_LINE = f"  [100] direct — {NpuDirectBackend.description}"
-VLLM_ASCEND_LINE = f"  [200] vllm-ascend — {VllmAscendBackend.description}"
+VLLM_ASCEND_LINE = (
+    f"  [200] vllm-ascend — {VllmAscendBackend.description} [entry point 'vllm-ascend = "
+    f"diffusion_kv.integrations.vllm_ascend.backend:VllmAscendBackend', diffusion-kv {version('diffusion-kv')}]"
+)
 UNVERIFIED_LINE = f"  {UNVERIFIED_SUMMARY}"
 
 

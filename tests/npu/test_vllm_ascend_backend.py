@@ -19,6 +19,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
+from importlib.metadata import version
 from typing import Any
 
 import numpy as np
@@ -60,7 +61,10 @@ LAYER = LayerGeometry(LAYER_NAME, num_heads=8, num_kv_heads=2, head_size=128, sc
 KV_CONFIG = types.SimpleNamespace(num_blocks=4, kv_cache_groups=["GROUP-0"])
 HOST = HostRuntime(config="VLLM-CONFIG", attn_groups=[["ATTN-GROUP-0"]], kv_cache_config=KV_CONFIG)
 DIRECT_LINE = f"  [100] direct — {NpuDirectBackend.description}"
-VLLM_ASCEND_LINE = f"  [200] vllm-ascend — {VllmAscendBackend.description}"
+VLLM_ASCEND_LINE = (
+    f"  [200] vllm-ascend — {VllmAscendBackend.description} [entry point 'vllm-ascend = "
+    f"diffusion_kv.integrations.vllm_ascend.backend:VllmAscendBackend', diffusion-kv {version('diffusion-kv')}]"
+)
 POOLING_HOST = types.SimpleNamespace(model_config=types.SimpleNamespace(runner_type="pooling"))
 
 

@@ -7,6 +7,8 @@ and for CUDA/Triton (so the cuda backends' answers do not depend on this machine
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import pytest
 import torch
 
@@ -29,7 +31,11 @@ DESCRIBED = (
     "dtype=float16, head_size=128, num_heads=8, num_kv_heads=8, block_size=128, "
     "attention_modes=['causal', 'piecewise']"
 )
-FLASH_LINE = "  [300] vllm-flash-attn — vLLM's BlockTables, build_attn_metadata and FlashAttention impl: "
+FLASH_LINE = (
+    "  [300] vllm-flash-attn — vLLM's BlockTables, build_attn_metadata and FlashAttention impl [entry point "
+    f"'vllm-flash-attn = diffusion_kv.integrations.vllm.backend:VllmFlashAttnBackend', diffusion-kv "
+    f"{version('diffusion-kv')}]: "
+)
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,14 @@ from diffusion_kv.core.prefix_cache import (
 )
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
-from diffusion_kv.core.scheduler import DiffusionRequest, DiffusionScheduler, StepBatch
+from diffusion_kv.core.scheduler import (
+    DiffusionRequest,
+    DiffusionScheduler,
+    StepBatch,
+    row_prefix_keys,
+    scales_version,
+    worker_namespace,
+)
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.interface import ENV_BACKEND
 
@@ -574,17 +581,26 @@ def cached_allocator(runner: RunnerBackend, num_blocks: int = 48) -> DiffusionKV
 
 
 def make_runner(
-    block: int = 4, num_blocks: int = 32, max_len: int = 64, modes: dict[str, AttentionMode] | None = None
+    block: int = 4,
+    num_blocks: int = 32,
+    max_len: int = 64,
+    modes: dict[str, AttentionMode] | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
 ) -> RunnerBackend:
     runner = RunnerBackend(
         CpuPlatform(),
         RunnerConfig(
-            max_model_len=max_len, max_rows_per_request=2, max_num_seqs=8, max_num_batched_tokens=512
+            max_model_len=max_len,
+            max_rows_per_request=2,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            kv_cache_dtype=kv_cache_dtype,
         ),
     )
     modes = modes or dict.fromkeys(LAYERS, AttentionMode.CAUSAL)
     runner.register_kv_cache_layers(
-        {n: PagedLayerSpec(H, HKV, D, torch.float32, mode=m) for n, m in modes.items()}
+        {n: PagedLayerSpec(H, HKV, D, torch.float32, mode=m, k_scale=k_scale) for n, m in modes.items()}
     )
     runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
     return runner
@@ -858,7 +874,7 @@ def test_hits_compute_only_uncached_tokens_and_match_the_uncached_run(
     assert keys[1] == block_keys(shared("x").prefix_content[1], ns, 16, BS, ((36, 44),))
     assert ns == PrefixNamespace(
         "two-layer@1",
-        "causal/8/torch.float32/2x8",
+        "causal/8/torch.float32/pages float32/2x8/layers l0,l1",
         "cp 1:0:1, cfg 1:0, ParallelConfig(ulysses_degree=1, ring_degree=1, allgather_degree=1, "
         "ulysses_mode='strict')",
         None,
@@ -979,3 +995,147 @@ def test_a_seal_the_worker_refuses_fails_the_request_and_publishes_nothing(
         assert alloc.prefix_cache is not None and len(alloc.prefix_cache) == 0
         assert alloc.pool.num_free == 48 and alloc.generation == 1 and alloc.reserved() == ()
         assert runner.registry is not None and runner.registry.installed_requests() == ()
+
+
+# -- 7. what else the identity covers: page dtype, fp8 scales, block size, layers, model --------
+
+PREFIX = (ContentSpan(0, 32, "system"),)
+
+
+def worker_keys(runner: RunnerBackend, model: str = "m", block: int = BS) -> tuple[bytes, ...]:
+    return row_prefix_keys(runner, worker_namespace(runner, model), PREFIX, 32, ((32, 40),), block)
+
+
+def test_keys_differ_across_page_dtype_scales_block_size_layer_set_and_model() -> None:
+    """A hit must never return pages written under another page dtype (16-bit vs e4m3), other
+    fp8 scales, another block size, another set of layers or another model: each of those gives
+    keys disjoint from the base worker's (and from each other's); the same worker built twice
+    gives the same keys."""
+    base = worker_keys(make_runner(block=BS))
+    assert len(base) == 4
+    assert worker_keys(make_runner(block=BS)) == base
+    variants = {
+        "fp8 pages": worker_keys(make_runner(block=BS, kv_cache_dtype="fp8_e4m3")),
+        "fp8, k_scale 0.25": worker_keys(make_runner(block=BS, kv_cache_dtype="fp8_e4m3", k_scale=0.25)),
+        "block 16": worker_keys(make_runner(block=16), block=16),
+        "layers l0, l2": worker_keys(
+            make_runner(block=BS, modes=dict.fromkeys(("l0", "l2"), AttentionMode.CAUSAL))
+        ),
+        "layers l0, l1, l2": worker_keys(
+            make_runner(block=BS, modes=dict.fromkeys(("l0", "l1", "l2"), AttentionMode.CAUSAL))
+        ),
+        "model": worker_keys(make_runner(block=BS), model="m2"),
+    }
+    assert {name: len(keys) for name, keys in variants.items()} == {
+        "fp8 pages": 4,
+        "fp8, k_scale 0.25": 4,
+        "block 16": 2,
+        "layers l0, l2": 4,
+        "layers l0, l1, l2": 4,
+        "model": 4,
+    }
+    every = [base, *variants.values()]
+    assert len({k for keys in every for k in keys}) == sum(len(keys) for keys in every)
+
+
+def test_a_scale_set_at_run_time_changes_the_keys_and_setting_it_back_restores_them() -> None:
+    runner = make_runner(block=BS, kv_cache_dtype="fp8_e4m3")
+    before = worker_keys(runner)
+    scales = runner.layers["l1"].kv_scales
+    assert scales is not None and scales_version(runner) == 0
+    scales.set([1.0, 0.1], 1.0)
+    assert scales.values == ((1.0, 0.10000000149011612), (1.0, 1.0))  # as float32 holds them
+    assert scales_version(runner) == 1
+    changed = worker_keys(runner)
+    assert set(changed).isdisjoint(before)
+    with pytest.raises(ValidationError, match=r"layer 'l1' v_scale must be a finite positive number"):
+        scales.set(0.5, [1.0, float("nan")])
+    assert scales_version(runner) == 1 and worker_keys(runner) == changed  # nothing changed
+    scales.set(1.0, 1.0)
+    assert worker_keys(runner) == before and scales_version(runner) == 2
+
+
+def fp8_scheduler(num_blocks: int = 48) -> tuple[DiffusionScheduler, TwoLayerModel]:
+    runner = make_runner(block=BS, num_blocks=num_blocks, max_len=MAX_LEN, kv_cache_dtype="fp8_e4m3")
+    return DiffusionScheduler(runner, cached_allocator(runner, num_blocks), model_id="m"), TwoLayerModel(
+        runner
+    )
+
+
+def set_l0_k_scale(sched: DiffusionScheduler, value: float) -> None:
+    scales = sched.runner.layers["l0"].kv_scales
+    assert scales is not None
+    scales.set(value, 1.0)
+
+
+def test_after_a_scale_change_no_block_written_before_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """a publishes its 6 prefix blocks under k_scale 1.0; after l0's k_scale becomes 0.5 the idle
+    ones go back to the pool at the next step, and b (same content) computes its whole prefix
+    and publishes its own, under keys of the new scales."""
+    monkeypatch.setenv(ENV_BACKEND, "cpu:reference")
+    sched, model = fp8_scheduler()
+    cache = sched.allocator.prefix_cache
+    assert cache is not None
+    sched.submit(shared("a"))
+    sched.run(model)
+    old_keys = sched.prefix_keys(shared("x"))
+    assert len(cache) == 6 and cache.num_idle == 6 and all(k in cache for k in old_keys[0] + old_keys[1])
+    set_l0_k_scale(sched, 0.5)
+    sched.submit(shared("b"))
+    records = sched.run(model)
+    assert records["b"].status.value == "finished"
+    assert model.rows[("b", 0, 0)] == (0, 44) and model.rows[("b", 1, 0)] == (0, 44)
+    assert sched.prefix_hit_tokens == 0
+    new_keys = sched.prefix_keys(shared("x"))
+    assert set(new_keys[0] + new_keys[1]).isdisjoint(old_keys[0] + old_keys[1])
+    assert [k in cache for k in new_keys[0] + new_keys[1]] == [True] * 6
+    assert cache.stats() == {
+        "cached_blocks": 6,
+        "idle_blocks": 6,
+        "hit_blocks": 0,
+        "published_blocks": 12,
+        "evictions": 6,
+    }
+    assert sched.allocator.pool.num_free == 48 - 6 and sched.allocator.blocks_held == 0
+    sched.close()
+
+
+def test_a_request_submitted_before_a_scale_change_is_keyed_again_at_admission(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b's keys were made under k_scale 1.0; it is admitted (and writes) under 0.5, so it
+    publishes under the keys of 0.5 -- never under keys a request at 1.0 would look up."""
+    monkeypatch.setenv(ENV_BACKEND, "cpu:reference")
+    sched, model = fp8_scheduler()
+    cache = sched.allocator.prefix_cache
+    assert cache is not None
+    old_keys = sched.prefix_keys(shared("x"))
+    sched.submit(shared("b"))
+    set_l0_k_scale(sched, 0.5)
+    sched.run(model)
+    new_keys = sched.prefix_keys(shared("x"))
+    assert [k in cache for k in new_keys[0] + new_keys[1]] == [True] * 6
+    assert not any(k in cache for k in old_keys[0] + old_keys[1])
+    sched.close()
+
+
+def test_a_scale_set_during_the_prefill_step_publishes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model callback sets l0's k_scale after l0 wrote a's prefix: a's pages hold the old
+    scale, its keys neither old nor new describe them all -- nothing is published, the request
+    still finishes and every block goes back to the pool."""
+    monkeypatch.setenv(ENV_BACKEND, "cpu:reference")
+    sched, model = fp8_scheduler()
+    cache = sched.allocator.prefix_cache
+    assert cache is not None
+
+    def calibrate_then_run(batch: StepBatch) -> None:
+        model(batch)
+        if batch.tick == 0:
+            set_l0_k_scale(sched, 0.5)
+
+    sched.submit(shared("a"))
+    records = sched.run(calibrate_then_run)
+    assert records["a"].status.value == "finished" and records["a"].steps_done == 3
+    assert len(cache) == 0 and cache.stats()["published_blocks"] == 0
+    assert sched.allocator.pool.num_free == 48 and sched.allocator.blocks_held == 0
+    sched.close()

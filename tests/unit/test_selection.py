@@ -251,10 +251,12 @@ def test_a_distribution_adds_a_backend_to_a_builtin_platform(test_group: str) ->
     lines = platform.explain()
     assert lines[0].startswith("cpu: selects backend 'extra'")
     assert lines[1].startswith("  [150] extra") and lines[2].startswith("  [120] sdpa")
+    origin = "[entry point 'extra = dkv_test_plugins.good:ExtraCpuBackend', dkv-test-plugins 0.1.0]"
+    assert f"{origin}: selected" in lines[1] and "[" not in lines[2].removeprefix("  [120]")
     assert lines[3].startswith("  [100] reference")
     status = next(s for s in diffusion_kv.available_platforms() if s.name == "cpu")
     assert [(b["name"], b["source"]) for b in status.backends] == [
-        ("extra", "entry point (dkv_test_plugins.good)"),
+        ("extra", "entry point 'extra = dkv_test_plugins.good:ExtraCpuBackend', dkv-test-plugins 0.1.0"),
         ("sdpa", "built-in"),
         ("reference", "built-in"),
     ]
