@@ -63,7 +63,10 @@ def tolerance(dtype: torch.dtype, backend: type[PagedBackend] | None = None) -> 
 
 
 def _where(
-    index: Sequence[int], rows: Sequence[Any], mode: AttentionMode | None, spans: Sequence[Any] | None
+    index: Sequence[int],
+    rows: Sequence[Any],
+    mode: AttentionMode | MaskSpec | None,
+    spans: Sequence[Any] | None,
 ) -> str:
     """``index`` (packed token, head, ...) as the row, position, head and mode it belongs to."""
     token = int(index[0])
@@ -72,7 +75,7 @@ def _where(
     for i, row in enumerate(rows):
         if token < offset + row.query_len:
             pos = row.kv_start_pos + token - offset
-            what = mode.value if mode is not None else "?"
+            what = mode.describe() if isinstance(mode, MaskSpec) else mode.value if mode is not None else "?"
             if mode is AttentionMode.PIECEWISE:
                 inside = [(a, b) for a, b in (spans[i] if spans else ()) if a <= pos < b]
                 what += f" (full span [{inside[0][0]}, {inside[0][1]}))" if inside else " (causal piece)"
@@ -91,7 +94,7 @@ def mismatch(
     atol: float,
     rtol: float,
     rows: Sequence[Any] = (),
-    mode: AttentionMode | None = None,
+    mode: AttentionMode | MaskSpec | None = None,
     spans: Sequence[Any] | None = None,
 ) -> str | None:
     """None when ``got`` equals ``want`` within ``|got - want| <= atol + rtol * |want|`` (NaN

@@ -163,7 +163,7 @@ class Expected:
 
     out: torch.Tensor
     rows: tuple[PagedRow, ...]
-    mode: AttentionMode
+    mode: AttentionMode | MaskSpec
     spans: Sequence[Sequence[tuple[int, int]]] | None = None
 
 

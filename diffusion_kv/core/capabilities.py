@@ -369,6 +369,6 @@ def capability_reasons(caps: Capabilities, req: Requirements) -> list[str]:
     for name, needed in (("window", req.window), ("sink", req.sink)):
         limit = getattr(caps, f"max_{name}")
         if needed and limit is not None and needed > limit:
-            served = f"up to {limit} tokens" if limit else "none"
-            reasons.append(f"{name}={needed} tokens (served: {served})")
+            limit_text = f"up to {limit} tokens" if limit else "none"
+            reasons.append(f"{name}={needed} tokens (served: {limit_text})")
     return reasons

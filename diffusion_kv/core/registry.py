@@ -45,7 +45,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.block_tables import BlockTables
@@ -63,9 +63,6 @@ Identity = tuple[str, int | None, str | None]
 
 TokenSpans = tuple[tuple[int, int], ...]
 """Sorted, disjoint, non-adjacent half-open token ranges ``[a, b)``."""
-
-_NO_BLOCK = object()
-"""Stands for ``NULL_BLOCK`` places in ownership checks (held by nobody)."""
 
 DEFAULT_GENERATION_MEMORY = 16384
 """Removed request ids whose last generation the registry remembers (see module rules)."""
@@ -463,15 +460,16 @@ class RowRegistry:
             for install in installs:
                 read_only_blocks = install.read_only_tokens // tokens_per_block
                 ids = install.block_ids[g]
-                if NULL_BLOCK in ids:
-                    ids = tuple(b if b != NULL_BLOCK else _NO_BLOCK for b in ids)
-                if live.keys().isdisjoint(ids) and proposed.keys().isdisjoint(ids):
+                real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
+                if live.keys().isdisjoint(real) and proposed.keys().isdisjoint(real):
                     # nobody else holds any of these blocks (the common case): nothing to refuse
                     for position, block_id in enumerate(ids):
+                        if block_id == NULL_BLOCK:  # a released place: held by nobody
+                            continue
                         proposed[block_id] = (install.identity, position >= read_only_blocks)
                     continue
                 for position, block_id in enumerate(ids):
-                    if block_id == _NO_BLOCK:
+                    if block_id == NULL_BLOCK:
                         continue
                     writes = position >= read_only_blocks
                     holders = dict(live.get(block_id, {}))
@@ -616,7 +614,7 @@ class RowRegistry:
             for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
                 if len(new_ids) < len(old_ids) or NULL_BLOCK in new_ids[len(old_ids) :]:
                     return None
-                for before, after in zip(old_ids, new_ids):
+                for before, after in zip(old_ids, new_ids[: len(old_ids)], strict=True):
                     if after == before:
                         continue
                     if after != NULL_BLOCK:

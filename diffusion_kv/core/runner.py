@@ -36,10 +36,10 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from diffusion_kv.core.allocation import RequestAllocation
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.backend import BackendChoice, BackendProvider, GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.block_tables import BlockTables, BlockTablesGeometry, block_table_width
-from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import (
     DiffusionKVError,

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from diffusion_kv.core.attention import AttentionMode, build_block_plan
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.batch import CommonBatchMetadata
 from diffusion_kv.core.block_tables import (
@@ -38,7 +39,6 @@ from diffusion_kv.core.block_tables import (
     pinned_memory_available,
     prepare_batch_torch,
 )
-from diffusion_kv.core.attention import AttentionMode, build_block_plan
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,

@@ -10,12 +10,24 @@ from typing import ClassVar
 import pytest
 import torch
 
-from diffusion_kv import DiffusionKVAllocator, FreeListPool, KVRequest, PagedLayerSpec, PagedRow, SequenceRequest
+from diffusion_kv import (
+    DiffusionKVAllocator,
+    FreeListPool,
+    KVRequest,
+    PagedLayerSpec,
+    PagedRow,
+    SequenceRequest,
+)
 from diffusion_kv.conformance.reference import dense_attention
 from diffusion_kv.core.allocation import NULL_BLOCK
 from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
 from diffusion_kv.core.capabilities import Capabilities, MultipleOf, Requirements, capability_reasons
-from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import (
+    StateError,
+    UnsupportedFeatureError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.registry import RowTransition
 from diffusion_kv.core.runner import RunnerBackend, RunnerConfig
@@ -49,7 +61,8 @@ def test_chunk_causal_window_and_sink_rows() -> None:
         assert torch.equal(MaskSpec(mode).row_mask(2, 3, 5), mode.row_mask(2, 3, 5))
     spans = [(1, 3)]
     assert torch.equal(
-        MaskSpec(AttentionMode.CAUSAL).row_mask(0, 5, 5, spans), AttentionMode.PIECEWISE.row_mask(0, 5, 5, spans)
+        MaskSpec(AttentionMode.CAUSAL).row_mask(0, 5, 5, spans),
+        AttentionMode.PIECEWISE.row_mask(0, 5, 5, spans),
     )
 
 
@@ -57,11 +70,17 @@ def test_chunk_causal_window_and_sink_rows() -> None:
     ("kwargs", "message"),
     [
         ({"kind": CHUNK}, "MaskSpec.chunk must be a positive int; got None"),
-        ({"kind": AttentionMode.CAUSAL, "chunk": 4}, "MaskSpec.chunk is for CHUNK_CAUSAL masks; CAUSAL got 4"),
+        (
+            {"kind": AttentionMode.CAUSAL, "chunk": 4},
+            "MaskSpec.chunk is for CHUNK_CAUSAL masks; CAUSAL got 4",
+        ),
         ({"kind": CHUNK, "chunk": 4, "window": 6}, "MaskSpec.window 6 must be a multiple of chunk 4"),
         ({"kind": AttentionMode.CAUSAL, "sink": 2}, "MaskSpec.sink needs a window"),
         ({"kind": AttentionMode.CAUSAL, "window": 0}, "MaskSpec.window must be a positive int; got 0"),
-        ({"kind": AttentionMode.PIECEWISE}, "MaskSpec.kind must be AttentionMode.CAUSAL, FULL or CHUNK_CAUSAL"),
+        (
+            {"kind": AttentionMode.PIECEWISE},
+            "MaskSpec.kind must be AttentionMode.CAUSAL, FULL or CHUNK_CAUSAL",
+        ),
         (
             {"kind": AttentionMode.CAUSAL, "window": 4, "spans": True},
             r"full_attn_spans refine plain causal or full masks only; causal\(window=4\) cannot take them",
@@ -80,7 +99,9 @@ def test_what_a_mask_requires_of_a_backend() -> None:
     spec = MaskSpec(CHUNK, chunk=4, window=12, sink=4)
     assert spec.required_modes == {CHUNK} and spec.spans is False and spec.releases
     assert spec.describe() == "chunk_causal(chunk=4, window=12, sink=4)"
-    caps = Capabilities(dtypes=frozenset({torch.float32}), head_sizes=None, kernel_block_sizes=(MultipleOf(1),))
+    caps = Capabilities(
+        dtypes=frozenset({torch.float32}), head_sizes=None, kernel_block_sizes=(MultipleOf(1),)
+    )
     req = Requirements(attention_modes={CHUNK}, window=12, sink=4)
     assert capability_reasons(caps, req) == [
         "attention mode(s) ['chunk_causal'] (supported: ['causal', 'full', 'piecewise'])",
@@ -164,7 +185,9 @@ def test_a_chunk_stream_with_window_and_sink_matches_dense_and_releases_blocks()
     assert runner.layout.groups[0].spec.mask == SPEC
     assert type(runner.backends[0]).name == "reference"  # sdpa declares no window: the reference serves
     pool = FreeListPool(8)
-    alloc = DiffusionKVAllocator(block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool)
+    alloc = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
     runner.install(alloc.reserve(KVRequest("s", (SequenceRequest(0, 0, 4),))))
     torch.manual_seed(0)
     keys = {n: torch.zeros(0, H, D) for n in runner.layers}
@@ -200,9 +223,11 @@ def test_a_chunk_stream_with_window_and_sink_matches_dense_and_releases_blocks()
     assert snapshot is not None
     assert snapshot.sequences[0].block_ids[0][1:6] == (NULL_BLOCK,) * 5
     # a row that would read released keys is refused before anything runs
-    with pytest.raises(StateError, match=r"would read tokens \[\(24, 28\)\] .* released are gone for good"):
-        with runner.stepper() as runtime:
-            runtime.ensure_rows([PagedRow("s", 4, 32, 28, sequence_id=0)])
+    with (
+        pytest.raises(StateError, match=r"would read tokens \[\(24, 28\)\] .* released are gone for good"),
+        runner.stepper() as runtime,
+    ):
+        runtime.ensure_rows([PagedRow("s", 4, 32, 28, sequence_id=0)])
     runner.retire("s", alloc.generation)
     alloc.free("s")
     assert pool.num_free == pool.num_total
@@ -211,10 +236,14 @@ def test_a_chunk_stream_with_window_and_sink_matches_dense_and_releases_blocks()
 def test_slides_that_break_the_rules_change_nothing() -> None:
     runner = _runner(num_blocks=8)
     pool = FreeListPool(8)
-    alloc = DiffusionKVAllocator(block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool)
+    alloc = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
     runner.install(alloc.reserve(KVRequest("s", (SequenceRequest(0, 0, 12),))))
     before = (runner.registry.snapshot_of("s"), pool.num_free, alloc.generation)
-    with pytest.raises(ValidationError, match=r"releases blocks \[0\], which hold sink or cached-prefix tokens"):
+    with pytest.raises(
+        ValidationError, match=r"releases blocks \[0\], which hold sink or cached-prefix tokens"
+    ):
         alloc.release("s", 0, [0], install=runner.install)
     assert (runner.registry.snapshot_of("s"), pool.num_free, alloc.generation) == before
     with pytest.raises(ValidationError, match=r"positions \[3\] lie outside its 3 blocks"):
@@ -227,7 +256,9 @@ def test_a_causal_group_cannot_release() -> None:
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(H, H, D, torch.float32)})
     runner.initialize_kv_cache(num_blocks=8, block_size=4)
     pool = FreeListPool(8)
-    alloc = DiffusionKVAllocator(block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool)
+    alloc = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
     runner.install(alloc.reserve(KVRequest("r", (SequenceRequest(0, 0, 12),))))
     with pytest.raises(ValidationError, match=r"the group's mask causal keeps every key"):
         alloc.release("r", 0, [1], install=runner.install)
@@ -255,7 +286,9 @@ class FullOnlyPlatform(CpuPlatform):
 def test_a_full_only_backend_is_refused_for_full_layers_that_take_spans() -> None:
     runner = RunnerBackend(FullOnlyPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
     with pytest.raises(UnsupportedRequirementsError, match=r"attention mode\(s\) \['causal', 'piecewise'\]"):
-        runner.register_kv_cache_layers({"l0": PagedLayerSpec(H, H, D, torch.float32, mode=AttentionMode.FULL)})
+        runner.register_kv_cache_layers(
+            {"l0": PagedLayerSpec(H, H, D, torch.float32, mode=AttentionMode.FULL)}
+        )
     assert runner.layers == {}
 
 
@@ -266,7 +299,9 @@ def test_a_full_layer_without_spans_is_served_full_only_and_spans_are_refused_be
     runner.initialize_kv_cache(num_blocks=8, block_size=4)
     assert type(runner.backends[0]) is FullOnlyBackend
     pool = FreeListPool(8)
-    alloc = DiffusionKVAllocator(block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool)
+    alloc = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
     runner.install(alloc.reserve(KVRequest("r", (SequenceRequest(0, 0, 8),))))
     cache = runner.kv_caches["l0"]
     snapshot = [t.clone() for t in cache] if isinstance(cache, tuple) else cache.clone()
@@ -277,7 +312,7 @@ def test_a_full_layer_without_spans_is_served_full_only_and_spans_are_refused_be
             runner.forward("l0", q, k, v, AttentionMetadata(full_attn_spans=[[(0, 4)]]))
         after = runner.kv_caches["l0"]
         if isinstance(after, tuple):
-            assert all(torch.equal(a, b) for a, b in zip(after, snapshot))  # type: ignore[arg-type]
+            assert all(torch.equal(a, b) for a, b in zip(after, snapshot, strict=True))  # type: ignore[arg-type]
         else:
             assert torch.equal(after, snapshot)  # type: ignore[arg-type]
         out = runner.forward("l0", q, k, v)

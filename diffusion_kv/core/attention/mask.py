@@ -81,7 +81,9 @@ class MaskSpec:
         if self.kind is AttentionMode.CHUNK_CAUSAL:
             _positive(self.chunk, "chunk")
         elif self.chunk is not None:
-            raise ValidationError(f"MaskSpec.chunk is for CHUNK_CAUSAL masks; {self.kind.name} got {self.chunk!r}")
+            raise ValidationError(
+                f"MaskSpec.chunk is for CHUNK_CAUSAL masks; {self.kind.name} got {self.chunk!r}"
+            )
         if self.window is not None:
             _positive(self.window, "window")
             if self.chunk is not None and self.window % self.chunk:
@@ -196,11 +198,17 @@ class MaskSpec:
         """Keys a row must hold at once while ``query_len`` new tokens attend (sink, window and
         the new tokens; None-window masks hold the whole row)."""
         if self.window is None:
-            raise ValidationError(f"a {self.describe()} mask keeps every key; its rows hold their whole length")
+            raise ValidationError(
+                f"a {self.describe()} mask keeps every key; its rows hold their whole length"
+            )
         return self.sink + self.window + query_len
 
 
-_PLAIN = {mode: MaskSpec(mode) for mode in AttentionMode if mode.is_layer_mode and mode is not AttentionMode.CHUNK_CAUSAL}
+_PLAIN = {
+    mode: MaskSpec(mode)
+    for mode in AttentionMode
+    if mode.is_layer_mode and mode is not AttentionMode.CHUNK_CAUSAL
+}
 
 
 def key_bounds(
@@ -210,5 +218,6 @@ def key_bounds(
     q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
     lo, hi = mask.bounds(q, seq_len, spans)
     return lo, hi, mask.sink
+
 
 __all__ = ["MaskSpec", "Retention", "dense_piecewise_mask", "key_bounds"]

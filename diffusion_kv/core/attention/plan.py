@@ -55,8 +55,10 @@ def row_block_kinds(
     lo_, hi_ = lo[:, None], hi[:, None]
     sink_hi = torch.clamp(hi_, max=sink)
     zero = torch.zeros_like(lo_)
-    seen = _overlap(s, e, lo_, hi_) + _overlap(s, e, zero, sink_hi) - _overlap(
-        s, e, lo_, torch.minimum(hi_, sink_hi)
+    seen = (
+        _overlap(s, e, lo_, hi_)
+        + _overlap(s, e, zero, sink_hi)
+        - _overlap(s, e, lo_, torch.minimum(hi_, sink_hi))
     )
     kinds = torch.full((n_blocks,), int(BlockKind.PARTIAL), dtype=torch.int8)
     kinds[(seen == 0).all(dim=0)] = int(BlockKind.SKIP)
@@ -97,7 +99,9 @@ def build_block_plan(
         raise ValidationError(f"block plan block_size must be a positive int; got {block_size!r}")
     n = len(query_lens)
     if not (len(query_offsets) == len(seq_lens) == n) or (spans is not None and len(spans) != n):
-        raise ValidationError("a block plan takes one query offset, query length, seq_len (and span list) per row")
+        raise ValidationError(
+            "a block plan takes one query offset, query length, seq_len (and span list) per row"
+        )
     kinds = tuple(
         row_block_kinds(mask, q0, ql, sl, block_size, spans[r] if spans is not None else ())
         for r, (q0, ql, sl) in enumerate(zip(query_offsets, query_lens, seq_lens, strict=True))
