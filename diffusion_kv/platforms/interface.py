@@ -97,6 +97,10 @@ class InstalledPlugins(FailureReport, Protocol):
         """The valid entry-point backends serving ``platform`` (one that failed is left out)."""
         ...
 
+    def origin_of(self, backend: type[PagedBackend]) -> str | None:
+        """The entry point and distribution that added ``backend``; None when none did."""
+        ...
+
 
 _default_plugins: Callable[[], InstalledPlugins] | None = None
 
@@ -206,6 +210,15 @@ class Platform(abc.ABC):
     _plugins: InstalledPlugins | None = None
 
     # --- what discovery hands the platform ------------------------------------------------------
+
+    def origin_of(self, backend: type[PagedBackend]) -> str:
+        """Where ``backend`` comes from: ``built-in``, the entry point and distribution that
+        added it (of this platform's plugin set), or a class given as the backend choice."""
+        if backend in self.backends:
+            return "built-in"
+        plugins = self.plugins
+        origin = plugins.origin_of(backend) if plugins is not None else None
+        return origin if origin is not None else "a class given as the backend choice"
 
     def use_plugins(self, plugins: InstalledPlugins) -> None:
         """Hand the platform its plugin set: discovery does it for every platform it constructs
@@ -438,10 +451,8 @@ class Platform(abc.ABC):
             verdict = (
                 "selected" if backend is chosen else ("supported" if not reasons else "; ".join(reasons))
             )
-            from diffusion_kv.platforms.selection import backend_origin  # lazy: discovery
-
             description = f" — {backend.description}" if backend.description else ""
-            origin = backend_origin(self, backend)
+            origin = self.origin_of(backend)
             where = "" if origin == "built-in" else f" [{origin}]"
             lines.append(f"  [{backend.priority:>3}] {backend.name}{description}{where}: {verdict}")
         return lines

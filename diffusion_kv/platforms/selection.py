@@ -604,6 +604,13 @@ class PluginSet:
         """Entry-point backends that failed to load, to validate, or in a later call."""
         return [r for r in self.backend_records if r.error is not None]
 
+    def origin_of(self, backend: type[PagedBackend]) -> str | None:
+        """The entry point and distribution that added ``backend`` (None: none of this set)."""
+        for record in self.backend_records:
+            if record.backend_cls is backend:
+                return f"entry point '{record.entry_point}', {record.distribution}"
+        return None
+
     def backends_for(self, platform: str) -> list[type[PagedBackend]]:
         """The valid entry-point backends serving ``platform``."""
         return [
@@ -780,11 +787,8 @@ def backend_origin(
     backend choice."""
     if backend in platform.backends:
         return "built-in"
-    plugins = plugins if plugins is not None else discover()
-    for record in plugins.backend_records:
-        if record.backend_cls is backend:
-            return f"entry point '{record.entry_point}', {record.distribution}"
-    return "a class given as the backend choice"
+    origin = (plugins if plugins is not None else discover()).origin_of(backend)
+    return origin if origin is not None else "a class given as the backend choice"
 
 
 def refresh() -> None:
