@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from diffusion_kv.models.demo import DemoConfig, run_demo
+from diffusion_kv.models.demo import DemoConfig, format_result, run_demo
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 SMALL = dict(prefix_len=37, target_len=19, steps=3, hidden=64, heads=4, layers=2, max_model_len=256)
@@ -28,6 +28,18 @@ def test_modes_agree(block_size: int, cfg_rows: int) -> None:
 def test_gqa_and_half_precision_agree() -> None:
     result = run_demo(CpuPlatform(), DemoConfig(kv_heads=2, dtype=torch.float16, **SMALL))  # type: ignore[arg-type]
     assert result.agree and result.dtype == "float16"
+
+
+def test_the_report_names_the_backend_that_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", "cpu:reference")
+    result = run_demo(CpuPlatform(), DemoConfig(**SMALL))  # type: ignore[arg-type]
+    assert result.backends == ("cpu:reference",)
+    assert (
+        format_result(result).splitlines()[0]
+        == "platform: cpu (device cpu, float32), paged backend cpu:reference"
+    )
+    monkeypatch.delenv("DIFFUSION_KV_BACKEND")
+    assert run_demo(CpuPlatform(), DemoConfig(**SMALL)).backends == ("cpu:sdpa",)  # type: ignore[arg-type]
 
 
 def test_corrupted_cache_is_detected() -> None:

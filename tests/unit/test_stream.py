@@ -12,7 +12,7 @@ import torch
 
 from diffusion_kv.core.allocator import FreeListPool
 from diffusion_kv.core.errors import DiffusionKVError
-from diffusion_kv.models.stream import StreamConfig, make_requests, run_stream
+from diffusion_kv.models.stream import StreamConfig, format_stream, make_requests, run_stream
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 SMALL = dict(
@@ -45,6 +45,11 @@ def test_stream_agrees_with_dense_per_request(dtype: torch.dtype) -> None:
     assert result.stream["peak_blocks"] <= result.pool_blocks
     assert result.target_token_steps == sum(r.cfg_rows * r.target_len * r.steps for r in reqs)
     assert result.stream["graph_captures"] == 0  # CPU: no graphs
+    assert result.backends == ("cpu:reference",)  # sdpa needs blocks of 16n
+    first = format_stream(result).splitlines()[0]
+    assert first.startswith(
+        f"platform: cpu (device cpu, {result.dtype}), paged backend cpu:reference, block size 8"
+    )
 
 
 def test_cli_stream_json() -> None:
