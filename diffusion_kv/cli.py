@@ -570,6 +570,12 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         problems.append(
             f"--shared-prefixes {args.shared_prefixes} is more than the {args.stream} requests of --stream"
         )
+    caching = args.prefix_caching if args.prefix_caching is not None else args.shared_prefixes is not None
+    if args.max_cached_blocks is not None and not caching:
+        problems.append(
+            f"--max-cached-blocks {args.max_cached_blocks} caps the prefix cache, which is off here "
+            "(add --prefix-caching or --shared-prefixes K)"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     stream_cfg = StreamConfig(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
-from diffusion_kv.core.errors import UnsupportedRequirementsError
+from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow, PhaseRows
@@ -70,11 +70,11 @@ class DemoConfig:
             "max_model_len",
         ):
             if type(getattr(self, name)) is not int or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
+                raise ValidationError(f"{name} must be a positive integer; got {getattr(self, name)!r}")
         if self.cfg_rows not in (1, 2):
-            raise ValueError(f"cfg_rows must be 1 or 2; got {self.cfg_rows!r}")
+            raise ValidationError(f"cfg_rows must be 1 or 2; got {self.cfg_rows!r}")
         if self.prefix_len + self.target_len > self.max_model_len:
-            raise ValueError(
+            raise ValidationError(
                 f"prefix_len + target_len = {self.prefix_len + self.target_len} exceeds max_model_len {self.max_model_len}"
             )
 
@@ -245,7 +245,7 @@ def run_paged(
     )
     snapshot = allocator.reserve(request)
     if snapshot is None:  # pragma: no cover - the pool is sized for the request
-        raise RuntimeError("the demo's block pool cannot hold the request")
+        raise StateError("the demo's block pool cannot hold the request")
     prefixes, latent = _inputs(cfg, device)
     times: list[float] = []
     dt = 1.0 / cfg.steps

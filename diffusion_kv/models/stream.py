@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool
+from diffusion_kv.core.errors import DiffusionKVError, ValidationError
 from diffusion_kv.core.graphs import CapturedStep
 from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layer_context import AttentionMetadata
@@ -129,35 +130,40 @@ class StreamConfig:
         ):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+                raise ValidationError(f"{name} must be a positive integer; got {value!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
-            raise ValueError(
+            raise ValidationError(
                 f"hidden={self.hidden} must divide by heads={self.heads} into an even head size, and heads by "
                 f"kv_heads={self.kv_heads}"
             )
         if type(self.arrival_gap) is not int or self.arrival_gap < 0:
-            raise ValueError(f"arrival_gap must be an integer >= 0; got {self.arrival_gap!r}")
+            raise ValidationError(f"arrival_gap must be an integer >= 0; got {self.arrival_gap!r}")
         if type(self.max_running) is not int or self.max_running <= 0:
-            raise ValueError(f"max_running must be a positive integer; got {self.max_running!r}")
+            raise ValidationError(f"max_running must be a positive integer; got {self.max_running!r}")
         if not 0 < self.pool_fraction <= 1:
-            raise ValueError(f"pool_fraction must be in (0, 1]; got {self.pool_fraction!r}")
+            raise ValidationError(f"pool_fraction must be in (0, 1]; got {self.pool_fraction!r}")
         if self.target_len < 2:
-            raise ValueError(
+            raise ValidationError(
                 f"target_len must be at least 2 (requests use it or half of it); got {self.target_len}"
             )
         if self.shared_prefixes is not None and (
             type(self.shared_prefixes) is not int or not 0 < self.shared_prefixes <= self.requests
         ):
-            raise ValueError(
+            raise ValidationError(
                 f"shared_prefixes must be an integer in [1, requests={self.requests}]; got {self.shared_prefixes!r}"
             )
         if type(self.repeats) is not int or self.repeats <= 0:
-            raise ValueError(f"repeats must be a positive integer; got {self.repeats!r}")
+            raise ValidationError(f"repeats must be a positive integer; got {self.repeats!r}")
         if self.max_cached_blocks is not None and (
             type(self.max_cached_blocks) is not int or self.max_cached_blocks < 0
         ):
-            raise ValueError(
+            raise ValidationError(
                 f"max_cached_blocks must be None or an integer >= 0; got {self.max_cached_blocks!r}"
+            )
+        if self.max_cached_blocks is not None and not self.caching:
+            raise ValidationError(
+                f"max_cached_blocks={self.max_cached_blocks} caps the prefix cache, which is off (prefix_caching="
+                f"{self.prefix_caching!r}, shared_prefixes={self.shared_prefixes!r})"
             )
 
     @property
@@ -441,7 +447,7 @@ def serve(
             statuses.update((rec.request.request_id, rec.status.value) for rec in report.outcomes)
             if report.failed:
                 errors = {r.request.request_id: r.error for r in report.outcomes if r.error is not None}
-                raise RuntimeError(f"stream requests failed: {errors}")
+                raise DiffusionKVError(f"stream requests failed: {errors}")
             done += len(report.finished)
             if progress is not None:
                 progress(label, report, done, len(requests))
@@ -456,7 +462,17 @@ def serve(
     statuses.update((rec.request.request_id, rec.status.value) for rec in scheduler.drain_outcomes())
     bad = {rid: status for rid, status in statuses.items() if status != RequestStatus.FINISHED.value}
     if bad:
-        raise RuntimeError(f"stream requests did not finish: {bad}")
+        raise DiffusionKVError(f"stream requests did not finish: {bad}")
+    pool, cache = allocator.pool, allocator.prefix_cache
+    cached = len(cache) if cache is not None else 0
+    idle = cache.num_idle if cache is not None else 0
+    installed = runner.registry.installed_requests() if runner.registry is not None else ()
+    reserved = allocator.reserved()
+    if pool.num_free + cached != pool.num_total or idle != cached or reserved or installed:
+        raise DiffusionKVError(
+            f"the {label} run left the block pool short: {pool.num_free} free + {cached} cached ({idle} idle) "
+            f"of {pool.num_total}; still reserved: {list(reserved)}; worker rows installed: {list(installed)}"
+        )
     return ServeRun(
         wall_ms=wall,
         ticks=ticks,

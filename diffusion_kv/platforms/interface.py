@@ -336,6 +336,10 @@ class Platform(abc.ABC):
         if isinstance(force, str) and force.strip():
             return force.strip(), "the backend choice"
         if isinstance(force, type) and issubclass(force, PagedBackend):
+            if not isinstance(getattr(force, "name", None), str):
+                raise ValidationError(
+                    f"a backend choice must be a concrete backend class with a name; {force.__name__} has none"
+                )
             return force, "the backend choice"
         raise ValidationError(
             f"a backend choice is a backend name or a PagedBackend class; got {type(force).__name__} {force!r}"

@@ -59,6 +59,23 @@ USAGE = {
     "unknown platform": (["demo", "--platform", "nosuch"], "argument --platform: no platform named 'nosuch'"),
     "unknown option": (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     "no command": ([], "the following arguments are required: command"),
+    "--max-cached-blocks without caching": (
+        ["demo", "--stream", "2", "--no-prefix-caching", "--max-cached-blocks", "3"],
+        "--max-cached-blocks 3 caps the prefix cache, which is off here (add --prefix-caching or "
+        "--shared-prefixes K)",
+    ),
+    "--max-cached-blocks on the mixed stream": (
+        ["demo", "--stream", "2", "--max-cached-blocks", "0"],
+        "--max-cached-blocks 0 caps the prefix cache, which is off here",
+    ),
+    "--kv-cache-dtype fp9": (
+        ["demo", "--kv-cache-dtype", "fp9"],
+        "argument --kv-cache-dtype: invalid choice: 'fp9'",
+    ),
+    "--shared-prefixes without --stream": (
+        ["demo", "--shared-prefixes", "2"],
+        "--shared-prefixes applies to --stream only",
+    ),
     "bench sections": (
         ["bench", "--sections", ""],
         "argument --sections: expected a comma list without empty items",
@@ -302,3 +319,31 @@ def test_conformance_with_arguments_pytest_refuses_exits_2() -> None:
     assert proc.stderr.endswith(
         "diffusion-kv: error: pytest refused the arguments ['--no-such-option'] (its message is above)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "fact"),
+    [
+        ("nope", "DIFFUSION_KV_BACKEND='nope'; expected <platform>:<backend>, e.g. cuda:triton"),
+        (
+            "bogus:x",
+            "DIFFUSION_KV_BACKEND='bogus:x' names platform 'bogus', which is not installed in group "
+            "'diffusion_kv.platforms' (installed: ",
+        ),
+    ],
+)
+@pytest.mark.parametrize("argv", [["platforms"], ["platforms", "--explain"]])
+def test_an_unusable_backend_variable_is_one_line_for_platforms(
+    value: str,
+    fact: str,
+    argv: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not the table, and no hint about the other variables: the variable's own one line."""
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", value)
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"diffusion-kv: error: {fact}") and err.count("\n") == 1, err
+    assert "DIFFUSION_KV_PLATFORM" not in err and "DIFFUSION_KV_PLUGINS" not in err

@@ -30,6 +30,18 @@ def test_gqa_and_half_precision_agree() -> None:
     assert result.agree and result.dtype == "float16"
 
 
+def test_the_report_names_the_backend_that_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", "cpu:reference")
+    result = run_demo(CpuPlatform(), DemoConfig(**SMALL))  # type: ignore[arg-type]
+    assert result.backends == ("cpu:reference",)
+    assert (
+        format_result(result).splitlines()[0]
+        == "platform: cpu (device cpu, float32), paged backend cpu:reference"
+    )
+    monkeypatch.delenv("DIFFUSION_KV_BACKEND")
+    assert run_demo(CpuPlatform(), DemoConfig(**SMALL)).backends == ("cpu:sdpa",)  # type: ignore[arg-type]
+
+
 def test_corrupted_cache_is_detected() -> None:
     result = run_demo(CpuPlatform(), DemoConfig(inject_fault=True, **SMALL))  # type: ignore[arg-type]
     assert not result.agree and result.max_abs_diff > result.tolerance

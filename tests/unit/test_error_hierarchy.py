@@ -41,6 +41,9 @@ from diffusion_kv import (
     ValidationError,
 )
 from diffusion_kv.core.allocator import AdmissionError
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.models.demo import DemoConfig
+from diffusion_kv.models.stream import StreamConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 from diffusion_kv.platforms.interface import ENV_BACKEND
@@ -319,6 +322,27 @@ CASES: dict[str, tuple[Callable[[], object], type[DiffusionKVError], str]] = {
         V,
         "requirements must be a Requirements record",
     ),
+    "select_backend(force=PagedBackend)": (
+        lambda: CpuPlatform().select_backend(Requirements(), force=PagedBackend),
+        V,
+        "a backend choice must be a concrete backend class with a name; PagedBackend has none",
+    ),
+    "StreamConfig(max_cached_blocks=4) without caching": (
+        lambda: StreamConfig(max_cached_blocks=4),
+        V,
+        "max_cached_blocks=4 caps the prefix cache, which is off (prefix_caching=None, shared_prefixes=None)",
+    ),
+    "StreamConfig(pool_fraction=0)": (
+        lambda: StreamConfig(pool_fraction=0),
+        V,
+        "pool_fraction must be in (0, 1]; got 0",
+    ),
+    "StreamConfig(requests=0)": (
+        lambda: StreamConfig(requests=0),
+        V,
+        "requests must be a positive integer; got 0",
+    ),
+    "DemoConfig(cfg_rows=3)": (lambda: DemoConfig(cfg_rows=3), V, "cfg_rows must be 1 or 2; got 3"),
     "available_platforms(namespace=3)": (
         lambda: diffusion_kv.available_platforms(namespace=3),  # type: ignore[arg-type]
         V,
@@ -428,3 +452,10 @@ def test_a_backend_accepting_a_block_size_its_kernels_lack_is_a_native_error() -
     ):
         runner.initialize_kv_cache(num_blocks=16, block_size=BS)
     assert not runner.initialized
+
+
+def test_a_backend_choice_without_a_name_leaves_the_runner_uninitialised() -> None:
+    runner = registered(backend=PagedBackend)
+    with pytest.raises(ValidationError, match="PagedBackend has none"):
+        runner.initialize_kv_cache(num_blocks=8, block_size=BS)
+    assert not runner.initialized and runner.backends == () and runner.kv_caches == {}

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 
-from diffusion_kv.models.stream import StreamConfig, make_requests, run_stream
+from diffusion_kv.core.allocator import FreeListPool
+from diffusion_kv.core.errors import DiffusionKVError
+from diffusion_kv.models.stream import StreamConfig, format_stream, make_requests, run_stream
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 SMALL = dict(
@@ -42,6 +45,11 @@ def test_stream_agrees_with_dense_per_request(dtype: torch.dtype) -> None:
     assert result.stream["peak_blocks"] <= result.pool_blocks
     assert result.target_token_steps == sum(r.cfg_rows * r.target_len * r.steps for r in reqs)
     assert result.stream["graph_captures"] == 0  # CPU: no graphs
+    assert result.backends == ("cpu:reference",)  # sdpa needs blocks of 16n
+    first = format_stream(result).splitlines()[0]
+    assert first.startswith(
+        f"platform: cpu (device cpu, {result.dtype}), paged backend cpu:reference, block size 8"
+    )
 
 
 def test_cli_stream_json() -> None:
@@ -126,3 +134,20 @@ def test_cli_shared_prefixes_json_and_usage() -> None:
             check=False,
         )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_run_that_leaves_the_pool_short_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every run the pool is full again (free + cached == total, nothing held, no worker
+    rows); a run that lost a block says so instead of reporting."""
+    freed = FreeListPool.free
+
+    def lose_the_first_block(self: FreeListPool, block_ids: Any) -> None:
+        ids = list(block_ids)
+        freed(self, ids[1:] if len(ids) > 1 else ids)
+
+    monkeypatch.setattr(FreeListPool, "free", lose_the_first_block)
+    with pytest.raises(
+        DiffusionKVError,
+        match=r"^the warmup run left the block pool short: 10 free \+ 0 cached \(0 idle\) of 15; still reserved: \[\]; worker rows installed: \[\]$",
+    ):
+        run_stream(CpuPlatform(), StreamConfig(**SMALL))  # type: ignore[arg-type]
