@@ -26,6 +26,7 @@ any mismatch, anything left held at the end or a per-request map larger than its
 from __future__ import annotations
 
 import argparse
+import array
 import gc
 import json
 import math
@@ -258,6 +259,12 @@ def soak(args: argparse.Namespace, log: Any) -> Soak:
             "cpus": os.cpu_count(),
         }
     )
+    # per step: requests served after it and its host seconds, in arrays sized up front (a step
+    # advances at least one request by a step), so the soak's own log does not grow the heap
+    cap = total * MAX_STEPS + 16
+    step_served = array.array("q", bytes(8 * cap))
+    step_host = array.array("d", bytes(8 * cap))
+    logged = 0
     if args.heap:
         tracemalloc.start(1)
     sched = DiffusionScheduler(
@@ -266,7 +273,6 @@ def soak(args: argparse.Namespace, log: Any) -> Soak:
     submitted = served = 0
     counts = {s.value: 0 for s in RequestStatus if s.terminal}
     cancel_running: set[str] = set()
-    step_log: list[tuple[int, float]] = []  # (served after the step, host seconds)
     next_sample = 0
     t_start = time.perf_counter()
 
@@ -322,7 +328,8 @@ def soak(args: argparse.Namespace, log: Any) -> Soak:
             raise RuntimeError(f"nothing ran with {len(sched.waiting)} requests waiting")
         take(report)
         if report.rows:
-            step_log.append((served, host))
+            step_served[logged], step_host[logged] = served, host
+            logged += 1
         if served >= next_sample:
             sample()
             next_sample = served + args.sample_every
@@ -343,6 +350,7 @@ def soak(args: argparse.Namespace, log: Any) -> Soak:
         tracemalloc.stop()
 
     # per 1,000 requests served (measured part): memory at the bin's end, median host time per step
+    step_log = list(zip(step_served[:logged], step_host[:logged], strict=True))
     measured_steps = [(s - warmup, t) for s, t in step_log if s > warmup]
     for lo in range(0, args.requests, 1000):
         hi = min(lo + 1000, args.requests)

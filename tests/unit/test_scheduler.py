@@ -626,7 +626,7 @@ def per_request_sizes(sched: DiffusionScheduler) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("served", [20, 80])
+@pytest.mark.parametrize("served", [20, 60])
 def test_per_request_maps_are_bounded_by_their_windows_not_by_requests_served(served: int) -> None:
     import gc
     import weakref
