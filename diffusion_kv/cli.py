@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.errors import (
     ConfigurationError,
     DiffusionKVError,
@@ -324,6 +325,13 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
     platform = _select(args.platform, warn=lambda _m: None)
     option = _option_value(args.pytest_args, "--dkv-backend")
+    if args.backend is not None:
+        if option is not None and option != args.backend:
+            raise UsageError(
+                f"--backend {args.backend} and -- --dkv-backend {option} name different backends"
+            )
+        _backend_choice(platform, args.backend)
+        option = args.backend
     try:
         backend, source = backend_under_test(platform, option)
     except DiffusionKVError as exc:
@@ -338,6 +346,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     # installed distribution with a pytest11 entry point gets its top-level package marked); the
     # kit's own modules are imported later and rewritten, so the warning says nothing here.
     argv += ["-W", f"ignore:{_REWRITE_WARNING}:pytest.PytestAssertRewriteWarning"]
+    if args.backend is not None and _option_value(args.pytest_args, "--dkv-backend") is None:
+        argv += ["--dkv-backend", args.backend]
 
     interrupts = _Interrupts()
     code = int(pytest.main([*argv, *args.pytest_args], plugins=[interrupts]))
@@ -425,10 +435,18 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         dcp_size=args.dcp,
         kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, dtype),
     )
+    backend = _backend_choice(platform, args.backend)
+    if backend is not None:
+        reasons = platform.backend_reasons(backend, requirements)
+        if reasons:
+            raise UsageError(
+                f"backend {platform.name}:{backend.name} cannot serve this demo: " + "; ".join(reasons)
+            )
     reasons = platform.not_supported_reasons(requirements)
     if reasons:
         raise UsageError(f"platform {platform.name!r} cannot serve this demo: " + "; ".join(reasons))
     return DemoConfig(
+        backend=args.backend,
         prefix_len=args.prefix,
         target_len=args.target,
         steps=args.steps,
@@ -443,6 +461,21 @@ def _demo_config(args: argparse.Namespace, platform: Platform) -> DemoConfig:
         seed=args.seed,
         inject_fault=args.inject_fault,
         kv_cache_dtype=requirements.kv_cache_dtype,
+    )
+
+
+def _backend_choice(platform: Platform, name: str | None) -> type[PagedBackend] | None:
+    """``--backend NAME``: the platform's backend of that name (None when not given), or a
+    UsageError naming the platform's backends."""
+    if name is None:
+        return None
+    backends = platform.candidate_backends()
+    for backend in backends:
+        if backend.name == name:
+            return backend
+    names = ", ".join(b.name for b in backends) or "none"
+    raise UsageError(
+        f"argument --backend: platform {platform.name!r} has no backend {name!r} (backends: {names})"
     )
 
 
@@ -597,6 +630,7 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
         prefix_caching=args.prefix_caching,
         max_cached_blocks=args.max_cached_blocks,
         kv_cache_dtype=cfg.kv_cache_dtype,
+        backend=cfg.backend,
     )
     display = ProgressDisplay(enabled=not args.json and not args.no_progress)
     display.say(
@@ -762,6 +796,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         quantized = (cache_dtype,)
     if problems:
         raise UsageError(f"platform {platform.name!r} cannot serve " + "; ".join(problems))
+    _backend_choice(platform, args.backend)
     try:
         config = BenchConfig(
             sizes=args.sizes,
@@ -773,6 +808,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             dtype=dtype,
             min_ms=args.min_ms,
             kv_cache_dtypes=quantized,
+            backend=args.backend,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -831,6 +867,11 @@ def build_parser() -> argparse.ArgumentParser:
         "conformance", help="run the conformance kit (paged vs dense cases) on a platform", parents=[common]
     )
     c.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    c.add_argument(
+        "--backend",
+        default=None,
+        help="the backend under test (default: DIFFUSION_KV_BACKEND, else the platform's first available)",
+    )
     c.add_argument("-v", "--verbose", action="store_true")
     c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     c.set_defaults(func=_cmd_conformance)
@@ -838,6 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the main job: a tiny DiT denoised densely and through paged KV", parents=[common]
     )
     d.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    d.add_argument(
+        "--backend", default=None, help="the platform's paged backend to use (default: its priority list)"
+    )
     d.add_argument("--prefix", type=positive_int, default=1024, help="prefix (condition) tokens")
     d.add_argument("--target", type=positive_int, default=256, help="target (generated) tokens")
     d.add_argument("--steps", type=positive_int, default=8, help="denoise steps")
@@ -952,6 +996,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     b.add_argument("--platform", default=None, help="platform name (default: automatic selection)")
+    b.add_argument("--backend", default=None, help="measure this paged backend only (default: every backend)")
     b.add_argument(
         "--sizes", choices=("auto", "small", "full"), default="auto", help="auto: full on CUDA, else small"
     )

@@ -37,6 +37,9 @@ class BenchConfig:
     kv_cache_dtypes: tuple[torch.dtype, ...] = ()
     """Quantised cache dtypes measured beside the 16-bit pages (attention variants, end to end,
     stream capacity); empty: none."""
+    backend: str | None = None
+    """Measure this paged backend only (its name): the attention section's only variant, and the
+    backend every other section's worker uses (None: every variant; the priority list picks)."""
 
     def __post_init__(self) -> None:
         if self.sizes not in ("auto", "small", "full"):
@@ -85,6 +88,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
         "dtype": str(dtype).removeprefix("torch."),
         "environment": environment(device),
         "backends": [b.name for b in platform.candidate_backends()],
+        "backend_choice": config.backend,
     }
     if "attention" in config.sections:
         bw = attention.copy_bandwidth(device)
@@ -105,6 +109,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
                         bw,
                         min_ms=config.min_ms,
                         kv_cache_dtypes=config.kv_cache_dtypes,
+                        backend=config.backend,
                     )
                 )
             except Exception as exc:  # one failing case is reported; the others still run
@@ -117,7 +122,9 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
     if "host" in config.sections:
         say("host overhead: prepare and per-layer context")
         try:
-            report["host"] = host.host_overhead(platform, device, dtype, tokens=4096, iters=config.host_iters)
+            report["host"] = host.host_overhead(
+                platform, device, dtype, tokens=4096, iters=config.host_iters, backend=config.backend
+            )
         except Exception as exc:  # reported, and the command exits 1
             errors["host"] = f"{type(exc).__name__}: {exc}"
     whole_runs = (
@@ -138,7 +145,7 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             continue
         say(title)
         try:
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = {"backend": config.backend}
             if section in ("e2e", "stream"):
                 extra["kv_cache_dtypes"] = config.kv_cache_dtypes
             report[section] = run(platform, device, dtype, sizes, **extra)

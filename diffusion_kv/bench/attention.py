@@ -250,8 +250,9 @@ def run_case(
     *,
     min_ms: float = 20.0,
     kv_cache_dtypes: tuple[torch.dtype, ...] = (),
+    backend: str | None = None,
 ) -> dict[str, Any]:
-    """Dense SDPA backends, then every paged backend over the same K/V; with ``kv_cache_dtypes``
+    """Dense SDPA backends, then every paged backend (``backend`` alone, when named) over the same K/V; with ``kv_cache_dtypes``
     also every backend declaring one of them, its pages quantised (variant ``NAME fp8_e4m3``):
     time, ratio to the same backend's 16-bit pages, and the error against its 16-bit output."""
     setup = build_setup(platform, case, device, dtype)  # the dense side's tensors
@@ -295,7 +296,8 @@ def run_case(
     out = torch.empty_like(setup.query)
     outputs: dict[str, torch.Tensor] = {}
     peer_source: tuple[PagedSetup, Any, tuple[torch.Tensor, torch.Tensor]] | None = None
-    for candidate in platform.candidate_backends():
+    chosen = [b for b in platform.candidate_backends() if backend is None or b.name == backend]
+    for candidate in chosen:
         variant = candidate.name
         found = candidate.is_available()
         if not found:
@@ -341,7 +343,7 @@ def run_case(
         else:
             paged.runner.remove(["bench"])
     for cache_dtype in kv_cache_dtypes:
-        for candidate in platform.candidate_backends():
+        for candidate in chosen:
             if cache_dtype not in candidate.capabilities.kv_cache_dtypes or not candidate.is_available():
                 continue
             variant = f"{candidate.name} {cache_dtype_name(cache_dtype)}"

@@ -32,6 +32,7 @@ def end_to_end(
     sizes: str,
     block_size: int | None = None,
     kv_cache_dtypes: tuple[torch.dtype, ...] = (),
+    backend: str | None = None,
 ) -> dict[str, Any]:
     """Dense recompute against paged (graph replay where the plugin captures, and eager); with
     ``kv_cache_dtypes``, the paged run again per quantised cache dtype, its final latent
@@ -43,6 +44,7 @@ def end_to_end(
         dtype=dtype,
         block_size=block_size,
         max_model_len=shape["prefix_len"] + shape["target_len"],
+        backend=backend,
     )
     model = build_model(cfg, device)
     quiet = lambda _m, _i, _n: None  # noqa: E731

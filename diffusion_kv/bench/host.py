@@ -25,6 +25,7 @@ def _runner(
     block: int,
     device: torch.device,
     dtype: torch.dtype,
+    backend: str | None = None,
 ) -> RunnerBackend:
     """Rows whose prefix is declared a prefix-cache hit (``cached_prefix_len``): the bench times
     translation only, so no K/V is computed, and the denoise rows may read the prefix pages."""
@@ -39,6 +40,7 @@ def _runner(
             max_num_seqs=1,
             max_num_batched_tokens=rows * tokens,
             device=device,
+            backend=backend,
         ),
     )
     runner.register_kv_cache_layers({LAYER: PagedLayerSpec(8, 8, 128, dtype)})
@@ -90,12 +92,13 @@ def host_overhead(
     tokens: int = 4096,
     block: int | None = None,
     iters: int = 200,
+    backend: str | None = None,
 ) -> list[dict[str, Any]]:
     """Per row count: median prepare microseconds, median per-layer context microseconds, and
     (on CUDA) the kernels prepare launches. Rows of ``tokens`` keys each; the denoise query is
     the last quarter of each row."""
     block = block or platform.default_block_size
-    return [_measure(platform, device, dtype, rows, tokens, block, iters) for rows in rows_list]
+    return [_measure(platform, device, dtype, rows, tokens, block, iters, backend) for rows in rows_list]
 
 
 def _measure(
@@ -106,9 +109,10 @@ def _measure(
     tokens: int,
     block: int,
     iters: int,
+    backend: str | None = None,
 ) -> dict[str, Any]:
     target = tokens // 4
-    runner = _runner(platform, rows, tokens, target, block, device, dtype)
+    runner = _runner(platform, rows, tokens, target, block, device, dtype, backend)
     translator, executor = runner.translator, runner.executor
     assert translator is not None and executor is not None
     denoise = tuple(PagedRow("host", target, tokens, tokens - target, sequence_id=i) for i in range(rows))

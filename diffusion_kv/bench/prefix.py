@@ -95,10 +95,15 @@ def prefill_step_ms(
 
 
 def prefix_cache_bench(
-    platform: Platform, device: torch.device, dtype: torch.dtype, sizes: str, block_size: int | None = None
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: str,
+    block_size: int | None = None,
+    backend: str | None = None,
 ) -> dict[str, Any]:
     shape = FULL if sizes == "full" else SMALL
-    base = dataclasses.replace(bench_config(shape, dtype, block_size), repeats=3)
+    base = dataclasses.replace(bench_config(shape, dtype, block_size, backend), repeats=3)
     shared_cfg = dataclasses.replace(base, shared_prefixes=1)
     prefill = prefill_step_ms(platform, shared_cfg, device)
     shared = run_stream(platform, shared_cfg, device=device)

@@ -27,7 +27,9 @@ SMALL = dict(requests=6, prefix_len=128, target_len=32, steps=4, hidden=64, head
 TARGET_SPEEDUP = 2.0
 
 
-def bench_config(shape: dict[str, int], dtype: torch.dtype, block_size: int | None) -> StreamConfig:
+def bench_config(
+    shape: dict[str, int], dtype: torch.dtype, block_size: int | None, backend: str | None = None
+) -> StreamConfig:
     """The bench's stream: ``shape``'s requests arriving one step apart, all allowed at once, a
     pool that holds them all."""
     return StreamConfig(
@@ -37,6 +39,7 @@ def bench_config(shape: dict[str, int], dtype: torch.dtype, block_size: int | No
         arrival_gap=1,
         max_running=shape["requests"],
         pool_fraction=1.0,
+        backend=backend,
     )
 
 
@@ -84,9 +87,10 @@ def stream_throughput(
     sizes: str,
     block_size: int | None = None,
     kv_cache_dtypes: tuple[torch.dtype, ...] = (),
+    backend: str | None = None,
 ) -> dict[str, Any]:
     shape = FULL if sizes == "full" else SMALL
-    cfg = bench_config(shape, dtype, block_size)
+    cfg = bench_config(shape, dtype, block_size, backend)
     result = run_stream(platform, cfg, device=device)
     out = result.as_dict()
     out["shape"] = shape

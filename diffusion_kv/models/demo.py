@@ -54,6 +54,9 @@ class DemoConfig:
     backend supports it on a CUDA device; False: never; True: required)."""
     kv_cache_dtype: torch.dtype | None = None
     """The pages' dtype (None: the model's; ``torch.float8_e4m3fn``: fp8 pages, scales 1.0)."""
+    backend: str | None = None
+    """The paged backend every KV-cache group uses (its name; None: the platform's priority list
+    picks, ``DIFFUSION_KV_BACKEND`` being its default): ``--backend``."""
     warmup: bool | None = None
     """Run each mode once, untimed, before the timed runs (None: on a CUDA device), so run-time
     compilation and library set-up are reported apart (``DemoResult.warmup_ms``)."""
@@ -227,6 +230,7 @@ def run_paged(
             max_num_batched_tokens=rows * seq_len,
             device=device,
             kv_cache_dtype=cfg.kv_cache_dtype or "auto",
+            backend=cfg.backend,
         ),
         {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names},
         num_blocks,
@@ -337,6 +341,8 @@ def paged_runner(
         if graphs is not None:
             raise
         return build(False)
+
+
 def served_by(runner: RunnerBackend) -> tuple[str, ...]:
     """``platform:backend`` of each backend serving a KV-cache group of ``runner`` (once each)."""
     return tuple(dict.fromkeys(f"{runner.platform.name}:{b.name}" for b in runner.backends))

@@ -113,6 +113,7 @@ def run_paged_parallel(
             max_num_seqs=1,
             max_num_batched_tokens=rows * seq_len,
             device=device,
+            backend=cfg.backend,
             parallel=ParallelConfig(ulysses_degree=degree),
             cfg_parallel_size=cfg_group.size,
             cfg_parallel_rank=cfg_group.rank,

@@ -116,6 +116,8 @@ class StreamConfig:
     repeats: int = 1
     """With prefix caching: how many times the stream is served with and without the cache,
     alternating; each figure is from its fastest run (capture time apart)."""
+    backend: str | None = None
+    """The paged backend every KV-cache group uses (None: the platform's priority list)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -630,6 +632,7 @@ def setup_stream(platform: Platform, cfg: StreamConfig, device: torch.device | N
             ),
             device=device,
             kv_cache_dtype=cfg.kv_cache_dtype or "auto",
+            backend=cfg.backend,
         ),
         {name: PagedLayerSpec(mc.heads, mc.kv_heads, mc.head_size, mc.dtype) for name in model.layer_names},
         pool_blocks,

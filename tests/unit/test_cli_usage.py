@@ -57,6 +57,22 @@ USAGE = {
     "--dcp without torchrun": (["demo", "--dcp", "2"], "run under torchrun (WORLD_SIZE is not set)"),
     "--stream --dcp": (["demo", "--stream", "2", "--dcp", "2"], "drop --ulysses/--cfg-parallel/--dcp"),
     "unknown platform": (["demo", "--platform", "nosuch"], "argument --platform: no platform named 'nosuch'"),
+    "unknown backend (demo)": (
+        ["demo", "--platform", "cpu", "--backend", "nosuch"],
+        "argument --backend: platform 'cpu' has no backend 'nosuch' (backends: ",
+    ),
+    "unknown backend (bench)": (
+        ["bench", "--platform", "cpu", "--backend", "nosuch"],
+        "argument --backend: platform 'cpu' has no backend 'nosuch' (backends: ",
+    ),
+    "unknown backend (conformance)": (
+        ["conformance", "--platform", "cpu", "--backend", "nosuch"],
+        "argument --backend: platform 'cpu' has no backend 'nosuch' (backends: ",
+    ),
+    "--backend against --dkv-backend": (
+        ["conformance", "--platform", "cpu", "--backend", "sdpa", "--", "--dkv-backend", "reference"],
+        "--backend sdpa and -- --dkv-backend reference name different backends",
+    ),
     "unknown option": (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     "no command": ([], "the following arguments are required: command"),
     "--max-cached-blocks without caching": (
@@ -347,3 +363,10 @@ def test_an_unusable_backend_variable_is_one_line_for_platforms(
     assert out == ""
     assert err.startswith(f"diffusion-kv: error: {fact}") and err.count("\n") == 1, err
     assert "DIFFUSION_KV_PLATFORM" not in err and "DIFFUSION_KV_PLUGINS" not in err
+
+
+def test_backend_flag_picks_the_backend_that_serves_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--platform", "cpu", "--backend", "reference", "--prefix", "32", "--target", "16"]
+    args += ["--hidden", "32", "--heads", "2", "--layers", "1", "--steps", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["backends"] == ["cpu:reference"]
