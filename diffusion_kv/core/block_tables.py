@@ -14,9 +14,12 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from diffusion_kv.core.errors import ValidationError
 
@@ -362,6 +365,15 @@ class BlockTablesGeometry:
         """Kernel blocks per scheduler block, per group."""
         return tuple(bs // kbs for bs, kbs in zip(self.block_sizes, self.kernel_block_sizes, strict=True))
 
+    def build(self, cls: type[BlockTables]) -> BlockTables:
+        """An instance of the BlockTables class ``cls``: from this record when the class takes
+        one (``from_geometry``, as :class:`TorchBlockTables` and its subclasses do), else from
+        :meth:`kwargs` (vLLM's classes, and any class written to the keyword protocol)."""
+        from_geometry = getattr(cls, "from_geometry", None)
+        if callable(from_geometry):
+            return from_geometry(self)  # type: ignore[no-any-return]
+        return cls(**self.kwargs())
+
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments a BlockTables class is constructed with."""
         return {
@@ -389,32 +401,21 @@ class TorchBlockTables:
     Everything per token is vectorised; no host synchronisation happens in gather or slots.
     """
 
-    def __init__(
-        self,
-        *,
-        block_sizes: Sequence[int],
-        max_num_reqs: int,
-        max_num_batched_tokens: int,
-        max_num_blocks_per_group: Sequence[int],
-        device: torch.device | str,
-        kernel_block_sizes: Sequence[int] | None = None,
-        cp_size: int = 1,
-        cp_rank: int = 0,
-        cp_interleave: int = 1,
-        slot_mapping_dtype: torch.dtype = torch.int64,
-    ) -> None:
-        geometry = self.geometry = BlockTablesGeometry.of(
-            block_sizes=block_sizes,
-            max_num_reqs=max_num_reqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_blocks_per_group=max_num_blocks_per_group,
-            device=device,
-            kernel_block_sizes=kernel_block_sizes,
-            cp_size=cp_size,
-            cp_rank=cp_rank,
-            cp_interleave=cp_interleave,
-            slot_mapping_dtype=slot_mapping_dtype,
-        )
+    def __init__(self, geometry: BlockTablesGeometry | None = None, /, **keywords: Any) -> None:
+        """From the geometry record (what the runner hands over), or from its ten keywords
+        (``block_sizes=..., max_num_reqs=...``: vLLM's ``BlockTables`` signature, which the
+        protocol keeps so that vLLM's class serves as it is)."""
+        if geometry is None:
+            geometry = BlockTablesGeometry.of(**keywords)
+        elif keywords or not isinstance(geometry, BlockTablesGeometry):
+            raise ValidationError(
+                "TorchBlockTables takes a BlockTablesGeometry or its keywords, not both; got "
+                f"{type(geometry).__name__} and {sorted(keywords)}"
+            )
+        self.geometry = geometry
+        max_num_reqs, max_num_batched_tokens = geometry.max_num_reqs, geometry.max_num_batched_tokens
+        cp_size, cp_rank, cp_interleave = geometry.cp_size, geometry.cp_rank, geometry.cp_interleave
+        slot_mapping_dtype = geometry.slot_mapping_dtype
         self.device = geometry.device
         self.block_sizes = block_sizes = list(geometry.block_sizes)
         self.kernel_block_sizes = list(geometry.kernel_block_sizes)
@@ -433,6 +434,14 @@ class TorchBlockTables:
         ]
         self.num_blocks = HostCounts(len(block_sizes), max_num_reqs, self.device)
         self.init_block_table_layout_tensors()
+
+    @classmethod
+    def from_geometry(cls, geometry: BlockTablesGeometry) -> Self:
+        """The tables for ``geometry`` (the runner's way in; subclasses inherit it). A subclass
+        that overrides ``__init__`` with the protocol's keywords gets them."""
+        if cls.__init__ is TorchBlockTables.__init__:
+            return cls(geometry)
+        return cls(**geometry.kwargs())
 
     # -- staged writes -----------------------------------------------------------------------
 

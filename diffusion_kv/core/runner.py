@@ -669,7 +669,7 @@ class RunnerBackend:
                 slot_mapping_dtype=slot_dtype,
             ),
         )
-        block_tables = part("BlockTables", None, lambda: chosen[0].block_tables_cls()(**geometry.kwargs()))
+        block_tables = part("BlockTables", None, lambda: geometry.build(chosen[0].block_tables_cls()))
         backends: list[PagedBackend] = []
         for g, (group, backend_cls, kernel) in enumerate(zip(layout.groups, chosen, kernels, strict=True)):
             context = GroupContext(

@@ -229,6 +229,20 @@ def test_the_geometry_record_is_what_every_blocktables_is_built_from() -> None:
     }  # fmt: skip
     tables = TorchBlockTables(**geometry.kwargs())
     assert tables.geometry == geometry
+    # the record itself: what the runner hands over (geometry.build), the keywords kept for vLLM's signature
+    by_record = TorchBlockTables(geometry)
+    assert by_record.geometry == geometry and by_record.blocks_per_kv_block == [2, 1]
+    assert isinstance(geometry.build(TorchBlockTables), TorchBlockTables)
+    with pytest.raises(ValidationError, match="takes a BlockTablesGeometry or its keywords, not both"):
+        TorchBlockTables(geometry, max_num_reqs=3)
+
+    class KeywordTables(TorchBlockTables):  # a subclass written to the keyword protocol
+        def __init__(self, **keywords: object) -> None:
+            self.seen = sorted(keywords)
+            super().__init__(**keywords)
+
+    built = geometry.build(KeywordTables)
+    assert isinstance(built, KeywordTables) and built.seen == sorted(geometry.kwargs())
     assert BlockTablesGeometry.of(
         block_sizes=[16], max_num_reqs=1, max_num_batched_tokens=1, max_num_blocks_per_group=[1], device="cpu"
     ).kernel_block_sizes == (16,)  # fmt: skip
