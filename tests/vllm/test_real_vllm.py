@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 import pytest
@@ -53,7 +54,8 @@ def test_cpu_platform_selects_vllm_for_what_it_declares(cpu_attn: type[VllmCpuAt
     assert platform.select_backend(Requirements(dtype=torch.float32)) is CpuSdpaBackend
     assert platform.select_backend(Requirements(dtype=torch.float64)) is CpuReferenceBackend
     assert platform.explain(Requirements(dtype=torch.float32))[1] == (
-        "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables: "
+        "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables [entry point 'vllm-cpu-attn = "
+        f"diffusion_kv.integrations.vllm.backend:VllmCpuAttnBackend', diffusion-kv {importlib.metadata.version('diffusion-kv')}]: "
         "dtype=float32 (supported: ['bfloat16', 'float16'])"
     )
 

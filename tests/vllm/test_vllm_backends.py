@@ -35,7 +35,11 @@ FP16_REQ = Requirements(
     dtype=torch.float16, head_size=64, block_size=32, attention_modes=frozenset({CAUSAL, PIECEWISE})
 )
 FP16_DESCRIBED = "dtype=float16, head_size=64, block_size=32, attention_modes=['causal', 'piecewise']"
-CPU_ATTN_LINE = "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables: "
+CPU_ATTN_LINE = (
+    "  [200] vllm-cpu-attn — vLLM CPU_ATTN builder + impl, torch BlockTables [entry point 'vllm-cpu-attn = "
+    f"diffusion_kv.integrations.vllm.backend:VllmCpuAttnBackend', diffusion-kv "
+    f"{importlib.metadata.version('diffusion-kv')}]: "
+)
 SDPA_LINE = f"  [120] sdpa — {CpuSdpaBackend.description}: "
 REFERENCE_LINE = f"  [100] reference — {CpuReferenceBackend.description}: "
 
