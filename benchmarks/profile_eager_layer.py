@@ -4,7 +4,7 @@ python benchmarks/profile_eager_layer.py [--sizes full|small] [--steps N] [--jso
 
 At the bench's end-to-end shape (``diffusion_kv.bench.e2e``: prefix 4096 + target 1024, 8
 layers, CFG 2, bf16 on CUDA), a paged denoise loop runs eagerly (no CUDA graphs). Over its
-steady-state steps (2..) every ``RunnerBackend.forward`` call (one paged layer) is timed on the
+steady-state steps (2..) every ``PagedWorker.forward`` call (one paged layer) is timed on the
 host, and a cProfile of those calls attributes the package's per-layer time to its functions
 (self time, per layer call, in microseconds; torch ops appear as their Python entry points). A
 torch-profiler pass counts the kernels and host-side CUDA API calls each layer issues.
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.bench.e2e import FULL, SMALL
-from diffusion_kv.core.runner import RunnerBackend
+from diffusion_kv.core.runner import PagedWorker
 from diffusion_kv.models.demo import DemoConfig, build_model, run_paged
 from diffusion_kv.platforms.selection import get_platform
 
@@ -63,12 +63,12 @@ def main() -> int:
     quiet = lambda _m, _i, _n: None  # noqa: E731
     run_paged(model, cfg, platform, device, quiet)  # warm: kernels compiled, plans cached
 
-    original = RunnerBackend.forward
+    original = PagedWorker.forward
     profiler = cProfile.Profile()
     layer_host: list[float] = []
     state = {"steady": False}
 
-    def timed(self: RunnerBackend, *a: Any, **k: Any) -> torch.Tensor:
+    def timed(self: PagedWorker, *a: Any, **k: Any) -> torch.Tensor:
         if not state["steady"]:
             return original(self, *a, **k)
         profiler.enable()
@@ -82,16 +82,16 @@ def main() -> int:
     def progress(_mode: str, i: int, _n: int) -> None:
         state["steady"] = i >= 2  # the callback runs after step i-1; steps 2.. are steady
 
-    RunnerBackend.forward = timed  # type: ignore[method-assign]
+    PagedWorker.forward = timed  # type: ignore[method-assign]
     try:
         _, ms, _ = run_paged(model, cfg, platform, device, progress)
     finally:
-        RunnerBackend.forward = original  # type: ignore[method-assign]
+        PagedWorker.forward = original  # type: ignore[method-assign]
     calls = len(layer_host)
     # an unprofiled pass for the plain per-layer host time (cProfile inflates Python calls)
     plain: list[float] = []
 
-    def plain_timed(self: RunnerBackend, *a: Any, **k: Any) -> torch.Tensor:
+    def plain_timed(self: PagedWorker, *a: Any, **k: Any) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             return original(self, *a, **k)
@@ -99,11 +99,11 @@ def main() -> int:
             if state["steady"]:
                 plain.append(time.perf_counter() - t0)
 
-    RunnerBackend.forward = plain_timed  # type: ignore[method-assign]
+    PagedWorker.forward = plain_timed  # type: ignore[method-assign]
     try:
         _, plain_ms, _ = run_paged(model, cfg, platform, device, progress)
     finally:
-        RunnerBackend.forward = original  # type: ignore[method-assign]
+        PagedWorker.forward = original  # type: ignore[method-assign]
 
     stats = pstats.Stats(profiler)
     rows = []

@@ -3,7 +3,7 @@
 python benchmarks/profile_step_breakdown.py [--sizes full|small] [--json FILE]
 
 For the bench's end-to-end shape (``diffusion_kv.bench.e2e``), per steady-state paged step
-(steps 2.. of a warm run): wall time; host time spent inside ``RunnerBackend.forward`` (the
+(steps 2.. of a warm run): wall time; host time spent inside ``PagedWorker.forward`` (the
 package: layer checks, the write, the attention calls) and the rest of the host time (the tiny
 DiT's own Python and launches); and GPU kernel time from the torch profiler. Eager steps, and
 CUDA-graph replays where the package offers them. Works against any installed diffusion-kv
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.bench.e2e import FULL, SMALL
-from diffusion_kv.core.runner import RunnerBackend
+from diffusion_kv.core.runner import PagedWorker
 from diffusion_kv.models.demo import DemoConfig, build_model, run_paged
 from diffusion_kv.platforms.selection import get_platform
 
@@ -34,9 +34,9 @@ def measure(platform: Any, cfg: DemoConfig, device: torch.device) -> dict[str, A
     run_paged(model, cfg, platform, device, quiet)  # warm: kernels compiled, plans cached
     inside = [0.0]
     steady: list[float] = []
-    original = RunnerBackend.forward
+    original = PagedWorker.forward
 
-    def timed(self: RunnerBackend, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def timed(self: PagedWorker, *args: Any, **kwargs: Any) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
@@ -48,11 +48,11 @@ def measure(platform: Any, cfg: DemoConfig, device: torch.device) -> dict[str, A
             steady.append(inside[0])
         inside[0] = 0.0
 
-    RunnerBackend.forward = timed  # type: ignore[method-assign]
+    PagedWorker.forward = timed  # type: ignore[method-assign]
     try:
         _, ms, info = run_paged(model, cfg, platform, device, progress)
     finally:
-        RunnerBackend.forward = original  # type: ignore[method-assign]
+        PagedWorker.forward = original  # type: ignore[method-assign]
     skip = 3 if info.get("graphs") else 2  # with graphs, step 2 is the capture
     wall = statistics.median(ms[skip:])
     package = statistics.median(steady[skip - 2 :]) * 1e3 if steady[skip - 2 :] else 0.0

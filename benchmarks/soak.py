@@ -47,7 +47,7 @@ from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.prefix_cache import ContentSpan, PrefixCache
 from diffusion_kv.core.registry import DEFAULT_GENERATION_MEMORY
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import (
     DEFAULT_OUTCOME_MEMORY,
     DiffusionRequest,
@@ -109,7 +109,7 @@ class SoakModel:
     shared prefix's K/V from its prefix table, so every request naming it writes the same
     values), and checks each checked request's rows against dense attention over the row."""
 
-    def __init__(self, runner: RunnerBackend, check_every: int, seed: int) -> None:
+    def __init__(self, runner: PagedWorker, check_every: int, seed: int) -> None:
         self.runner = runner
         self.check_every = check_every
         gen = torch.Generator().manual_seed(seed)
@@ -207,8 +207,8 @@ class Soak:
     bounds: dict[str, Any] = field(default_factory=dict)
 
 
-def build(args: argparse.Namespace) -> tuple[RunnerBackend, DiffusionKVAllocator]:
-    runner = RunnerBackend(
+def build(args: argparse.Namespace) -> tuple[PagedWorker, DiffusionKVAllocator]:
+    runner = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=MAX_SEQ, max_rows_per_request=2, max_num_seqs=16, max_num_batched_tokens=512

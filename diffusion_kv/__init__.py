@@ -5,7 +5,7 @@ The public API is what this module exports; everything else may change between r
 * Plugins and selection: :func:`get_platform`, :func:`available_platforms`,
   :func:`refresh_platforms`, :class:`Platform`, :class:`PagedBackend` and the records of the
   plugin contract (:class:`Capabilities`, :class:`Requirements`, :class:`PagedBatch`, ...).
-* Embedding (a worker): :class:`RunnerBackend` with :class:`RunnerConfig` and
+* Embedding (a worker): :class:`PagedWorker` with :class:`RunnerConfig` and
   :class:`PagedLayerSpec`; the scheduler's snapshots :class:`RequestAllocation`,
   :class:`SequenceAllocation`, :class:`ContextAllocation`; rows and phases :class:`PagedRow`,
   :class:`PhaseRows`; per-forward :class:`AttentionMetadata`; a standalone scheduler-side
@@ -56,7 +56,7 @@ from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import AttentionSpec, CacheLayout, KVCacheGroup
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerBackend, RunnerConfig
 from diffusion_kv.core.scheduler import (
     BatchEntry,
     DiffusionRequest,
@@ -108,6 +108,7 @@ __all__ = [
     "PagedBatch",
     "PagedLayerSpec",
     "PagedRow",
+    "PagedWorker",
     "ParallelConfig",
     "Phase",
     "PhaseRows",

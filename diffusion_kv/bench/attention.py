@@ -1,6 +1,6 @@
 """Attention benchmark: a platform's paged backends against the best dense torch SDPA backend.
 
-Every case builds the platform's real parts through :class:`RunnerBackend` (BlockTables,
+Every case builds the platform's real parts through :class:`PagedWorker` (BlockTables,
 metadata builder, backend, caches), installs one request whose blocks are physically shuffled,
 writes the whole sequence's K/V with one prefill forward, prepares the denoise rows
 (queries = target tokens, full attention over prefix + target) and times the backend's
@@ -25,7 +25,7 @@ from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.interface import Platform
 
 LAYER = "bench.attn"
@@ -168,7 +168,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 @dataclass
 class PagedSetup:
-    runner: RunnerBackend
+    runner: PagedWorker
     query: torch.Tensor  # packed [rows * target, H, D]
     dense_q: torch.Tensor  # [rows, H, target, D]
     dense_k: torch.Tensor  # [rows, Hkv, seq, D]
@@ -186,7 +186,7 @@ def build_setup(
     backend: str | None = None,
 ) -> PagedSetup:
     S, R = case.seq_len, case.rows
-    runner = RunnerBackend(
+    runner = PagedWorker(
         platform,
         RunnerConfig(
             max_model_len=S,

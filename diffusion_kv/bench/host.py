@@ -11,7 +11,7 @@ from diffusion_kv.bench.timing import synchronize, time_host
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.interface import Platform
 
 LAYER = "bench.host"
@@ -26,13 +26,13 @@ def _runner(
     device: torch.device,
     dtype: torch.dtype,
     backend: str | None = None,
-) -> RunnerBackend:
+) -> PagedWorker:
     """Rows whose prefix is declared a prefix-cache hit (``cached_prefix_len``): the bench times
     translation only, so no K/V is computed, and the denoise rows may read the prefix pages."""
     prefix = tokens - target
     if prefix % block:
         raise ValueError(f"host bench: prefix {prefix} must be a multiple of the block size {block}")
-    runner = RunnerBackend(
+    runner = PagedWorker(
         platform,
         RunnerConfig(
             max_model_len=tokens,

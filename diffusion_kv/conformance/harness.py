@@ -1,6 +1,6 @@
 """A worker built the way a real one is, for the conformance kit.
 
-:class:`PagedHarness` builds a :class:`~diffusion_kv.core.runner.RunnerBackend` for one
+:class:`PagedHarness` builds a :class:`~diffusion_kv.core.runner.PagedWorker` for one
 platform (``backend_choice`` names the one under test; without it the platform's priority list
 chooses), lets a case install rows with a chosen physical block placement,
 run layers, and inspect every K/V write and attention call.
@@ -21,7 +21,7 @@ from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.interface import Platform
 
 
@@ -115,7 +115,7 @@ class PagedHarness:
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device) if self.device is not None else self.platform.device()
-        self.runner = RunnerBackend(
+        self.runner = PagedWorker(
             self.platform,
             RunnerConfig(
                 max_model_len=self.max_model_len,

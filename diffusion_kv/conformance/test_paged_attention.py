@@ -1112,7 +1112,9 @@ def test_chunk_causal_window_sink_stream(dkv_platform: Platform, dkv_backend: Ba
     is refused before any cache write."""
     bs = pick_block_size(dkv_platform, dkv_backend)
     spec = MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=bs, window=2 * bs, sink=bs)
-    require(dkv_platform, dkv_backend, attention_modes=spec.required_modes, window=spec.window, sink=spec.sink)
+    require(
+        dkv_platform, dkv_backend, attention_modes=spec.required_modes, window=spec.window, sink=spec.sink
+    )
     h = harness(dkv_platform, dkv_backend, mode=spec, block_size=bs, layer_names=("layer.0",))
     chunks = 5
     data = make_rows(h, [chunks * bs], seed=11)[0]

@@ -23,7 +23,7 @@ any double free, atomically. Generations increase monotonically across all reque
 
 A worker with several KV-cache groups (causal and full layers, say) needs blocks in every
 group: ``num_groups`` gives each row the same block ids in each of them (one block id is one
-block of every layer, as :meth:`~diffusion_kv.core.runner.RunnerBackend.kv_bytes_per_block`
+block of every layer, as :meth:`~diffusion_kv.core.runner.PagedWorker.kv_bytes_per_block`
 counts it).
 
 The block source is a :class:`BlockPool`; vLLM's own ``KVCacheManager`` can take the
@@ -37,7 +37,7 @@ longest leading run of keys that is cached -- the snapshot declares them as the 
 when the pool is short it evicts unreferenced cached blocks, least recently used first.
 Once the request has written its prefix, :meth:`DiffusionKVAllocator.publish` seals the rest
 of its keyed blocks (a new snapshot whose ``cached_prefix_len`` covers them, handed first to
-the worker's :meth:`~diffusion_kv.core.runner.RunnerBackend.seal`, which refuses a request it
+the worker's :meth:`~diffusion_kv.core.runner.PagedWorker.seal`, which refuses a request it
 does not hold or tokens its rows never wrote) and caches them under their keys, so later
 requests hit them while it is still live. ``free`` drops the request's references; its
 unpublished blocks go back to the pool, its cached ones stay until evicted. A snapshot

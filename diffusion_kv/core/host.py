@@ -3,7 +3,7 @@
 A backend that drives the host's own attention machinery (vllm-ascend's builder and impl, vLLM's
 with the host's config) needs objects only the host has: its configuration, its attention groups
 and its KV-cache configuration. The host builds one :class:`HostRuntime` and hands it to the
-runner (``RunnerBackend(platform, config, host=...)``); the runner passes it to selection
+runner (``PagedWorker(platform, config, host=...)``); the runner passes it to selection
 (``Platform.select_backend(..., host=...)``) and to each backend instance
 (``GroupContext.host``). A backend declares that it needs one (``PagedBackend.needs_host``) and
 says what it cannot serve in one (``PagedBackend.host_reasons``); without a host such a backend

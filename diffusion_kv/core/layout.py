@@ -75,7 +75,9 @@ class AttentionSpec:
                 f"AttentionSpec.mode must be {AttentionMode.layer_modes_text()}; got {self.mode!r}"
             )
         if self.mask is None:
-            raise ValidationError("AttentionSpec of mode CHUNK_CAUSAL needs its mask (a MaskSpec with the chunk size)")
+            raise ValidationError(
+                "AttentionSpec of mode CHUNK_CAUSAL needs its mask (a MaskSpec with the chunk size)"
+            )
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the cache (K and V), in the cache dtype."""

@@ -19,7 +19,7 @@ CPU); there is no transport of our own. Three forms of parallelism are supported
   merged across ranks by log-sum-exp weighting, which reproduces single-rank attention.
 
 Ring attention, all-gather-KV and non-strict Ulysses are rejected at layer registration
-(:class:`~diffusion_kv.core.runner.RunnerBackend`).
+(:class:`~diffusion_kv.core.runner.PagedWorker`).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class SequencePadding:
 
 
 PagedForward = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
-"""``(layer_name, q, k, v, attn_metadata) -> out``, e.g. ``RunnerBackend.forward``."""
+"""``(layer_name, q, k, v, attn_metadata) -> out``, e.g. ``PagedWorker.forward``."""
 
 
 class UlyssesParallel:

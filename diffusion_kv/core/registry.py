@@ -341,7 +341,9 @@ class RowRegistry:
                     )
         return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
 
-    def _check_released(self, identity: Identity, g: int, positions: list[int], read_only_tokens: int) -> None:
+    def _check_released(
+        self, identity: Identity, g: int, positions: list[int], read_only_tokens: int
+    ) -> None:
         """``NULL_BLOCK`` places only where the group's mask releases keys: a window, outside
         the sink and the cached prefix."""
         spec = self.layout.groups[g].spec
@@ -503,9 +505,7 @@ class RowRegistry:
         try:
             for row, ids in zip(rows, block_ids, strict=True):
                 # a released place reads as the null entry (block 0, as past a row's end)
-                bt.append_block_ids(
-                    row, tuple([max(b, 0) for b in group] for group in ids), overwrite=True
-                )
+                bt.append_block_ids(row, tuple([max(b, 0) for b in group] for group in ids), overwrite=True)
             bt.apply_staged_writes()
         except Exception as exc:
             for table in bt.block_tables:
@@ -603,7 +603,11 @@ class RowRegistry:
         for a, b in zip(old.sequences, new.sequences, strict=True):
             if (a.sequence_id, a.prefix_len, a.context_ids) != (b.sequence_id, b.prefix_len, b.context_ids):
                 return None
-            if b.seq_len < a.seq_len or b.target_len < a.target_len or b.cached_prefix_len < a.cached_prefix_len:
+            if (
+                b.seq_len < a.seq_len
+                or b.target_len < a.target_len
+                or b.cached_prefix_len < a.cached_prefix_len
+            ):
                 return None
             if len(a.block_ids) != len(b.block_ids):
                 return None

@@ -3,7 +3,7 @@ registry + translator + executor for one worker.
 
 Lifecycle::
 
-    backend = RunnerBackend(platform, RunnerConfig(...))
+    backend = PagedWorker(platform, RunnerConfig(...))
     backend.register_kv_cache_layers({"blk.0.attn": PagedLayerSpec(...), ...})   # validates
     backend.initialize_kv_cache(num_blocks=...)           # or a CacheLayout / KVCacheConfig
     backend.install(snapshot)                             # per request
@@ -69,7 +69,7 @@ from diffusion_kv.core.parallel import (
 )
 from diffusion_kv.core.registry import KVCacheMode, RowBinding, RowRegistry, removal_entries
 from diffusion_kv.core.rows import PhaseRows
-from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.translate import Translator, resolve_device
 
 T = TypeVar("T")
@@ -125,7 +125,7 @@ class RunnerConfig:
     """The pages' dtype: ``auto`` (each layer's own), or ``fp8_e4m3`` (``float8_e4m3fn``: one byte
     per element, per-KV-head scales; ``diffusion_kv.core.kv_quant``); a backend must declare it."""
     graph_capture: bool = False
-    """The host captures steps as CUDA graphs (:meth:`RunnerBackend.capture`): a selection
+    """The host captures steps as CUDA graphs (:meth:`PagedWorker.capture`): a selection
     requirement (``Requirements.graph_capture``), so every group gets a backend declaring
     ``supports_graph_capture``; a forced choice that does not is refused with the reason."""
 
@@ -241,7 +241,7 @@ def _check_cache_memory(caches: Mapping[str, KVCache], *, bound: bool, platform:
     )
 
 
-class RunnerBackend:
+class PagedWorker:
     """Owns one worker's paged KV state; see the module docstring for the lifecycle."""
 
     def __init__(
@@ -263,10 +263,10 @@ class RunnerBackend:
         ]
         if missing:
             raise ValidationError(
-                f"RunnerBackend needs a platform (get_platform()); {type(platform).__name__} lacks {missing}"
+                f"PagedWorker needs a platform (get_platform()); {type(platform).__name__} lacks {missing}"
             )
         if not isinstance(config, RunnerConfig):
-            raise ValidationError(f"RunnerBackend needs a RunnerConfig; got {type(config).__name__}")
+            raise ValidationError(f"PagedWorker needs a RunnerConfig; got {type(config).__name__}")
         if not isinstance(config.mode, KVCacheMode):
             raise ValidationError(
                 f"RunnerConfig.mode must be KVCacheMode.PAGED or KVCacheMode.DENSE; got {config.mode!r}"
@@ -795,7 +795,7 @@ class RunnerBackend:
             self.registry.refresh_layout()
 
     @contextmanager
-    def activate(self, phases: PhaseRows) -> Iterator[PagedRuntime]:
+    def activate(self, phases: PhaseRows) -> Iterator[BatchStepper]:
         """A runtime for one denoise loop; closed (and deactivated) on exit."""
         if not isinstance(phases, PhaseRows):
             raise ValidationError(f"activate takes PhaseRows; got {type(phases).__name__}")
@@ -805,21 +805,21 @@ class RunnerBackend:
             installed = {r.request_id for r in (*phases.prefill, *phases.denoise)}
             branches = [s for s in map(registry.snapshot_of, sorted(installed)) if s is not None]
             phases = select_cfg_rows(phases, branches)
-        runtime = PagedRuntime(translator, phases)
+        runtime = BatchStepper(translator, phases)
         with runtime.activate():
             yield runtime
 
     @contextmanager
-    def stepper(self) -> Iterator[PagedRuntime]:
+    def stepper(self) -> Iterator[BatchStepper]:
         """A runtime for a scheduler that steps explicit rows, each request at its own phase
-        (:meth:`PagedRuntime.ensure_rows`); closed (and deactivated) on exit."""
+        (:meth:`BatchStepper.ensure_rows`); closed (and deactivated) on exit."""
         translator = self._require().translator
         if self.config.cfg_parallel_size > 1:
             raise UnsupportedFeatureError(
                 "stepping explicit rows under CFG parallelism is not supported: pass this rank's rows "
                 "through activate(PhaseRows) per request instead"
             )
-        runtime = PagedRuntime(translator)
+        runtime = BatchStepper(translator)
         with runtime.activate():
             yield runtime
 
@@ -873,3 +873,8 @@ class RunnerBackend:
         if self.layout is None:
             raise StateError("the paged KV cache is not initialised")
         return [cdiv(num_tokens, g.block_size * self.config.cp_size) for g in self.layout.groups]
+
+
+RunnerBackend = PagedWorker
+"""The name :class:`PagedWorker` had before 2026-12-06 (it is the worker's paged KV state, not a
+backend): an alias for one release (``docs/migration.md``)."""

@@ -4,8 +4,8 @@ Two ways to drive it:
 
 * one request's denoise loop (:class:`PhaseRows`): step 0 activates the prefill rows, every
   later step the denoise rows; each phase is prepared once and its batch is reused by every
-  later step and layer (:meth:`PagedRuntime.ensure_active`);
-* a scheduler stepping many requests, each at its own phase (:meth:`PagedRuntime.ensure_rows`):
+  later step and layer (:meth:`BatchStepper.ensure_active`);
+* a scheduler stepping many requests, each at its own phase (:meth:`BatchStepper.ensure_rows`):
   the batch is prepared again only when its composition (the ordered rows) changes.
 """
 
@@ -20,7 +20,7 @@ from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
 from diffusion_kv.core.translate import PreparedBatch, Translator
 
 
-class PagedRuntime:
+class BatchStepper:
     """Activates prepared batches as steps advance (see the module docstring).
 
     ``phase_rows`` (instead of ``phases``) supplies each phase's rows when that phase begins,
@@ -38,9 +38,9 @@ class PagedRuntime:
         activation: Callable[[PreparedBatch], AbstractContextManager[Any]] | None = None,
     ) -> None:
         if phases is not None and not isinstance(phases, PhaseRows):
-            raise ValidationError(f"PagedRuntime needs PhaseRows (or None); got {type(phases).__name__}")
+            raise ValidationError(f"BatchStepper needs PhaseRows (or None); got {type(phases).__name__}")
         if phases is not None and phase_rows is not None:
-            raise ValidationError("PagedRuntime takes phases or phase_rows, not both")
+            raise ValidationError("BatchStepper takes phases or phase_rows, not both")
         self.translator = translator
         self.phases = phases
         self._phase_rows = phase_rows
@@ -113,8 +113,13 @@ class PagedRuntime:
         self._closed = True
 
     @contextmanager
-    def activate(self) -> Iterator[PagedRuntime]:
+    def activate(self) -> Iterator[BatchStepper]:
         try:
             yield self
         finally:
             self.close()
+
+
+PagedRuntime = BatchStepper
+"""The name :class:`BatchStepper` had before 2026-12-06 (``HostRuntime`` is the embedding host's
+objects; this steps prepared batches): an alias for one release (``docs/migration.md``)."""

@@ -1,7 +1,7 @@
 """Continuous batching of diffusion requests for standalone use.
 
 :class:`DiffusionScheduler` sits on top of the scheduler-side allocator and the worker
-(:class:`~diffusion_kv.core.runner.RunnerBackend`) and steps many requests together, each at
+(:class:`~diffusion_kv.core.runner.PagedWorker`) and steps many requests together, each at
 its own step:
 
 * **admission** in submission order, as blocks free up: a request is reserved all or nothing
@@ -70,8 +70,8 @@ from diffusion_kv.core.prefix_cache import (
 )
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, Phase
-from diffusion_kv.core.runner import RunnerBackend
-from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.runner import PagedWorker
+from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.translate import PreparedBatch
 
 Span = tuple[int, int]
@@ -99,7 +99,7 @@ def _check_callable(fn: object, what: str) -> None:
         raise ValidationError(f"{what}; got {type(fn).__name__} {fn!r}")
 
 
-def _check_sizes(runner: RunnerBackend, allocator: DiffusionKVAllocator) -> None:
+def _check_sizes(runner: PagedWorker, allocator: DiffusionKVAllocator) -> None:
     """Everything the allocator reserves must be installable on the worker."""
     layout = runner.layout
     assert layout is not None
@@ -130,16 +130,16 @@ def _check_sizes(runner: RunnerBackend, allocator: DiffusionKVAllocator) -> None
 
 
 def reap_unreserved(
-    runner: RunnerBackend, allocator: DiffusionKVAllocator, before: Callable[[], None] | None = None
+    runner: PagedWorker, allocator: DiffusionKVAllocator, before: Callable[[], None] | None = None
 ) -> tuple[str, ...]:
     """Retire, for good, the worker rows of every request ``allocator`` does not reserve:
     nobody owns their blocks, so the allocator may hand them to someone else (a late snapshot
     installed after its request ended, rows a previous scheduler left). ``before`` runs first
     when there is something to reap (a runtime deactivating its batch). Returns the request
     ids reaped; one the worker fails to remove stays for the next call."""
-    if not isinstance(runner, RunnerBackend) or not isinstance(allocator, DiffusionKVAllocator):
+    if not isinstance(runner, PagedWorker) or not isinstance(allocator, DiffusionKVAllocator):
         raise ValidationError(
-            "reap_unreserved takes a RunnerBackend and a DiffusionKVAllocator; got "
+            "reap_unreserved takes a PagedWorker and a DiffusionKVAllocator; got "
             f"{type(runner).__name__} and {type(allocator).__name__}"
         )
     registry = runner.registry
@@ -162,13 +162,13 @@ def reap_unreserved(
     return tuple(reaped)
 
 
-def scales_version(runner: RunnerBackend) -> int:
+def scales_version(runner: PagedWorker) -> int:
     """A counter that grows whenever a quantised layer's ``k_scale``/``v_scale`` is set
     (:meth:`~diffusion_kv.core.kv_quant.KVScales.set`); 0 on a worker without fp8 pages."""
     return sum(g.kv_scales.version for g in runner.layers.values() if g.kv_scales is not None)
 
 
-def _group_identity(runner: RunnerBackend, group: KVCacheGroup) -> str:
+def _group_identity(runner: PagedWorker, group: KVCacheGroup) -> str:
     layers = [runner.layers.get(n) for n in group.layer_names]
     spec = group.spec
     page = {
@@ -190,7 +190,7 @@ def _group_identity(runner: RunnerBackend, group: KVCacheGroup) -> str:
 
 
 def worker_namespace(
-    runner: RunnerBackend, model_id: str, branch: int = 0, adapter: str | None = None
+    runner: PagedWorker, model_id: str, branch: int = 0, adapter: str | None = None
 ) -> PrefixNamespace:
     """The prefix-cache namespace of CFG branch ``branch`` on ``runner``'s worker: the model
     identity, the KV layout (per group: attention mode, block size, compute dtype, the pages'
@@ -210,7 +210,7 @@ def worker_namespace(
 
 
 def row_prefix_keys(
-    runner: RunnerBackend,
+    runner: PagedWorker,
     namespace: PrefixNamespace,
     content: tuple[ContentSpan, ...],
     prefix_len: int,
@@ -496,7 +496,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
 
     def __init__(
         self,
-        runner: RunnerBackend,
+        runner: PagedWorker,
         allocator: DiffusionKVAllocator,
         *,
         max_batch_tokens: int | None = None,
@@ -504,8 +504,8 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
         model_id: str | None = None,
         outcome_memory: int = DEFAULT_OUTCOME_MEMORY,
     ) -> None:
-        if not isinstance(runner, RunnerBackend):
-            raise ValidationError(f"the scheduler needs a RunnerBackend; got {type(runner).__name__}")
+        if not isinstance(runner, PagedWorker):
+            raise ValidationError(f"the scheduler needs a PagedWorker; got {type(runner).__name__}")
         if not isinstance(allocator, DiffusionKVAllocator):
             raise ValidationError(
                 f"the scheduler needs a DiffusionKVAllocator; got {type(allocator).__name__}"
@@ -531,7 +531,7 @@ class DiffusionScheduler(AbstractContextManager["DiffusionScheduler"]):
             _positive(max_running, "max_running")
         _positive(outcome_memory, "outcome_memory", zero=True)
         self._stepper = runner.stepper()
-        self._runtime: PagedRuntime = self._stepper.__enter__()
+        self._runtime: BatchStepper = self._stepper.__enter__()
         # Nothing was refused: from here on the scheduler owns its side of the protocol.
         allocator.advance_generation(runner.generation_high_water)
         self.runner = runner

@@ -148,9 +148,7 @@ class Translator:
         self._windowed = bool(self._masks) and all(m.releases for m in self._masks)
         self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m.is_causal)
         thresholds = [
-            t
-            for g in self._causal_groups
-            if (t := self.backends[g].reorder_batch_threshold) is not None
+            t for g in self._causal_groups if (t := self.backends[g].reorder_batch_threshold) is not None
         ]
         self._reorder_threshold: int | None = min(thresholds) if thresholds else None
 

@@ -21,7 +21,7 @@ from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, V
 from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
 from diffusion_kv.platforms.interface import Platform
 
@@ -318,7 +318,7 @@ def paged_runner(
     num_blocks: int,
     block_size: int,
     graphs: bool | None,
-) -> RunnerBackend:
+) -> PagedWorker:
     """A runner with ``layers`` registered and its cache initialised, stating graph capture as a
     selection requirement where the run wants graphs (:func:`wants_graph_capture`), so a backend
     that cannot be captured is not picked for it. With ``graphs=None`` (capture where possible)
@@ -327,8 +327,8 @@ def paged_runner(
     device = config.device if config.device is not None else platform.device()
     want = wants_graph_capture(graphs, torch.device(device))
 
-    def build(capture: bool) -> RunnerBackend:
-        runner = RunnerBackend(platform, dataclasses.replace(config, graph_capture=capture))
+    def build(capture: bool) -> PagedWorker:
+        runner = PagedWorker(platform, dataclasses.replace(config, graph_capture=capture))
         runner.register_kv_cache_layers(layers)
         runner.initialize_kv_cache(num_blocks=num_blocks, block_size=block_size)
         return runner
@@ -343,12 +343,12 @@ def paged_runner(
         return build(False)
 
 
-def served_by(runner: RunnerBackend) -> tuple[str, ...]:
+def served_by(runner: PagedWorker) -> tuple[str, ...]:
     """``platform:backend`` of each backend serving a KV-cache group of ``runner`` (once each)."""
     return tuple(dict.fromkeys(f"{runner.platform.name}:{b.name}" for b in runner.backends))
 
 
-def _corrupt(runner: RunnerBackend, block_id: int) -> None:
+def _corrupt(runner: PagedWorker, block_id: int) -> None:
     name = next(iter(runner.kv_caches))
     cache = runner.kv_caches[name]
     tensors = cache if isinstance(cache, tuple) else (cache[0],)

@@ -37,7 +37,7 @@ from diffusion_kv.core.parallel import (
     gather_cfg_branches,
 )
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
 from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.models.demo import (
     DemoConfig,
@@ -105,7 +105,7 @@ def run_paged_parallel(
     rows = cfg.cfg_rows
     # Under DCP one scheduler block id covers ``block`` tokens on each rank.
     num_blocks = rows * cdiv(seq_len, block * dcp.size) + 1
-    runner = RunnerBackend(
+    runner = PagedWorker(
         platform,
         RunnerConfig(
             max_model_len=cfg.max_model_len,

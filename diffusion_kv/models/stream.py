@@ -44,7 +44,7 @@ from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.prefix_cache import ContentSpan, PrefixCache
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import (
     DiffusionRequest,
     DiffusionScheduler,
@@ -252,7 +252,7 @@ class StreamModel:
     def __init__(
         self,
         model: TinyDiT,
-        runner: RunnerBackend,
+        runner: PagedWorker,
         inputs: dict[str, RequestInputs],
         guidance: float,
         graphs: bool,
@@ -396,7 +396,7 @@ Progress = Callable[[str, StepReport, int, int], None]
 
 def serve(
     model: TinyDiT,
-    runner: RunnerBackend,
+    runner: PagedWorker,
     allocator: DiffusionKVAllocator,
     requests: list[DiffusionRequest],
     inputs: dict[str, RequestInputs],
@@ -562,7 +562,7 @@ class StreamSetup:
     cfg: StreamConfig
     device: torch.device
     model: TinyDiT
-    runner: RunnerBackend
+    runner: PagedWorker
     requests: list[DiffusionRequest]
     inputs: dict[str, RequestInputs]
     block: int

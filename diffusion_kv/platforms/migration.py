@@ -31,7 +31,7 @@ _BACKEND = (
     "KV-cache group, __init__(self, group: GroupContext), forward(layer, query, kv_cache, metadata, out)"
 )
 _HOST = (
-    "RunnerBackend(platform, config, host=HostRuntime(config=vllm_config, attn_groups=..., "
+    "PagedWorker(platform, config, host=HostRuntime(config=vllm_config, attn_groups=..., "
     "kv_cache_config=...)) with HostRuntime from diffusion_kv.core.host; a backend reads GroupContext.host"
 )
 

@@ -88,7 +88,6 @@ BUILTIN_ENTRY_POINTS = {
 """The built-in platforms: their names cannot be taken over by another entry point."""
 
 
-
 def _import_fix(failure: PluginFailure, default: str) -> str:
     """``default``, or, for a plugin importing a removed name, that name's replacement
     (:mod:`diffusion_kv.platforms.migration`)."""
@@ -779,9 +778,7 @@ def added_backends(platform: str) -> list[type[PagedBackend]]:
     return discover().backends_for(platform)
 
 
-def backend_origin(
-    platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None
-) -> str:
+def backend_origin(platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None) -> str:
     """Where ``platform``'s ``backend`` comes from: ``built-in``, the backend entry point and
     its distribution (of ``plugins``; default: the discovered set), or a class given as the
     backend choice."""

@@ -15,7 +15,7 @@ from diffusion_kv import (
     KVRequest,
     PagedLayerSpec,
     PagedRow,
-    RunnerBackend,
+    PagedWorker,
     RunnerConfig,
     SequenceRequest,
     get_platform,
@@ -30,7 +30,7 @@ def test_bucket_replay_equals_the_padded_eager_step_and_writes_only_its_slots() 
     model = TinyDiT(cfg).to(device).eval()
     prefix, target, rows = 200, 56, 2
     seq = prefix + target
-    runner = RunnerBackend(
+    runner = PagedWorker(
         get_platform("cuda"),
         RunnerConfig(
             max_model_len=seq, max_rows_per_request=rows, max_num_seqs=1, max_num_batched_tokens=rows * seq

@@ -185,7 +185,7 @@ def _denoise_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
     active runtime, a denoise ``step(target, t)`` and four target latents."""
     from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
     from diffusion_kv.core.rows import PagedRow, PhaseRows
-    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
     from diffusion_kv.models.demo import DemoConfig, build_model
 
     monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
@@ -194,7 +194,7 @@ def _denoise_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
         prefix_len=300, target_len=100, hidden=256, heads=2, kv_heads=2, layers=2, dtype=torch.bfloat16
     )
     model = build_model(cfg, dev)
-    runner = RunnerBackend(get_platform("cuda"), RunnerConfig(512, 2, 1, 1024, device=dev))
+    runner = PagedWorker(get_platform("cuda"), RunnerConfig(512, 2, 1, 1024, device=dev))
     mc = model.cfg
     runner.register_kv_cache_layers(
         {n: PagedLayerSpec(2, 2, mc.head_size, mc.dtype) for n in model.layer_names}

@@ -29,7 +29,7 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm_ascend.backend import EMULATED_REASON, NO_HOST_REASON, VllmAscendBackend
 from diffusion_kv.platforms.interface import (
     ENV_BACKEND,
@@ -464,7 +464,7 @@ def test_scheduler_blocks_of_256_are_split_into_kernel_blocks(npu_emulator: Torc
 
 def test_two_kv_cache_groups_get_one_direct_backend_each(npu_emulator: TorchNpuEmulator) -> None:
     platform = NpuPlatform()
-    runner = RunnerBackend(
+    runner = PagedWorker(
         platform,
         RunnerConfig(max_model_len=256, max_rows_per_request=2, max_num_seqs=2, max_num_batched_tokens=1024),
     )

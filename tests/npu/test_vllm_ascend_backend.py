@@ -34,7 +34,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.host import HostRuntime
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm_ascend import backend as vllm_ascend_backend
 from diffusion_kv.integrations.vllm_ascend.backend import (
     BUILD_KEYWORDS,
@@ -245,7 +245,9 @@ def supported_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_ascend_backend, "installed_stack", lambda *_: SUPPORTED_VLLM_ASCEND_STACKS[0])
 
 
-def make_backend(*layers: LayerGeometry, index: int = 0, host: HostRuntime | None = HOST) -> VllmAscendBackend:
+def make_backend(
+    *layers: LayerGeometry, index: int = 0, host: HostRuntime | None = HOST
+) -> VllmAscendBackend:
     return VllmAscendBackend(group_context(layers or (LAYER,), index=index, host=host))
 
 
@@ -306,7 +308,7 @@ def test_a_worker_on_the_vllm_ascend_backend(
     """Selection through the runner: vllm-ascend's BlockTables, one backend for the group, and
     separate K/V pages [kernel_blocks, 128, Hkv, D]."""
     platform = NpuPlatform()
-    runner = RunnerBackend(
+    runner = PagedWorker(
         platform,
         RunnerConfig(
             max_model_len=256,
@@ -365,7 +367,7 @@ def test_worker_init_checks_versions_first(vendor: Vendor, monkeypatch: pytest.M
 
 
 def test_worker_init_without_a_host_explains_what_is_needed(vendor: Vendor, supported_stack: None) -> None:
-    with pytest.raises(StateError, match="RunnerBackend\\(..., host=HostRuntime\\(...\\)\\)"):
+    with pytest.raises(StateError, match="PagedWorker\\(..., host=HostRuntime\\(...\\)\\)"):
         VllmAscendBackend.prepare_worker(None)
     assert vendor.log == []
 

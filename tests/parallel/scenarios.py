@@ -28,7 +28,7 @@ from diffusion_kv.core.parallel import (
     verify_replicated,
 )
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
 from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
 
@@ -54,13 +54,13 @@ def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_runner(**config: Any) -> RunnerBackend:
+def make_runner(**config: Any) -> PagedWorker:
     merger = config.pop("dcp_merger", None)
     base: dict[str, Any] = dict(
         max_model_len=64, max_rows_per_request=3, max_num_seqs=2, max_num_batched_tokens=256
     )
     base.update(config)
-    runner = RunnerBackend(CpuPlatform(), RunnerConfig(**base), dcp_merger=merger)
+    runner = PagedWorker(CpuPlatform(), RunnerConfig(**base), dcp_merger=merger)
     runner.register_kv_cache_layers(
         {name: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode) for name, mode in LAYERS.items()}
     )
@@ -89,7 +89,7 @@ def phases(rid: str = "r", num_seqs: int = B) -> PhaseRows:
 
 
 def run_steps(
-    runner: RunnerBackend, attend: Attend, rows: slice = slice(None), seed: int = 0
+    runner: PagedWorker, attend: Attend, rows: slice = slice(None), seed: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
     """Outputs ``{"layer/step": out}`` and the identities of each step's prepared rows."""
     data = inputs(seed)

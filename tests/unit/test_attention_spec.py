@@ -30,7 +30,7 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.registry import RowTransition
-from diffusion_kv.core.runner import RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedWorker, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
@@ -165,8 +165,8 @@ SPEC = MaskSpec(CHUNK, chunk=4, window=8, sink=4)
 H, D = 2, 8
 
 
-def _runner(num_blocks: int, backend: str | None = None) -> RunnerBackend:
-    runner = RunnerBackend(
+def _runner(num_blocks: int, backend: str | None = None) -> PagedWorker:
+    runner = PagedWorker(
         CpuPlatform(),
         RunnerConfig(64, 1, 2, 64, device="cpu", backend=backend),
     )
@@ -252,7 +252,7 @@ def test_slides_that_break_the_rules_change_nothing() -> None:
 
 
 def test_a_causal_group_cannot_release() -> None:
-    runner = RunnerBackend(CpuPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
+    runner = PagedWorker(CpuPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(H, H, D, torch.float32)})
     runner.initialize_kv_cache(num_blocks=8, block_size=4)
     pool = FreeListPool(8)
@@ -284,7 +284,7 @@ class FullOnlyPlatform(CpuPlatform):
 
 
 def test_a_full_only_backend_is_refused_for_full_layers_that_take_spans() -> None:
-    runner = RunnerBackend(FullOnlyPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
+    runner = PagedWorker(FullOnlyPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
     with pytest.raises(UnsupportedRequirementsError, match=r"attention mode\(s\) \['causal', 'piecewise'\]"):
         runner.register_kv_cache_layers(
             {"l0": PagedLayerSpec(H, H, D, torch.float32, mode=AttentionMode.FULL)}
@@ -293,7 +293,7 @@ def test_a_full_only_backend_is_refused_for_full_layers_that_take_spans() -> Non
 
 
 def test_a_full_layer_without_spans_is_served_full_only_and_spans_are_refused_before_any_write() -> None:
-    runner = RunnerBackend(FullOnlyPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
+    runner = PagedWorker(FullOnlyPlatform(), RunnerConfig(64, 1, 2, 64, device="cpu"))
     full = MaskSpec(AttentionMode.FULL, spans=False)
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(H, H, D, torch.float32, mode=full)})
     runner.initialize_kv_cache(num_blocks=8, block_size=4)

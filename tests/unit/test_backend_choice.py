@@ -13,14 +13,14 @@ import torch
 import diffusion_kv
 from diffusion_kv.core.capabilities import Requirements, capability_reasons
 from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError, ValidationError
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
 
 
-def runner(backend: object = None, kv_cache_dtype: str = "auto") -> RunnerBackend:
-    r = RunnerBackend(
+def runner(backend: object = None, kv_cache_dtype: str = "auto") -> PagedWorker:
+    r = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=64, max_rows_per_request=1, max_num_seqs=1, max_num_batched_tokens=64,
@@ -99,8 +99,8 @@ class GraphCpu(CpuPlatform):
     backends = (CpuSdpaBackend, CapturingReference)
 
 
-def graph_runner(platform: CpuPlatform, graph_capture: object, backend: object = None) -> RunnerBackend:
-    return RunnerBackend(
+def graph_runner(platform: CpuPlatform, graph_capture: object, backend: object = None) -> PagedWorker:
+    return PagedWorker(
         platform,
         RunnerConfig(
             max_model_len=64, max_rows_per_request=1, max_num_seqs=1, max_num_batched_tokens=64,

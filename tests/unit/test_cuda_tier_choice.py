@@ -15,7 +15,7 @@ import torch
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.capabilities import AttentionMode, Availability, Requirements
 from diffusion_kv.core.errors import UnsupportedRequirementsError
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm.backend import VllmFlashAttnBackend
 from diffusion_kv.platforms.cuda import CudaPlatform
 from diffusion_kv.platforms.cuda import backend as cuda_backend
@@ -213,7 +213,7 @@ def test_groups_share_the_blocktables_of_group_0(vllm_usable: list[StandInSessio
 
 
 def test_the_runner_builds_vllm_parts_for_the_chosen_backend(vllm_usable: list[StandInSession]) -> None:
-    runner = RunnerBackend(
+    runner = PagedWorker(
         CudaPlatform(),
         RunnerConfig(
             max_model_len=256,

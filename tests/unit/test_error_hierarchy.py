@@ -32,10 +32,10 @@ from diffusion_kv import (
     KVRequest,
     NativeBackendError,
     PagedLayerSpec,
+    PagedWorker,
     ParallelConfig,
     PhaseRows,
     Requirements,
-    RunnerBackend,
     RunnerConfig,
     SequenceRequest,
     ValidationError,
@@ -59,19 +59,19 @@ def config(**kw: Any) -> RunnerConfig:
     return RunnerConfig(**base)
 
 
-def registered(**kw: Any) -> RunnerBackend:
-    runner = RunnerBackend(CpuPlatform(), config(**kw))
+def registered(**kw: Any) -> PagedWorker:
+    runner = PagedWorker(CpuPlatform(), config(**kw))
     runner.register_kv_cache_layers({n: PagedLayerSpec(2, 1, 8, torch.float32) for n in ("l0", "l1")})
     return runner
 
 
-def initialised() -> RunnerBackend:
+def initialised() -> PagedWorker:
     runner = registered()
     runner.initialize_kv_cache(num_blocks=16, block_size=BS)
     return runner
 
 
-def allocator(runner: RunnerBackend | None = None) -> DiffusionKVAllocator:
+def allocator(runner: PagedWorker | None = None) -> DiffusionKVAllocator:
     rows = runner.layout.max_num_reqs if runner is not None and runner.layout is not None else 4
     return DiffusionKVAllocator(
         block_size=BS, max_model_len=32, max_rows_per_request=2, worker_rows=rows, pool=FreeListPool(16)
@@ -98,7 +98,7 @@ CASES: dict[str, tuple[Callable[[], object], type[DiffusionKVError], str]] = {
     "DiffusionScheduler(None, allocator)": (
         lambda: DiffusionScheduler(None, allocator()),  # type: ignore[arg-type]
         V,
-        "the scheduler needs a RunnerBackend; got NoneType",
+        "the scheduler needs a PagedWorker; got NoneType",
     ),
     "DiffusionScheduler(runner, None)": (
         lambda: DiffusionScheduler(initialised(), None),  # type: ignore[arg-type]
@@ -130,7 +130,7 @@ CASES: dict[str, tuple[Callable[[], object], type[DiffusionKVError], str]] = {
     "reap_unreserved(None, allocator)": (
         lambda: diffusion_kv.reap_unreserved(None, allocator()),  # type: ignore[arg-type]
         V,
-        "reap_unreserved takes a RunnerBackend and a DiffusionKVAllocator; got NoneType and DiffusionKVAllocator",
+        "reap_unreserved takes a PagedWorker and a DiffusionKVAllocator; got NoneType and DiffusionKVAllocator",
     ),
     # -- the allocator and its pool --------------------------------------------------------------
     "FreeListPool.allocate(-1)": (lambda: FreeListPool(4).allocate(-1), V, "an int >= 0; got -1"),
@@ -159,48 +159,48 @@ CASES: dict[str, tuple[Callable[[], object], type[DiffusionKVError], str]] = {
     ),
     "allocator.blocks_of(None)": (lambda: allocator().blocks_of(None), V, "got None"),  # type: ignore[arg-type]
     # -- the runner: configuration and registration ------------------------------------------------
-    "RunnerBackend(None, config)": (
-        lambda: RunnerBackend(None, config()),  # type: ignore[arg-type]
+    "PagedWorker(None, config)": (
+        lambda: PagedWorker(None, config()),  # type: ignore[arg-type]
         V,
-        "RunnerBackend needs a platform",
+        "PagedWorker needs a platform",
     ),
-    "RunnerBackend(platform, None)": (
-        lambda: RunnerBackend(CpuPlatform(), None),  # type: ignore[arg-type]
+    "PagedWorker(platform, None)": (
+        lambda: PagedWorker(CpuPlatform(), None),  # type: ignore[arg-type]
         V,
-        "RunnerBackend needs a RunnerConfig; got NoneType",
+        "PagedWorker needs a RunnerConfig; got NoneType",
     ),
     "RunnerConfig(mode='paged')": (
-        lambda: RunnerBackend(CpuPlatform(), config(mode="paged")),
+        lambda: PagedWorker(CpuPlatform(), config(mode="paged")),
         V,
         "RunnerConfig.mode must be KVCacheMode.PAGED or KVCacheMode.DENSE; got 'paged'",
     ),
     "RunnerConfig(parallel=None)": (
-        lambda: RunnerBackend(CpuPlatform(), config(parallel=None)),
+        lambda: PagedWorker(CpuPlatform(), config(parallel=None)),
         V,
         "RunnerConfig.parallel must be a ParallelConfig; got NoneType",
     ),
     "ParallelConfig(ring_degree='2')": (
-        lambda: RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ring_degree="2"))),  # type: ignore[arg-type]
+        lambda: PagedWorker(CpuPlatform(), config(parallel=ParallelConfig(ring_degree="2"))),  # type: ignore[arg-type]
         V,
         "ParallelConfig.ring_degree must be a positive integer; got '2'",
     ),
     "RunnerConfig(device='nodev')": (
-        lambda: RunnerBackend(CpuPlatform(), config(device="nodev")),
+        lambda: PagedWorker(CpuPlatform(), config(device="nodev")),
         V,
         "RunnerConfig.device='nodev' cannot be used here",
     ),
     "RunnerConfig(device=3.5)": (
-        lambda: RunnerBackend(CpuPlatform(), config(device=3.5)),
+        lambda: PagedWorker(CpuPlatform(), config(device=3.5)),
         V,
         "RunnerConfig.device=3.5 cannot be used here",
     ),
     "RunnerConfig(slot_mapping_dtype='int64')": (
-        lambda: RunnerBackend(CpuPlatform(), config(slot_mapping_dtype="int64")),
+        lambda: PagedWorker(CpuPlatform(), config(slot_mapping_dtype="int64")),
         V,
         "slot_mapping_dtype must be torch.int32, torch.int64 or None; got 'int64'",
     ),
     "register_kv_cache_layers([...])": (
-        lambda: RunnerBackend(CpuPlatform(), config()).register_kv_cache_layers([("l0", None)]),  # type: ignore[arg-type]
+        lambda: PagedWorker(CpuPlatform(), config()).register_kv_cache_layers([("l0", None)]),  # type: ignore[arg-type]
         V,
         "takes a mapping of layer name to PagedLayerSpec; got list",
     ),
@@ -404,8 +404,8 @@ def test_refusals_leave_the_runner_and_scheduler_as_they_were() -> None:
 def test_a_paged_mode_string_never_means_dense() -> None:
     """``mode="paged"`` was accepted and then behaved as dense (installs refused)."""
     with pytest.raises(ValidationError, match="got 'paged'"):
-        RunnerBackend(CpuPlatform(), config(mode="paged"))
-    runner = RunnerBackend(CpuPlatform(), config(mode=KVCacheMode.PAGED))
+        PagedWorker(CpuPlatform(), config(mode="paged"))
+    runner = PagedWorker(CpuPlatform(), config(mode=KVCacheMode.PAGED))
     assert runner.config.mode is KVCacheMode.PAGED
 
 
@@ -443,7 +443,7 @@ def test_a_backend_accepting_a_block_size_its_kernels_lack_is_a_native_error() -
     class InconsistentCpu(CpuPlatform):
         backends = (Inconsistent,)
 
-    runner = RunnerBackend(InconsistentCpu(), config())
+    runner = PagedWorker(InconsistentCpu(), config())
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(2, 1, 8, torch.float32)})
     with pytest.raises(
         NativeBackendError,

@@ -15,7 +15,7 @@ from diffusion_kv.core.backend import GroupContext
 from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import UnsupportedRequirementsError, ValidationError
 from diffusion_kv.core.host import NO_HOST_REASON, HostRuntime
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 from diffusion_kv.platforms.selection import validate_backend_class
@@ -47,8 +47,8 @@ class HostedBackend(CpuReferenceBackend):
         self.seen = group.host
 
 
-def runner(host: Any = None, backend: Any = HostedBackend, max_model_len: int = 40) -> RunnerBackend:
-    r = RunnerBackend(
+def runner(host: Any = None, backend: Any = HostedBackend, max_model_len: int = 40) -> PagedWorker:
+    r = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=max_model_len, max_rows_per_request=1, max_num_seqs=2, max_num_batched_tokens=64,
@@ -69,7 +69,7 @@ def test_a_backend_that_needs_a_host_gets_the_runners_host() -> None:
 
 
 def test_without_a_host_it_is_refused_with_the_reason_and_nothing_is_initialised() -> None:
-    r = RunnerBackend(
+    r = PagedWorker(
         CpuPlatform(),
         RunnerConfig(max_model_len=40, max_rows_per_request=1, max_num_seqs=2, max_num_batched_tokens=64,
                      backend=HostedBackend),
@@ -93,7 +93,9 @@ def test_selection_and_explain_take_the_host() -> None:
     assert platform.select_backend(req, force=HostedBackend, host=host) is HostedBackend
     lines = platform.explain(req, force=HostedBackend)
     assert lines[-1].endswith(f"float32 math [a class given as the backend choice]: {NO_HOST_REASON}")
-    assert platform.explain(req, force=HostedBackend, host=host)[-1].endswith("float32 math [a class given as the backend choice]: selected")
+    assert platform.explain(req, force=HostedBackend, host=host)[-1].endswith(
+        "float32 math [a class given as the backend choice]: selected"
+    )
     with pytest.raises(ValidationError, match="host must be a HostRuntime or None; got dict"):
         platform.select_backend(req, host=CONFIG)  # type: ignore[arg-type]
 

@@ -21,13 +21,13 @@ from diffusion_kv.core.kv_quant import (
     quantize,
     resolve_cache_dtype,
 )
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
 
-def runner(kv_cache_dtype: object = "fp8_e4m3", **spec: object) -> RunnerBackend:
-    r = RunnerBackend(
+def runner(kv_cache_dtype: object = "fp8_e4m3", **spec: object) -> PagedWorker:
+    r = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=64, max_rows_per_request=1, max_num_seqs=2, max_num_batched_tokens=128,

@@ -7,14 +7,14 @@ import torch
 
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.prefix_cache import ContentSpan
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm_omni.prefix import content_from_host, host_prefix_keys
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 
 @pytest.fixture(scope="module")
-def runner() -> RunnerBackend:
-    r = RunnerBackend(
+def runner() -> PagedWorker:
+    r = PagedWorker(
         CpuPlatform(),
         RunnerConfig(max_model_len=128, max_rows_per_request=2, max_num_seqs=2, max_num_batched_tokens=256),
     )
@@ -51,7 +51,7 @@ def test_bad_host_fields_are_refused() -> None:
         content_from_host(32, list(range(32)), [(0, 10)])  # type: ignore[list-item]
 
 
-def test_host_keys_follow_every_identity_field(runner: RunnerBackend) -> None:
+def test_host_keys_follow_every_identity_field(runner: PagedWorker) -> None:
     ids = list(range(48))
 
     def keys(**kw: object) -> tuple[bytes, ...]:

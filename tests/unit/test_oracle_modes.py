@@ -63,7 +63,7 @@ def test_what_the_core_reads_off_each_mode() -> None:
 
 def test_a_layer_cannot_declare_piecewise() -> None:
     from diffusion_kv.core.layout import AttentionSpec
-    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
     from diffusion_kv.platforms.cpu import CpuPlatform
 
     with pytest.raises(ValidationError) as info:
@@ -71,7 +71,7 @@ def test_a_layer_cannot_declare_piecewise() -> None:
     assert str(info.value) == (
         "AttentionSpec.mode must be AttentionMode.CAUSAL, FULL or CHUNK_CAUSAL; got <AttentionMode.PIECEWISE: 'piecewise'>"
     )
-    runner = RunnerBackend(CpuPlatform(), RunnerConfig(64, 1, 1, 64, device="cpu"))
+    runner = PagedWorker(CpuPlatform(), RunnerConfig(64, 1, 1, 64, device="cpu"))
     spec = PagedLayerSpec(2, 2, 64, torch.float32, mode=AttentionMode.PIECEWISE)
     with pytest.raises(ValidationError) as info:
         runner.register_kv_cache_layers({"l0": spec})

@@ -20,7 +20,7 @@ from diffusion_kv.core.parallel import (
     select_cfg_branch,
     verify_replicated,
 )
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.translate import dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
@@ -148,9 +148,9 @@ def config(**kw: Any) -> RunnerConfig:
     return RunnerConfig(**base)
 
 
-def registered(**kw: Any) -> RunnerBackend:
+def registered(**kw: Any) -> PagedWorker:
     merger = kw.pop("dcp_merger", None)
-    runner = RunnerBackend(CpuPlatform(), config(**kw), dcp_merger=merger)
+    runner = PagedWorker(CpuPlatform(), config(**kw), dcp_merger=merger)
     runner.register_kv_cache_layers({"a": PagedLayerSpec(4, 2, 8, torch.float32)})
     return runner
 
@@ -174,11 +174,11 @@ def test_dcp_configuration_errors_leave_the_runner_uninitialised() -> None:
         runner.initialize_kv_cache(num_blocks=8, block_size=16)
     assert not runner.initialized
     with pytest.raises(ValidationError, match=r"cp_rank must lie in \[0, cp_size=2\); got 2"):
-        RunnerBackend(CpuPlatform(), config(cp_size=2, cp_rank=2))
+        PagedWorker(CpuPlatform(), config(cp_size=2, cp_rank=2))
     with pytest.raises(
         ValidationError, match=r"cfg_parallel_rank must lie in \[0, cfg_parallel_size=2\); got -1"
     ):
-        RunnerBackend(CpuPlatform(), config(cfg_parallel_size=2, cfg_parallel_rank=-1))
+        PagedWorker(CpuPlatform(), config(cfg_parallel_size=2, cfg_parallel_rank=-1))
 
 
 def test_dcp_needs_partial_backends() -> None:
@@ -189,7 +189,7 @@ def test_dcp_needs_partial_backends() -> None:
     class Platform(CpuPlatform):
         backends = (NoPartial,)
 
-    runner = RunnerBackend(Platform(), config(cp_size=2, cp_rank=0), dcp_merger=Capture(2, 0))
+    runner = PagedWorker(Platform(), config(cp_size=2, cp_rank=0), dcp_merger=Capture(2, 0))
     with pytest.raises(
         UnsupportedRequirementsError, match=r"no-partial: decode context parallelism \(cp_size 2\)"
     ):

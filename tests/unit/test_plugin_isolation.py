@@ -22,9 +22,9 @@ import diffusion_kv
 from diffusion_kv import (
     NativeBackendError,
     PagedLayerSpec,
+    PagedWorker,
     PluginLoadError,
     Requirements,
-    RunnerBackend,
     RunnerConfig,
 )
 from diffusion_kv.cli import main
@@ -153,8 +153,8 @@ BACKEND_CASES = {
 }
 
 
-def cpu_worker() -> RunnerBackend:
-    runner = RunnerBackend(diffusion_kv.get_platform("cpu"), RunnerConfig(32, 1, 2, 64))
+def cpu_worker() -> PagedWorker:
+    runner = PagedWorker(diffusion_kv.get_platform("cpu"), RunnerConfig(32, 1, 2, 64))
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(2, 1, 8, torch.float32)})
     runner.initialize_kv_cache(num_blocks=8, block_size=4)
     return runner
@@ -247,7 +247,7 @@ def test_a_backend_constructor_calling_exit_is_a_native_error() -> None:
     class ExitingCpu(CpuPlatform):
         backends = (ExitingBackend,)
 
-    runner = RunnerBackend(ExitingCpu(), RunnerConfig(32, 1, 2, 64))
+    runner = PagedWorker(ExitingCpu(), RunnerConfig(32, 1, 2, 64))
     runner.register_kv_cache_layers({"l0": PagedLayerSpec(2, 1, 8, torch.float32)})
     with pytest.raises(
         NativeBackendError,

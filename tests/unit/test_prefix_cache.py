@@ -34,7 +34,7 @@ from diffusion_kv.core.prefix_cache import (
     check_content,
 )
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import (
     DiffusionRequest,
     DiffusionScheduler,
@@ -567,7 +567,7 @@ H, HKV, D = 4, 2, 8
 LAYERS = ("l0", "l1")
 
 
-def cached_allocator(runner: RunnerBackend, num_blocks: int = 48) -> DiffusionKVAllocator:
+def cached_allocator(runner: PagedWorker, num_blocks: int = 48) -> DiffusionKVAllocator:
     """An allocator with a prefix cache describing ``runner``'s worker."""
     assert runner.layout is not None
     return DiffusionKVAllocator(
@@ -587,8 +587,8 @@ def make_runner(
     modes: dict[str, AttentionMode] | None = None,
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
-) -> RunnerBackend:
-    runner = RunnerBackend(
+) -> PagedWorker:
+    runner = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=max_len,
@@ -606,7 +606,7 @@ def make_runner(
     return runner
 
 
-def write_rows(runner: RunnerBackend, rows: list[PagedRow], layers: tuple[str, ...] = LAYERS) -> None:
+def write_rows(runner: PagedWorker, rows: list[PagedRow], layers: tuple[str, ...] = LAYERS) -> None:
     n = sum(r.query_len for r in rows)
     meta = AttentionMetadata(full_attn_spans=tuple(((r.seq_len - 4, r.seq_len),) for r in rows))
     with runner.stepper() as rt:
@@ -733,7 +733,7 @@ class TwoLayerModel:
     queries reached in ``l0``. Projections run one token at a time, so a token's values never
     depend on what else is in the batch. Records every row's ``l1`` output per position."""
 
-    def __init__(self, runner: RunnerBackend, full: tuple[str, ...] = ()) -> None:
+    def __init__(self, runner: PagedWorker, full: tuple[str, ...] = ()) -> None:
         g = torch.Generator().manual_seed(7)
         width = H * D
         self.runner = runner
@@ -1002,7 +1002,7 @@ def test_a_seal_the_worker_refuses_fails_the_request_and_publishes_nothing(
 PREFIX = (ContentSpan(0, 32, "system"),)
 
 
-def worker_keys(runner: RunnerBackend, model: str = "m", block: int = BS) -> tuple[bytes, ...]:
+def worker_keys(runner: PagedWorker, model: str = "m", block: int = BS) -> tuple[bytes, ...]:
     return row_prefix_keys(runner, worker_namespace(runner, model), PREFIX, 32, ((32, 40),), block)
 
 

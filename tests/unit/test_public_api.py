@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_the_readme_embedding_example_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    (example,) = [b for b in blocks if "RunnerBackend(" in b]
+    (example,) = [b for b in blocks if "PagedWorker(" in b]
     namespace: dict[str, object] = {}
     exec(compile(example, str(README), "exec"), namespace)
     out = namespace["out"]
@@ -25,7 +25,7 @@ def test_every_exported_name_exists() -> None:
     missing = [name for name in diffusion_kv.__all__ if not hasattr(diffusion_kv, name)]
     assert missing == []
     for name in (
-        "RunnerBackend",
+        "PagedWorker",
         "RunnerConfig",
         "PagedLayerSpec",
         "RequestAllocation",
@@ -37,3 +37,10 @@ def test_every_exported_name_exists() -> None:
         "DiffusionKVAllocator",
     ):
         assert name in diffusion_kv.__all__
+
+
+def test_renamed_classes_keep_their_old_names_for_a_release() -> None:
+    from diffusion_kv.core.runtime import BatchStepper, PagedRuntime
+
+    assert diffusion_kv.RunnerBackend is diffusion_kv.PagedWorker
+    assert PagedRuntime is BatchStepper

@@ -22,7 +22,7 @@ from diffusion_kv.core.errors import (
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
@@ -84,12 +84,12 @@ class NoUlyssesCpu(CpuPlatform):
 
 
 def test_registration_gives_rank_local_geometry() -> None:
-    backend = RunnerBackend(NoUlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    backend = PagedWorker(NoUlyssesCpu(), config(parallel=ParallelConfig(ulysses_degree=2)))
     with pytest.raises(UnsupportedRequirementsError, match="Ulysses sequence parallelism"):
         backend.register_kv_cache_layers({"a": spec()})
     assert backend.layers == {}
 
-    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=2)))
+    backend = PagedWorker(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=2)))
     geom = backend.register_kv_cache_layers(
         {"a": spec(), "b": spec(skip_sequence_parallel=True, num_heads=2, num_kv_heads=1)}
     )
@@ -110,7 +110,7 @@ def test_registration_gives_rank_local_geometry() -> None:
     ],
 )
 def test_unsupported_sequence_parallel_modes(parallel: ParallelConfig, message: str) -> None:
-    backend = RunnerBackend(CpuPlatform(), config(parallel=parallel))
+    backend = PagedWorker(CpuPlatform(), config(parallel=parallel))
     with pytest.raises(NotImplementedError, match=message):
         backend.register_kv_cache_layers({"a": spec()})
     assert backend.layers == {}
@@ -129,7 +129,7 @@ def test_unsupported_sequence_parallel_modes(parallel: ParallelConfig, message: 
     ],
 )
 def test_registration_rejections_keep_previous(layers: dict, exc: type[Exception], message: str) -> None:
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     backend.register_kv_cache_layers({"keep": spec()})
     with pytest.raises(exc, match=message):
         backend.register_kv_cache_layers(layers)
@@ -137,7 +137,7 @@ def test_registration_rejections_keep_previous(layers: dict, exc: type[Exception
 
 
 def test_ulysses_divisibility() -> None:
-    backend = RunnerBackend(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=4)))
+    backend = PagedWorker(CpuPlatform(), config(parallel=ParallelConfig(ulysses_degree=4)))
     with pytest.raises(ValidationError, match="divisible by ulysses_degree=4"):
         backend.register_kv_cache_layers({"a": spec()})
 
@@ -165,7 +165,7 @@ def test_ulysses_divisibility() -> None:
 def test_initialisation_is_atomic(part: str, message: str, cause: type[Exception]) -> None:
     platform = FlakyPlatform()
     FAIL["part"] = part
-    backend = RunnerBackend(platform, config())
+    backend = PagedWorker(platform, config())
     backend.register_kv_cache_layers({"a": spec(), "b": spec()})
     with pytest.raises(NativeBackendError, match=re.escape(f"platform 'cpu' {message}")) as info:
         backend.initialize_kv_cache(num_blocks=16, block_size=4)
@@ -183,13 +183,13 @@ def test_initialisation_is_atomic(part: str, message: str, cause: type[Exception
 
 
 def test_initialisation_checks() -> None:
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     with pytest.raises(StateError, match="register paged layers"):
         backend.initialize_kv_cache(num_blocks=4)
     backend.register_kv_cache_layers({"a": spec()})
     with pytest.raises(ValidationError, match="needs a layout or num_blocks"):
         backend.initialize_kv_cache()
-    other = RunnerBackend(CpuPlatform(), config())
+    other = PagedWorker(CpuPlatform(), config())
     other.register_kv_cache_layers({"z": spec()})
     with pytest.raises(ValidationError, match=r"registered=\['a'\], configured=\['z'\]"):
         backend.initialize_kv_cache(other.layout_for(8))
@@ -197,7 +197,7 @@ def test_initialisation_checks() -> None:
 
 
 def test_vllm_shaped_config_and_mixed_modes() -> None:
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     backend.register_kv_cache_layers({"c": spec(), "f": spec(mode=AttentionMode.FULL)})
     mk = lambda names, causal: SimpleNamespace(  # noqa: E731
         layer_names=names,
@@ -216,7 +216,7 @@ def test_vllm_shaped_config_and_mixed_modes() -> None:
 
 
 def test_end_to_end_install_activate_remove() -> None:
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     backend.register_kv_cache_layers({"a": spec()})
     backend.initialize_kv_cache(num_blocks=16, block_size=4)
     snap = RequestAllocation("r", 0, (SequenceAllocation(0, 4, 2, 6, ((3, 1),)),))
@@ -236,7 +236,7 @@ def test_end_to_end_install_activate_remove() -> None:
 
 
 def test_dense_mode_and_uninitialised_calls() -> None:
-    backend = RunnerBackend(CpuPlatform(), config(mode=KVCacheMode.DENSE))
+    backend = PagedWorker(CpuPlatform(), config(mode=KVCacheMode.DENSE))
     assert backend.remove(["x"]) == 0
     with pytest.raises(StateError, match="not initialised"):
         backend.install(RequestAllocation("r", 0, (SequenceAllocation(0, 0, 1, 1, ((1,),)),)))
@@ -249,7 +249,7 @@ def test_dense_mode_and_uninitialised_calls() -> None:
 def test_caches_the_host_owns_are_bound_not_copied() -> None:
     from diffusion_kv.core.backend import KVPageLayout, allocate_pages
 
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     backend.register_kv_cache_layers({"a": spec(), "b": spec()})
     owned = {
         n: allocate_pages(KVPageLayout.COMBINED, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
@@ -259,7 +259,7 @@ def test_caches_the_host_owns_are_bound_not_copied() -> None:
     assert all(backend.kv_caches[n] is owned[n] for n in "ab")  # zero-copy: the host's tensors
 
     wrong = dict(owned, b=torch.zeros(2, 16, 4, 2, 16))
-    other = RunnerBackend(CpuPlatform(), config())
+    other = PagedWorker(CpuPlatform(), config())
     other.register_kv_cache_layers({"a": spec(), "b": spec()})
     with pytest.raises(
         ValidationError, match=r"cannot use the given cache of layer 'b': shapes \[\(2, 16, 4, 2, 16\)\]"
@@ -277,7 +277,7 @@ def test_graph_capture_is_refused_where_it_cannot_be_honoured() -> None:
     from diffusion_kv import StateError as PublicStateError
     from diffusion_kv import UnsupportedFeatureError
 
-    backend = RunnerBackend(CpuPlatform(), config())
+    backend = PagedWorker(CpuPlatform(), config())
     backend.register_kv_cache_layers({"a": spec()})
     backend.initialize_kv_cache(num_blocks=16, block_size=4)
     assert not backend.supports_graph_capture

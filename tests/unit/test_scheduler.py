@@ -21,7 +21,7 @@ from diffusion_kv.core.allocator import (
 from diffusion_kv.core.capabilities import AttentionMode
 from diffusion_kv.core.errors import GenerationError, StateError, ValidationError
 from diffusion_kv.core.layer_context import AttentionMetadata
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import (
     DiffusionRequest,
     DiffusionScheduler,
@@ -40,8 +40,8 @@ def make_runner(
     max_seqs: int = 4,
     max_tokens: int = 512,
     modes: dict[str, AttentionMode] | None = None,
-) -> RunnerBackend:
-    runner = RunnerBackend(
+) -> PagedWorker:
+    runner = PagedWorker(
         CpuPlatform(),
         RunnerConfig(
             max_model_len=128,
@@ -58,7 +58,7 @@ def make_runner(
     return runner
 
 
-def make_allocator(runner: RunnerBackend, **kw: object) -> DiffusionKVAllocator:
+def make_allocator(runner: PagedWorker, **kw: object) -> DiffusionKVAllocator:
     assert runner.layout is not None
     args: dict[str, object] = dict(
         block_size=BS,
@@ -578,7 +578,7 @@ def test_bad_calls_are_refused_before_anything_runs(
 @pytest.mark.parametrize(
     ("runner", "allocator", "error", "fact"),
     [
-        (None, "ok", ValidationError, "the scheduler needs a RunnerBackend; got NoneType"),
+        (None, "ok", ValidationError, "the scheduler needs a PagedWorker; got NoneType"),
         ("ok", None, ValidationError, "the scheduler needs a DiffusionKVAllocator; got NoneType"),
         ("dense", "ok", ValidationError, "the scheduler needs a paged runner"),
     ],
@@ -588,7 +588,7 @@ def test_bad_scheduler_parts_are_refused(runner: object, allocator: object, erro
 
     real = make_runner()
     if runner == "dense":
-        real = RunnerBackend(CpuPlatform(), dataclasses.replace(real.config, mode=KVCacheMode.DENSE))
+        real = PagedWorker(CpuPlatform(), dataclasses.replace(real.config, mode=KVCacheMode.DENSE))
         real.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float64) for n in LAYERS})
         real.initialize_kv_cache(num_blocks=64, block_size=BS)
     with pytest.raises(error, match=fact):

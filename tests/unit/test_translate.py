@@ -23,7 +23,7 @@ from diffusion_kv.core.piecewise import (
 )
 from diffusion_kv.core.registry import RowBinding
 from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
-from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.translate import Translator, dcp_local_seq_lens
 from diffusion_kv.platforms.cpu import CpuPlatform
 
@@ -504,7 +504,7 @@ def test_runtime_prepares_once_per_phase() -> None:
         (PagedRow("r", 9, 9, sequence_id=0), PagedRow("r", 9, 9, sequence_id=1)),
         (PagedRow("r", 6, 9, 3, sequence_id=0), PagedRow("r", 6, 9, 3, sequence_id=1)),
     )
-    runtime = PagedRuntime(h.translator, phases)
+    runtime = BatchStepper(h.translator, phases)
     q, k, v = qkv(h, 18)
     with runtime.activate():
         assert runtime.ensure_active(0).num_tokens == 18
@@ -545,7 +545,7 @@ def test_runtime_reads_phase_rows_when_a_phase_begins_and_wraps_the_hosts_activa
             entered.append(batch.num_tokens)
             yield
 
-    runtime = PagedRuntime(h.translator, phase_rows=rows_of, activation=host_activation)
+    runtime = BatchStepper(h.translator, phase_rows=rows_of, activation=host_activation)
     q, k, v = qkv(h, 18)
     with runtime.activate():
         runtime.ensure_active(0)
@@ -557,4 +557,4 @@ def test_runtime_reads_phase_rows_when_a_phase_begins_and_wraps_the_hosts_activa
     assert asked == [Phase.PREFILL, Phase.DENOISE] and entered == [18, 6] and len(rec.calls) == 2
     assert h.translator.active_batch is None
     with pytest.raises(ValidationError, match="takes phases or phase_rows, not both"):
-        PagedRuntime(h.translator, PhaseRows(prefill, prefill), phase_rows=rows_of)
+        BatchStepper(h.translator, PhaseRows(prefill, prefill), phase_rows=rows_of)

@@ -36,7 +36,7 @@ from diffusion_kv.core.allocator import (
     SequenceRequest,
 )
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
@@ -48,12 +48,12 @@ LAYERS = ("l0", "l1")
 
 def runner(
     platform: CpuPlatform | None = None, mode: AttentionMode = AttentionMode.CAUSAL, **cfg: Any
-) -> RunnerBackend:
+) -> PagedWorker:
     base: dict[str, Any] = dict(
         max_model_len=32, max_rows_per_request=2, max_num_seqs=3, max_num_batched_tokens=96
     )
     base.update(cfg)
-    r = RunnerBackend(platform or CpuPlatform(), RunnerConfig(**base))
+    r = PagedWorker(platform or CpuPlatform(), RunnerConfig(**base))
     r.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode) for n in LAYERS})
     r.initialize_kv_cache(num_blocks=16, block_size=BS)
     return r
@@ -80,7 +80,7 @@ def kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     )
 
 
-def forward_all(r: RunnerBackend, rows: tuple[PagedRow, ...], seed: int, meta: Any = None) -> torch.Tensor:
+def forward_all(r: PagedWorker, rows: tuple[PagedRow, ...], seed: int, meta: Any = None) -> torch.Tensor:
     assert r.translator is not None
     q, k, v = kv(sum(x.query_len for x in rows), seed)
     batch = r.translator.prepare(rows)
@@ -89,7 +89,7 @@ def forward_all(r: RunnerBackend, rows: tuple[PagedRow, ...], seed: int, meta: A
     return outs[0]
 
 
-def caches(r: RunnerBackend) -> list[torch.Tensor]:
+def caches(r: PagedWorker) -> list[torch.Tensor]:
     return [c.clone() for c in r.kv_caches.values()]  # type: ignore[union-attr]
 
 
@@ -424,7 +424,7 @@ def test_remove_takes_one_id_or_many() -> None:
             reg.remove(bad)  # type: ignore[arg-type]
         assert state_of(reg) == before
     with pytest.raises(ValidationError):
-        RunnerBackend(CpuPlatform(), RunnerConfig(32, 1, 1, 32)).remove(None)  # type: ignore[arg-type]
+        PagedWorker(CpuPlatform(), RunnerConfig(32, 1, 1, 32)).remove(None)  # type: ignore[arg-type]
 
 
 # --- 6. autograd ---------------------------------------------------------------------------------
@@ -519,8 +519,8 @@ class SeparateCpu(CpuPlatform):
     backends = (SeparatePages,)
 
 
-def unbound(platform: CpuPlatform | None = None) -> RunnerBackend:
-    r = RunnerBackend(platform or CpuPlatform(), RunnerConfig(32, 2, 3, 96))
+def unbound(platform: CpuPlatform | None = None) -> PagedWorker:
+    r = PagedWorker(platform or CpuPlatform(), RunnerConfig(32, 2, 3, 96))
     r.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32) for n in LAYERS})
     return r
 
@@ -529,7 +529,7 @@ def pages(*lead: int) -> torch.Tensor:
     return torch.zeros(*lead, 16, BS, HKV, D)
 
 
-def bound_state(r: RunnerBackend) -> tuple[Any, ...]:
+def bound_state(r: PagedWorker) -> tuple[Any, ...]:
     return (r.initialized, r.layout, r.registry, r.kv_caches, r.backends, dict(r.layers))
 
 
@@ -680,12 +680,12 @@ def test_public_errors_are_in_the_hierarchy() -> None:
     for exc in (UnknownLayerError, UnsupportedFeatureError, GenerationError, NativeBackendError):
         assert issubclass(exc, DiffusionKVError)
     with pytest.raises(UnsupportedFeatureError, match="Ring"):
-        RunnerBackend(
+        PagedWorker(
             CpuPlatform(), RunnerConfig(32, 1, 1, 32, parallel=ParallelConfig(ring_degree=2))
         ).register_kv_cache_layers({"x": PagedLayerSpec(H, HKV, D, torch.float32)})
     for scale in (math.nan, math.inf, -1.0, 0.0, True):
         with pytest.raises(ValidationError, match="scale must be a finite positive number"):
-            RunnerBackend(CpuPlatform(), RunnerConfig(32, 1, 1, 32)).register_kv_cache_layers(
+            PagedWorker(CpuPlatform(), RunnerConfig(32, 1, 1, 32)).register_kv_cache_layers(
                 {"x": PagedLayerSpec(H, HKV, D, torch.float32, scale=scale)}
             )
     with pytest.raises(ValidationError, match="prefix_len must be an int >= 0; got 2.0"):

@@ -72,7 +72,7 @@ from diffusion_kv.core.allocator import (
 from diffusion_kv.core.errors import GenerationError, NativeBackendError, StateError, ValidationError
 from diffusion_kv.core.prefix_cache import PrefixCache
 from diffusion_kv.core.rows import PagedRow, PhaseRows
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import reap_unreserved
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
@@ -332,7 +332,7 @@ class Fuzz:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.platform = FaultyCpu()
-        self.runner = RunnerBackend(
+        self.runner = PagedWorker(
             self.platform,
             RunnerConfig(MAX_LEN, ROWS_PER_REQ, MAX_SEQS, WORKER_ROWS * MAX_LEN),
         )
@@ -1047,7 +1047,7 @@ class Fuzz:
             caches["l1"] = caches["l1"].detach().requires_grad_()
         covered = [idx.reshape(-1).tolist() for _, idx in pairs]
         shares = len(set(covered[0]) & set(covered[1])) > 0 or any(len(set(c)) < len(c) for c in covered)
-        worker = RunnerBackend(
+        worker = PagedWorker(
             CpuPlatform(), RunnerConfig(MAX_LEN, ROWS_PER_REQ, MAX_SEQS, WORKER_ROWS * MAX_LEN)
         )
         worker.register_kv_cache_layers({n: PagedLayerSpec(H, HKV, D, torch.float32) for n in LAYERS})

@@ -96,10 +96,10 @@ def test_causal_and_full_groups_run_through_their_own_sessions(cpu_attn: type[Vl
     from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
     from diffusion_kv.core.capabilities import AttentionMode
     from diffusion_kv.core.rows import PagedRow
-    from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+    from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
     from diffusion_kv.platforms.cpu import CpuPlatform
 
-    runner = RunnerBackend(
+    runner = PagedWorker(
         CpuPlatform(),
         RunnerConfig(max_model_len=128, max_rows_per_request=2, max_num_seqs=1, max_num_batched_tokens=256),
     )

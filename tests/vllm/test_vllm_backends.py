@@ -20,7 +20,7 @@ from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.core.errors import ConfigurationError, UnsupportedRequirementsError
 from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.rows import PagedRow
-from diffusion_kv.core.runner import PagedLayerSpec, RunnerBackend, RunnerConfig
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm import backend as vllm_backend
 from diffusion_kv.integrations.vllm.backend import ENV_ISA, VllmCpuAttnBackend, VllmFlashAttnBackend
 from diffusion_kv.platforms.cpu import CpuPlatform
@@ -227,8 +227,8 @@ def test_forcing_vllm_cpu_attn_is_never_a_silent_fallback(monkeypatch: pytest.Mo
 
 def runner(
     dtype: torch.dtype = torch.float16, modes: tuple[AttentionMode, ...] = (CAUSAL, CAUSAL, FULL)
-) -> RunnerBackend:
-    backend = RunnerBackend(
+) -> PagedWorker:
+    backend = PagedWorker(
         CpuPlatform(),
         RunnerConfig(max_model_len=128, max_rows_per_request=2, max_num_seqs=2, max_num_batched_tokens=512),
     )
@@ -239,7 +239,7 @@ def runner(
     return backend
 
 
-def install(backend: RunnerBackend, lens: list[int]) -> None:
+def install(backend: PagedWorker, lens: list[int]) -> None:
     """Rows ``0..len(lens)-1`` of request ``r``; row ``i`` starts at block ``2i`` in every group."""
     assert backend.registry is not None and backend.layout is not None
     groups = len(backend.layout.groups)

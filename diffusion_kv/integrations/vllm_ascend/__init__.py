@@ -5,7 +5,7 @@ entry-point group ``diffusion_kv.backends``, exactly as another distribution's b
 vllm-ascend's ``AscendBlockTables``, its ``build_attn_metadata`` and its
 ``AscendAttentionBackendImpl``. It serves embedding vLLM hosts (vLLM-Omni on Ascend), which hand
 their runtime to the runner as a :class:`~diffusion_kv.core.host.HostRuntime`
-(``RunnerBackend(..., host=...)``); the backend declares ``needs_host``.
+(``PagedWorker(..., host=...)``); the backend declares ``needs_host``.
 
 Importing this package never imports vLLM, vllm-ascend or torch_npu.
 """

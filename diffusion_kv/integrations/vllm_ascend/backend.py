@@ -10,7 +10,7 @@ K/V-less ``forward`` per attention call". Worker initialisation runs ``adapt_pat
 vllm-ascend's builder and impl need objects only an embedding vLLM host has (its
 ``VllmConfig``, attention groups and ``KVCacheConfig``): the backend declares ``needs_host``, the
 host hands them to the runner as one :class:`~diffusion_kv.core.host.HostRuntime`
-(``RunnerBackend(..., host=...)``) and each instance reads them from ``GroupContext.host``.
+(``PagedWorker(..., host=...)``) and each instance reads them from ``GroupContext.host``.
 Without a host, or with one that lacks what it needs, selection rules the backend out with the
 reason (``host_reasons``: in ``explain()`` and in selection errors).
 
@@ -290,7 +290,7 @@ def build_attn_metadata(host: HostRuntime, **kwargs: Any) -> dict[str, Any]:
 
 NO_HOST_REASON = (
     "it needs the embedding vLLM host's runtime: vllm-ascend's metadata builder and attention impl need "
-    "the host's vllm_config, attn_groups and kv_cache_config (RunnerBackend(..., host=HostRuntime(...)); "
+    "the host's vllm_config, attn_groups and kv_cache_config (PagedWorker(..., host=HostRuntime(...)); "
     "embedding hosts only)"
 )
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.prefix_cache import ContentSpan
-from diffusion_kv.core.runner import RunnerBackend
+from diffusion_kv.core.runner import PagedWorker
 from diffusion_kv.core.scheduler import row_prefix_keys, worker_namespace
 
 FeatureSpan = tuple[int, int, "bytes | str"]
@@ -102,7 +102,7 @@ def content_from_host(
 
 
 def host_prefix_keys(
-    runner: RunnerBackend,
+    runner: PagedWorker,
     *,
     cache_namespace: str,
     prefix_len: int,

@@ -3,7 +3,7 @@
 This is the *module replacement*: the classes vLLM-Omni 0.30.0 defines in
 ``vllm_omni/diffusion/diffusion_kv/model_runner_backend.py`` and ``paged_attention_adapter.py``,
 with upstream's names, attributes and call semantics, backed by diffusion-kv's row registry,
-translator and execution driver (:class:`~diffusion_kv.core.runner.RunnerBackend`) and by the
+translator and execution driver (:class:`~diffusion_kv.core.runner.PagedWorker`) and by the
 paged backend the diffusion-kv platform selects per KV-cache group. The patch
 ``patches/vllm-omni-0.30.0.patch`` makes vLLM-Omni's model runner import them from here (two
 import lines; the forward context's type-only import too); the runner, the forward context and
@@ -69,8 +69,8 @@ from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.parallel import DCPMerger, RankGroup
 from diffusion_kv.core.registry import KVCacheMode
 from diffusion_kv.core.rows import PagedRow, Phase
-from diffusion_kv.core.runner import PagedLayerSpec, ParallelConfig, RunnerBackend, RunnerConfig
-from diffusion_kv.core.runtime import PagedRuntime
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
+from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.translate import PreparedBatch
 from diffusion_kv.integrations.vllm_omni.hooks import TOKEN_ALIGNMENT, DiffusionKVPlatformHooks
 from diffusion_kv.integrations.vllm_omni.native import page_view
@@ -233,7 +233,7 @@ class DiffusionPagedAttentionAdapter:
         vllm_config: Any,
         device: torch.device,
         kv_cache_config: Any,
-        runner: RunnerBackend,
+        runner: PagedWorker,
         specs: Mapping[str, Any],
         num_heads: Mapping[str, int],
         scales: Mapping[str, float],
@@ -336,7 +336,7 @@ class DiffusionPagedAttentionAdapter:
 
 class DiffusionPagedAttentionRuntime:
     """Activates the runner's rows as the denoise loop advances (upstream's runtime), on the
-    core's :class:`~diffusion_kv.core.runtime.PagedRuntime`.
+    core's :class:`~diffusion_kv.core.runtime.BatchStepper`.
 
     ``metadata`` (prefill and denoise rows) may be replaced between steps, as Omni's
     ``paged_kv_prefill`` does: a phase's rows are read when the phase begins, and
@@ -347,7 +347,7 @@ class DiffusionPagedAttentionRuntime:
     def __init__(self, adapter: DiffusionPagedAttentionAdapter, metadata: Any) -> None:
         self.adapter = adapter
         self.metadata = metadata
-        self._runtime = PagedRuntime(
+        self._runtime = BatchStepper(
             adapter.translator, phase_rows=self._rows_of, activation=adapter.activate
         )
 
@@ -396,7 +396,7 @@ class _HostCaches(Mapping[str, KVCache]):
     kv_cache_config: Any
     layout: CacheLayout
     chosen: Sequence[type[PagedBackend]]
-    """The backend class of each KV-cache group (``RunnerBackend.select_backends``)."""
+    """The backend class of each KV-cache group (``PagedWorker.select_backends``)."""
     device: torch.device
     layout_name: str
     names: frozenset[str]
@@ -457,7 +457,7 @@ class DiffusionKVModelRunnerBackend:
         self.kv_caches: list[KVCache] = []
         self.block_tables: Any | None = None
         self.paged_attention_adapter: DiffusionPagedAttentionAdapter | None = None
-        self.runner: RunnerBackend | None = None
+        self.runner: PagedWorker | None = None
         self._layer_specs: dict[str, PagedLayerSpec] = {}
         self._canonical: dict[str, Any] = {}
         self._num_heads: dict[str, int] = {}
@@ -534,7 +534,7 @@ class DiffusionKVModelRunnerBackend:
                 cache_role=getattr(layer, "paged_kv_cache_role", None),
             )
             scales[name] = scale
-        probe = RunnerBackend(
+        probe = PagedWorker(
             self.platform,
             RunnerConfig(
                 max_model_len=1,
@@ -650,7 +650,7 @@ class DiffusionKVModelRunnerBackend:
             block_table_alignment=TOKEN_ALIGNMENT,
             name="vLLM-Omni",
         )
-        runner = RunnerBackend(self.platform, config, dcp_merger=merger, host=host)
+        runner = PagedWorker(self.platform, config, dcp_merger=merger, host=host)
         runner.register_kv_cache_layers(self._layer_specs)
         layout = CacheLayout.from_kv_cache_config(
             kv_cache_config,
@@ -706,7 +706,7 @@ class DiffusionKVModelRunnerBackend:
 
     # -- rows -----------------------------------------------------------------------------------
 
-    def _require_paged(self) -> RunnerBackend:
+    def _require_paged(self) -> PagedWorker:
         if self._mode() is not KVCacheMode.PAGED or self.runner is None:
             raise StateError("paged_scheduler native BlockTables are not initialized")
         return self.runner

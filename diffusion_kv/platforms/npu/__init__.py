@@ -6,7 +6,7 @@ Paged backends, highest priority first (all declare :data:`.constraints.CAPABILI
   through the ``diffusion_kv.backends`` entry-point group): vllm-ascend's own BlockTables,
   metadata builder and attention impl. Chosen only when ``vllm_ascend`` is importable, the
   torch_npu emulator is not installed, *and* the runner was given the embedding vLLM host's
-  runtime (``RunnerBackend(..., host=HostRuntime(...))``: the backend declares ``needs_host``,
+  runtime (``PagedWorker(..., host=HostRuntime(...))``: the backend declares ``needs_host``,
   so selection without one gives that reason).
 * ``direct`` (priority 100, :mod:`.direct`, built in): the core's torch BlockTables with int32
   slots and FIA arguments built from the batch, calling torch_npu through the kernel seam
