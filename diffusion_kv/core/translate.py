@@ -146,6 +146,7 @@ class Translator:
         # Page provenance asks only for the keys a row's queries see: with a window in every
         # group, keys that slid out (and may have been released) need not be readable.
         self._windowed = bool(self._masks) and all(m.releases for m in self._masks)
+        self._all_plain = all(m.is_plain for m in self._masks)  # no block plan to build
         self._causal_groups = tuple(g for g, m in enumerate(self._modes) if m.is_causal)
         thresholds = [
             t for g in self._causal_groups if (t := self.backends[g].reorder_batch_threshold) is not None
@@ -375,7 +376,9 @@ class Translator:
             modes=self._modes,
             dcp_local_seq_lens=dcp,
             dcp_local_seq_lens_cpu=dcp_cpu,
-            block_plans=tuple(
+            block_plans=()
+            if self._all_plain
+            else tuple(
                 None
                 if mask.is_plain
                 else build_block_plan(mask, starts, query_lens, seq_lens, bt.kernel_block_sizes[g])
