@@ -252,8 +252,8 @@ def run_case(
     kv_cache_dtypes: tuple[torch.dtype, ...] = (),
     backend: str | None = None,
 ) -> dict[str, Any]:
-    """Dense SDPA backends, then every paged backend (``backend`` alone, when named) over the same K/V; with ``kv_cache_dtypes``
-    also every backend declaring one of them, its pages quantised (variant ``NAME fp8_e4m3``):
+    """Dense SDPA backends, then every paged backend (``backend`` alone, when named) over the
+    same K/V; with ``kv_cache_dtypes`` also every backend declaring one of them, its pages quantised (variant ``NAME fp8_e4m3``):
     time, ratio to the same backend's 16-bit pages, and the error against its 16-bit output."""
     setup = build_setup(platform, case, device, dtype)  # the dense side's tensors
     setup.runner.remove(["bench"])
@@ -312,11 +312,11 @@ def run_case(
             result["paged"][variant] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
             continue
         md = batch.attn_metadata[LAYER]
-        backend = paged.runner.backends[0]
+        instance = paged.runner.backends[0]
         layer = paged.runner.layers[LAYER]
         cache = paged.runner.kv_caches[LAYER]
 
-        def fn(md: Any = md, backend: Any = backend, layer: Any = layer, cache: Any = cache) -> torch.Tensor:
+        def fn(md: Any = md, backend: Any = instance, layer: Any = layer, cache: Any = cache) -> torch.Tensor:
             result: torch.Tensor = backend.forward(layer, paged.query, cache, md, out)  # noqa: B023
             return result
 
