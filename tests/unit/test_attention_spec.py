@@ -109,6 +109,8 @@ def test_what_a_mask_requires_of_a_backend() -> None:
         "sink=4 tokens (served: none)",
     ]
     assert capability_reasons(CpuReferenceBackend.capabilities, req) == []
+    with pytest.raises(ValidationError, match="CHUNK_CAUSAL has a chunk size: use MaskSpec.row_mask"):
+        CHUNK.row_mask(0, 4, 4)
 
 
 # -- the block plan and retention agree with the dense mask ----------------------------------

@@ -194,15 +194,6 @@ class MaskSpec:
         first_live = max(self.sink, self.first_visible(next_query, next_query + 1))
         return Retention(first_live, self.sink)
 
-    def max_live_tokens(self, query_len: int) -> int:
-        """Keys a row must hold at once while ``query_len`` new tokens attend (sink, window and
-        the new tokens; None-window masks hold the whole row)."""
-        if self.window is None:
-            raise ValidationError(
-                f"a {self.describe()} mask keeps every key; its rows hold their whole length"
-            )
-        return self.sink + self.window + query_len
-
 
 _PLAIN = {
     mode: MaskSpec(mode)

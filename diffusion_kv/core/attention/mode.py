@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from diffusion_kv.core.errors import ValidationError
+
 
 def dense_piecewise_mask(
     spans: Sequence[tuple[int, int]], query_offset: int, query_len: int, seq_len: int
@@ -99,7 +101,7 @@ class AttentionMode(enum.Enum):
         if self is AttentionMode.FULL:
             return torch.ones(query_len, seq_len, dtype=torch.bool)
         if self is AttentionMode.CHUNK_CAUSAL:
-            raise ValueError("AttentionMode.CHUNK_CAUSAL has a chunk size: use MaskSpec.row_mask")
+            raise ValidationError("AttentionMode.CHUNK_CAUSAL has a chunk size: use MaskSpec.row_mask")
         return dense_piecewise_mask(
             spans if self is AttentionMode.PIECEWISE else (), query_offset, query_len, seq_len
         )
