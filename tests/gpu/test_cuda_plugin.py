@@ -126,6 +126,14 @@ def test_demo_selects_cuda_and_agrees_with_dense() -> None:
     result = json.loads(proc.stdout)
     assert result["platform"] == "cuda" and result["device"].startswith("cuda")
     assert result["agree"] is True and result["max_abs_diff"] <= result["tolerance"]
+    # one-off costs apart: an untimed warm-up of each mode, and the capturing step (2) left out of
+    # both runs' whole-run figure
+    assert set(result["warmup_ms"]) == {"dense", "paged"}
+    assert result["capture_step"] == 2 and result["capture_step_ms"] == result["paged_step_ms"][2]
+    dense, paged = result["dense_step_ms"], result["paged_step_ms"]
+    assert result["speedup_without_capture"] == pytest.approx(
+        (sum(dense) - dense[2]) / (sum(paged) - paged[2])
+    )
 
 
 def test_bench_small_runs_on_cuda_and_paged_agrees() -> None:
