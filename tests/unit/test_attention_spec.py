@@ -320,3 +320,95 @@ def test_a_full_layer_without_spans_is_served_full_only_and_spans_are_refused_be
         out = runner.forward("l0", q, k, v)
         expected = dense_attention(q, k, v, torch.ones(8, 8, dtype=torch.bool), D**-0.5)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# -- a stateful run of streams: extend, write, slide, bad slides, retire -----------------------
+
+
+def test_random_windowed_streams_keep_blocks_owned_once_and_the_pool_whole() -> None:
+    """Several windowed streams at once under random operations (extend by a chunk, write the
+    newest chunk, slide what retention allows, slides that break a rule, retire), checked after
+    every operation against the allocator's and worker's own accounts: every block held by at
+    most one row, held exactly when a live snapshot lists it, the pool plus the reservations
+    equal to the whole pool; a refused operation changes nothing."""
+    rng = random.Random(5)
+    runner = _runner(num_blocks=24)
+    pool = FreeListPool(24)
+    alloc = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
+    registry = runner.registry
+    assert registry is not None
+    lengths: dict[str, int] = {}  # request -> tokens written so far
+    serial = 0
+    done: dict[str, int] = dict.fromkeys(["open", "extend", "write", "slide", "bad", "retire"], 0)
+
+    def check() -> None:
+        listed: dict[int, str] = {}
+        for rid in alloc.reserved():
+            snap = registry.snapshot_of(rid)
+            assert snap is not None
+            for b in snap.sequences[0].block_ids[0]:
+                if b != NULL_BLOCK:
+                    assert b not in listed, f"block {b} listed by {rid} and {listed[b]}"
+                    listed[b] = rid
+        for b in range(24):
+            holders = registry.holders_of(0, b)
+            assert (b in listed) == bool(holders), (b, holders)
+        assert pool.num_free + len(listed) == pool.num_total
+
+    ops, weights = ["open", "extend", "write", "slide", "bad", "retire"], [2, 6, 6, 4, 1, 1]
+    for _ in range(400):
+        op = rng.choices(ops, weights)[0]
+        live = list(alloc.reserved())
+        if op == "open" and len(live) < 2:
+            serial += 1
+            rid = f"s{serial}"
+            snap = alloc.reserve(KVRequest(rid, (SequenceRequest(0, 0, 4),)))
+            if snap is not None:
+                runner.install(snap)
+                lengths[rid] = 0
+                done[op] += 1
+        elif op == "extend" and live:
+            rid = rng.choice(live)
+            snap = registry.snapshot_of(rid)
+            assert snap is not None
+            if lengths[rid] == snap.sequences[0].seq_len and snap.sequences[0].seq_len + 4 <= 64:
+                done[op] += alloc.extend(rid, 0, 4, install=runner.install) is not None
+        elif op == "write" and live:
+            rid = rng.choice(live)
+            snap = registry.snapshot_of(rid)
+            assert snap is not None
+            end = snap.sequences[0].seq_len
+            if lengths[rid] < end:
+                with runner.stepper() as runtime:
+                    runtime.ensure_rows([PagedRow(rid, 4, end, end - 4, sequence_id=0)])
+                    for name in runner.layers:
+                        runner.forward(name, *(torch.randn(4, H, D) for _ in range(3)))
+                lengths[rid] = end
+                done[op] += 1
+        elif op == "slide" and live:
+            rid = rng.choice(live)
+            release = list(SPEC.retention(lengths[rid]).releasable_blocks(4))
+            if release:
+                alloc.release(rid, 0, release, install=runner.install)
+                done[op] += 1
+        elif op == "bad" and live:
+            rid = rng.choice(live)
+            before = (registry.snapshot_of(rid), pool.num_free, alloc.generation)
+            with pytest.raises(ValidationError):
+                alloc.release(rid, 0, [0], install=runner.install)  # the sink block is pinned
+            assert (registry.snapshot_of(rid), pool.num_free, alloc.generation) == before
+            done[op] += 1
+        elif op == "retire" and live:
+            rid = rng.choice(live)
+            runner.retire(rid, alloc.generation)
+            alloc.free(rid)
+            del lengths[rid]
+            done[op] += 1
+        check()
+    assert min(done.values()) >= 5, done  # every kind of operation ran
+    for rid in list(alloc.reserved()):
+        runner.retire(rid, alloc.generation)
+        alloc.free(rid)
+    assert pool.num_free == pool.num_total and registry.installed_requests() == ()
