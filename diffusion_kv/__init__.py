@@ -68,6 +68,7 @@ from diffusion_kv.core.scheduler import (
     StepReport,
     reap_unreserved,
 )
+from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
 from diffusion_kv.platforms.interface import Platform
 from diffusion_kv.platforms.selection import PlatformStatus, available_platforms, get_platform
 from diffusion_kv.platforms.selection import refresh as refresh_platforms
@@ -85,6 +86,7 @@ __all__ = [
     "BatchEntry",
     "CacheLayout",
     "Capabilities",
+    "Chunk",
     "ConfigurationError",
     "ContextAllocation",
     "ContextRequest",
@@ -126,6 +128,9 @@ __all__ = [
     "RunnerConfig",
     "SequenceAllocation",
     "SequenceRequest",
+    "Session",
+    "SessionCache",
+    "SessionPolicy",
     "StaleBatchError",
     "StateError",
     "StepBatch",

@@ -521,110 +521,173 @@ class DiffusionKVAllocator:
                 res.held[i].append(key)
         return snapshot
 
-    def release(
-        self,
-        request_id: str,
-        sequence_id: int,
-        positions: Sequence[int],
-        install: Callable[[RequestAllocation], object] | None = None,
-    ) -> RequestAllocation:
-        """Release the blocks at ``positions`` (indices into the row's block list) of one
-        sequence while the request runs -- what a sliding window no longer needs
-        (``MaskSpec.retention(...).releasable_blocks(block_size)``). Builds a snapshot one
-        generation newer with ``NULL_BLOCK`` at those places in every group, hands it to
-        ``install`` (the worker's ``install``: a SLIDE; an exception leaves the allocator
-        unchanged and propagates), then returns the blocks to the pool at once. Only blocks the
-        request took for itself are released (a cached prefix block is shared). Released places
-        already null are skipped; the new snapshot is returned."""
-        _check_id(request_id, "release")
+    def _reservation_rows(
+        self, call: str, request_id: str, sequence_id: int | None
+    ) -> tuple[_Reservation, list[int]]:
+        """The reservation and the indices of the sequences a row change applies to (every
+        sequence for ``None``)."""
+        _check_id(request_id, call)
         res = self._reserved.get(request_id)
         if res is None:
-            raise ValidationError(f"release of request {request_id!r}, which is not reserved")
-        old = res.allocation
-        index = next((i for i, s in enumerate(old.sequences) if s.sequence_id == sequence_id), None)
+            raise ValidationError(f"{call} of request {request_id!r}, which is not reserved")
+        if sequence_id is None:
+            return res, list(range(len(res.allocation.sequences)))
+        index = next((i for i, s in enumerate(res.allocation.sequences) if s.sequence_id == sequence_id), None)
         if index is None:
             raise ValidationError(f"request {request_id!r} has no sequence {sequence_id!r}")
-        alloc = old.sequences[index]
-        row = list(alloc.block_ids[0])
-        if isinstance(positions, (str, bytes)) or any(type(p) is not int for p in positions):
-            raise ValidationError(f"release takes block positions (ints); got {positions!r}")
-        bad = [p for p in positions if not 0 <= p < len(row)]
-        if bad:
-            raise ValidationError(
-                f"request {request_id!r} sequence {sequence_id}: positions {bad} lie outside its {len(row)} blocks"
-            )
-        freed = [row[p] for p in dict.fromkeys(positions) if row[p] != NULL_BLOCK]
-        shared = [b for b in freed if b not in res.private]
-        if shared:
-            raise ValidationError(
-                f"request {request_id!r} sequence {sequence_id}: blocks {shared} are shared (a cached prefix); "
-                "only blocks the request took for itself are released"
-            )
-        for p in positions:
-            row[p] = NULL_BLOCK
-        sequences = list(old.sequences)
-        sequences[index] = replace(alloc, block_ids=(tuple(row),) * self.num_groups)
-        snapshot = RequestAllocation(request_id, self._generation + 1, tuple(sequences), old.contexts)
+        return res, [index]
+
+    def _publish_rows(
+        self,
+        res: _Reservation,
+        sequences: list[SequenceAllocation],
+        install: Callable[[RequestAllocation], object] | None,
+    ) -> RequestAllocation:
+        """A snapshot one generation newer with ``sequences``, handed to ``install`` first (an
+        exception leaves the allocator unchanged and propagates), then recorded."""
+        old = res.allocation
+        snapshot = RequestAllocation(old.request_id, self._generation + 1, tuple(sequences), old.contexts)
         if install is not None:
             install(snapshot)
         self._generation += 1
         res.allocation = snapshot
-        if freed:
-            gone = set(freed)
+        return snapshot
+
+    def _give_back(self, res: _Reservation, blocks: Sequence[int]) -> None:
+        if blocks:
+            gone = set(blocks)
             res.private = [b for b in res.private if b not in gone]
             res.block_ids = [b for b in res.block_ids if b not in gone]
-            self.pool.free(freed)
+            self.pool.free(list(blocks))
+
+    def release(
+        self,
+        request_id: str,
+        sequence_id: int | None,
+        positions: Sequence[int],
+        install: Callable[[RequestAllocation], object] | None = None,
+    ) -> RequestAllocation:
+        """Release the blocks at ``positions`` (indices into a row's block list) of one sequence
+        (every sequence for ``None``) while the request runs -- what a sliding window no longer
+        needs (``MaskSpec.retention(...).releasable_blocks(block_size)``). Builds a snapshot one
+        generation newer with ``NULL_BLOCK`` at those places in every group, hands it to
+        ``install`` (the worker's ``install``: a SLIDE; an exception leaves the allocator
+        unchanged and propagates), then returns the blocks to the pool at once. Only blocks the
+        request took for itself are released (a cached prefix block is shared). Places already
+        null are skipped; the new snapshot is returned."""
+        res, indices = self._reservation_rows("release", request_id, sequence_id)
+        if isinstance(positions, (str, bytes)) or any(type(p) is not int for p in positions):
+            raise ValidationError(f"release takes block positions (ints); got {positions!r}")
+        sequences = list(res.allocation.sequences)
+        freed: list[int] = []
+        for index in indices:
+            alloc = sequences[index]
+            row = list(alloc.block_ids[0])
+            bad = [p for p in positions if not 0 <= p < len(row)]
+            if bad:
+                raise ValidationError(
+                    f"request {request_id!r} sequence {alloc.sequence_id}: positions {bad} lie outside its "
+                    f"{len(row)} blocks"
+                )
+            mine = [row[p] for p in dict.fromkeys(positions) if row[p] != NULL_BLOCK]
+            shared = [b for b in mine if b not in res.private]
+            if shared:
+                raise ValidationError(
+                    f"request {request_id!r} sequence {alloc.sequence_id}: blocks {shared} are shared (a cached "
+                    "prefix); only blocks the request took for itself are released"
+                )
+            for p in positions:
+                row[p] = NULL_BLOCK
+            sequences[index] = replace(alloc, block_ids=(tuple(row),) * self.num_groups)
+            freed.extend(mine)
+        snapshot = self._publish_rows(res, sequences, install)
+        self._give_back(res, freed)
         return snapshot
 
     def extend(
         self,
         request_id: str,
-        sequence_id: int,
+        sequence_id: int | None,
         tokens: int,
         install: Callable[[RequestAllocation], object] | None = None,
     ) -> RequestAllocation | None:
-        """Grow one sequence's target by ``tokens`` (the next chunk of a stream), appending the
-        blocks it needs from the pool: a snapshot one generation newer, handed to ``install``
-        (the worker's EXTEND; an exception returns the new blocks and propagates). None when
-        the pool is short (nothing taken); :class:`AdmissionError` past ``max_model_len``."""
-        _check_id(request_id, "extend")
-        res = self._reserved.get(request_id)
-        if res is None:
-            raise ValidationError(f"extend of request {request_id!r}, which is not reserved")
+        """Grow one sequence's target (every sequence's for ``None``) by ``tokens`` (the next
+        chunk of a stream), appending the blocks it needs from the pool: a snapshot one
+        generation newer, handed to ``install`` (the worker's EXTEND; an exception returns the
+        new blocks and propagates). None when the pool is short (nothing taken);
+        :class:`AdmissionError` past ``max_model_len``."""
+        res, indices = self._reservation_rows("extend", request_id, sequence_id)
         if not _count(tokens) or tokens == 0:
             raise ValidationError(f"extend takes a positive token count; got {tokens!r}")
-        old = res.allocation
-        index = next((i for i, s in enumerate(old.sequences) if s.sequence_id == sequence_id), None)
-        if index is None:
-            raise ValidationError(f"request {request_id!r} has no sequence {sequence_id!r}")
-        alloc = old.sequences[index]
-        seq_len = alloc.seq_len + tokens
-        if seq_len > self.max_model_len:
-            raise AdmissionError(
-                f"request {request_id!r} sequence {sequence_id}: {seq_len} tokens exceed max_model_len "
-                f"{self.max_model_len}"
-            )
-        need = -(-seq_len // self.block_size) - len(alloc.block_ids[0])
+        sequences = list(res.allocation.sequences)
+        need = 0
+        for index in indices:
+            alloc = sequences[index]
+            if alloc.seq_len + tokens > self.max_model_len:
+                raise AdmissionError(
+                    f"request {request_id!r} sequence {alloc.sequence_id}: {alloc.seq_len + tokens} tokens exceed "
+                    f"max_model_len {self.max_model_len}"
+                )
+            need += cdiv(alloc.seq_len + tokens, self.block_size) - len(alloc.block_ids[0])
         taken = self.pool.allocate(need) if need else []
         if taken is None:
             return None
-        row = (*alloc.block_ids[0], *taken)
-        sequences = list(old.sequences)
-        sequences[index] = replace(
-            alloc, target_len=alloc.target_len + tokens, seq_len=seq_len, block_ids=(row,) * self.num_groups
-        )
-        snapshot = RequestAllocation(request_id, self._generation + 1, tuple(sequences), old.contexts)
-        if install is not None:
-            try:
-                install(snapshot)
-            except BaseException:
-                if taken:
-                    self.pool.free(taken)
-                raise
-        self._generation += 1
-        res.allocation = snapshot
+        cursor = 0
+        for index in indices:
+            alloc = sequences[index]
+            n = cdiv(alloc.seq_len + tokens, self.block_size) - len(alloc.block_ids[0])
+            row = (*alloc.block_ids[0], *taken[cursor : cursor + n])
+            cursor += n
+            sequences[index] = replace(
+                alloc,
+                target_len=alloc.target_len + tokens,
+                seq_len=alloc.seq_len + tokens,
+                block_ids=(row,) * self.num_groups,
+            )
+        try:
+            snapshot = self._publish_rows(res, sequences, install)
+        except BaseException:
+            if taken:
+                self.pool.free(taken)
+            raise
         res.private.extend(taken)
         res.block_ids.extend(taken)
+        return snapshot
+
+    def truncate(
+        self,
+        request_id: str,
+        sequence_id: int | None,
+        tokens: int,
+        install: Callable[[RequestAllocation], object] | None = None,
+    ) -> RequestAllocation:
+        """Shrink one sequence's target (every sequence's for ``None``) by ``tokens``: the
+        reverse of :meth:`extend` (an aborted chunk). A snapshot one generation newer, handed to
+        ``install`` (the worker's TRUNCATE; an exception leaves the allocator unchanged and
+        propagates); then the blocks only the dropped tokens used go back to the pool."""
+        res, indices = self._reservation_rows("truncate", request_id, sequence_id)
+        if not _count(tokens) or tokens == 0:
+            raise ValidationError(f"truncate takes a positive token count; got {tokens!r}")
+        sequences = list(res.allocation.sequences)
+        dropped: list[int] = []
+        for index in indices:
+            alloc = sequences[index]
+            if tokens > alloc.target_len or alloc.seq_len - tokens < alloc.cached_prefix_len:
+                raise ValidationError(
+                    f"request {request_id!r} sequence {alloc.sequence_id}: cannot drop {tokens} tokens of a "
+                    f"{alloc.target_len}-token target"
+                )
+            keep = cdiv(alloc.seq_len - tokens, self.block_size)
+            row = alloc.block_ids[0]
+            dropped.extend(b for b in row[keep:] if b != NULL_BLOCK)
+            sequences[index] = replace(
+                alloc,
+                target_len=alloc.target_len - tokens,
+                seq_len=alloc.seq_len - tokens,
+                block_ids=(row[:keep],) * self.num_groups,
+            )
+        snapshot = self._publish_rows(res, sequences, install)
+        self._give_back(res, dropped)
         return snapshot
 
     def free(self, request_id: str) -> int:

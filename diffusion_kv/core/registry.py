@@ -33,7 +33,9 @@ Rules (each has a test):
 * free rows are handed out lowest first;
 * the registry never frees scheduler blocks: it only clears its worker rows;
 * the row transitions are named (:class:`RowTransition`): INSTALL (a request's rows appear),
-  EXTEND (a newer snapshot appends blocks to a row whose length grows), SLIDE (a newer
+  EXTEND (a newer snapshot appends blocks to a row whose length grows), TRUNCATE (a newer
+  snapshot shrinks a row back, dropping its trailing tokens and the blocks only they used: an
+  aborted chunk; never together with another transition), SLIDE (a newer
   snapshot releases leading blocks, ``NULL_BLOCK`` in their place, in groups whose mask has a
   window, never the sink's), SEAL (a newer snapshot grows ``cached_prefix_len`` over written
   tokens), REMOVE; one newer snapshot may extend, slide and seal at once. Anything else is a
@@ -110,6 +112,7 @@ class RowTransition(enum.Enum):
 
     INSTALL = "install"
     EXTEND = "extend"
+    TRUNCATE = "truncate"
     SLIDE = "slide"
     SEAL = "seal"
     REMOVE = "remove"
@@ -594,36 +597,39 @@ class RowRegistry:
     @staticmethod
     def _transitions(old: RequestAllocation, new: RequestAllocation) -> frozenset[RowTransition] | None:
         """What a newer snapshot does to the installed rows, or None when it is none of the
-        named transitions (module rules): the same rows and contexts; per row, a length that only
-        grows (EXTEND: blocks appended), places that only turn into ``NULL_BLOCK`` (SLIDE), a
-        cached prefix that only grows (SEAL)."""
+        named transitions (module rules): the same rows and contexts; per row, a length that
+        grows (EXTEND: blocks appended) or shrinks (TRUNCATE: trailing tokens and the blocks
+        only they used dropped), places that only turn into ``NULL_BLOCK`` (SLIDE), a cached
+        prefix that only grows (SEAL)."""
         if old.contexts != new.contexts or len(old.sequences) != len(new.sequences):
             return None
         found: set[RowTransition] = set()
         for a, b in zip(old.sequences, new.sequences, strict=True):
             if (a.sequence_id, a.prefix_len, a.context_ids) != (b.sequence_id, b.prefix_len, b.context_ids):
                 return None
-            if (
-                b.seq_len < a.seq_len
-                or b.target_len < a.target_len
-                or b.cached_prefix_len < a.cached_prefix_len
-            ):
+            if b.cached_prefix_len < a.cached_prefix_len or len(a.block_ids) != len(b.block_ids):
                 return None
-            if len(a.block_ids) != len(b.block_ids):
-                return None
+            if b.seq_len - a.seq_len != b.target_len - a.target_len:
+                return None  # the target grows or shrinks with the row, the prefix stays
             if b.seq_len > a.seq_len:
                 found.add(RowTransition.EXTEND)
+            elif b.seq_len < a.seq_len:
+                if b.cached_prefix_len > b.seq_len:
+                    return None
+                found.add(RowTransition.TRUNCATE)
             if b.cached_prefix_len > a.cached_prefix_len:
                 found.add(RowTransition.SEAL)
             for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
-                if len(new_ids) < len(old_ids) or NULL_BLOCK in new_ids[len(old_ids) :]:
+                if len(new_ids) > len(old_ids) and NULL_BLOCK in new_ids[len(old_ids) :]:
                     return None
-                for before, after in zip(old_ids, new_ids[: len(old_ids)], strict=True):
+                for before, after in zip(old_ids, new_ids, strict=False):  # the shorter list's places
                     if after == before:
                         continue
                     if after != NULL_BLOCK:
                         return None  # a place changed its block: a replacement, not a transition
                     found.add(RowTransition.SLIDE)
+        if RowTransition.TRUNCATE in found and len(found) > 1:
+            return None  # a truncation (an aborted chunk) comes alone
         return frozenset(found) if found else None
 
     def _update(
@@ -671,7 +677,7 @@ class RowRegistry:
             entry = self._written.get(install.identity)
             if entry is None:
                 continue
-            spans = entry[1]
+            spans = remove_span(entry[1], install.token_len, self.layout.max_model_len + 1)
             for g, group in enumerate(self.layout.groups):
                 for start, end in self._released_tokens(install, g, group.block_size * cp):
                     spans = remove_span(spans, start, end)

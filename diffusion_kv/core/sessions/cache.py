@@ -1,0 +1,318 @@
+"""Sessions: committed KV across chunks, a chunk at a time.
+
+The host's autoregressive diffusion loop (CausVid, Self-Forcing, DreamZero, LingBot-World)
+generates a stream chunk by chunk; every chunk is denoised in a few steps, each step writing the
+chunk's K/V and attending block-causally over the sink, a window of earlier chunks and the chunk
+itself. A :class:`SessionCache` runs that loop's KV on one worker (:class:`PagedWorker`) and its
+scheduler-side allocator, with the policy as data (:class:`SessionPolicy`):
+
+* ``begin_session(session_id, branches)`` -- nothing is reserved yet (``branches``: one row per
+  CFG branch, each with the same positions);
+* ``append_chunk(session)`` -- the chunk's blocks are reserved (all-or-nothing over the
+  branches: an EXTEND snapshot, or the first reservation); the host runs its denoise steps over
+  ``chunk.rows()`` (each step writes the chunk's K/V at the same positions and attends under the
+  layers' chunk-causal mask);
+* ``commit(chunk)`` -- the K/V the chunk's last write left (the last denoise step, or a clean
+  pass the host ran at t = 0) become committed; retention then releases the blocks that slid out
+  of the window (a SLIDE snapshot; the sink is never released) and returns them to the pool;
+* ``abort(chunk)`` -- after a failure or a cancel: the chunk's tokens and the blocks only they
+  used are dropped (a TRUNCATE snapshot), so the session is exactly as before ``append_chunk``;
+* ``end_session(session)`` -- the worker's rows retired for good and every block freed.
+
+Positions stay on the host's absolute timeline: chunk ``i`` covers ``[i * chunk, (i + 1) *
+chunk)`` whatever was released. Committed KV changes only at ``commit``; the pool is whole again
+after every session ends, fails or aborts. Not here yet (the sessions issue): cross-attention
+context pools, prompt re-caching, many sessions in one scheduler step beside one-shot requests,
+offload to host memory, reset-at-boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from diffusion_kv.core.allocation import RequestAllocation
+from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
+from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.registry import missing_spans
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import PagedWorker
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """A session's window policy as data (vLLM-Omni's AR-diffusion ``chunk_size``,
+    ``window_chunks``, ``sink_chunks``)."""
+
+    chunk_tokens: int
+    window_chunks: int | None = None
+    """Earlier chunks a chunk sees besides the sink (None: every earlier chunk, nothing slides)."""
+    sink_chunks: int = 0
+    """Leading chunks every chunk sees and no slide releases (moot without a window)."""
+
+    def __post_init__(self) -> None:
+        if type(self.chunk_tokens) is not int or self.chunk_tokens <= 0:
+            raise ValidationError(
+                f"SessionPolicy.chunk_tokens must be a positive int; got {self.chunk_tokens!r}"
+            )
+        if self.window_chunks is not None and (type(self.window_chunks) is not int or self.window_chunks < 0):
+            raise ValidationError(
+                f"SessionPolicy.window_chunks must be an int >= 0 or None; got {self.window_chunks!r}"
+            )
+        if type(self.sink_chunks) is not int or self.sink_chunks < 0:
+            raise ValidationError(f"SessionPolicy.sink_chunks must be an int >= 0; got {self.sink_chunks!r}")
+
+    @property
+    def mask(self) -> MaskSpec:
+        """The layers' mask: chunk-causal by chunks, the window counting the chunk itself."""
+        if self.window_chunks is None:
+            return MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=self.chunk_tokens)
+        return MaskSpec(
+            AttentionMode.CHUNK_CAUSAL,
+            chunk=self.chunk_tokens,
+            window=(self.window_chunks + 1) * self.chunk_tokens,
+            sink=self.sink_chunks * self.chunk_tokens,
+        )
+
+
+class ChunkState(enum.Enum):
+    OPEN = "open"
+    """Reserved: the host's denoise steps write it."""
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Chunk:
+    """One chunk of a session: ``tokens`` positions from ``start`` (absolute)."""
+
+    session_id: str
+    index: int
+    start: int
+    tokens: int
+    branches: int
+    state: ChunkState = ChunkState.OPEN
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+    def rows(self) -> tuple[PagedRow, ...]:
+        """One row per branch: the chunk's queries over every key up to its end (the mask keeps
+        the sink, the window and the chunk itself)."""
+        return tuple(
+            PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
+            for b in range(self.branches)
+        )
+
+
+@dataclass
+class Session:
+    session_id: str
+    branches: int
+    committed_tokens: int = 0
+    chunks_committed: int = 0
+    open_chunk: Chunk | None = None
+    reserved: bool = False
+    """Blocks are reserved (the first chunk was appended and not aborted away)."""
+    ended: bool = False
+    history: list[int] = field(default_factory=list)
+    """Blocks held after each commit (KV memory over the session, for reports)."""
+
+
+class SessionCache:
+    """Sessions on one worker and its allocator (module docstring)."""
+
+    def __init__(self, worker: PagedWorker, allocator: DiffusionKVAllocator, policy: SessionPolicy) -> None:
+        if not isinstance(worker, PagedWorker) or worker.layout is None:
+            raise ValidationError("SessionCache takes a PagedWorker whose KV cache is initialised")
+        if not isinstance(allocator, DiffusionKVAllocator):
+            raise ValidationError(
+                f"SessionCache takes a DiffusionKVAllocator; got {type(allocator).__name__}"
+            )
+        if not isinstance(policy, SessionPolicy):
+            raise ValidationError(f"SessionCache takes a SessionPolicy; got {type(policy).__name__}")
+        mask = policy.mask
+        others = [g.spec.mask.describe() for g in worker.layout.groups if g.spec.mask != mask]
+        if others:
+            raise ValidationError(
+                f"the session policy's mask is {mask.describe()}, but the worker's layers attend with {others}: "
+                "register the layers with PagedLayerSpec(mode=policy.mask)"
+            )
+        if allocator.block_size != worker.layout.groups[0].block_size:
+            raise ValidationError(
+                f"allocator block size {allocator.block_size} differs from the worker's "
+                f"{worker.layout.groups[0].block_size}"
+            )
+        self.worker = worker
+        self.allocator = allocator
+        self.policy = policy
+        self.mask = mask
+        self._sessions: dict[str, Session] = {}
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def begin_session(self, session_id: str, branches: int = 1) -> Session:
+        if type(session_id) is not str or not session_id:
+            raise ValidationError(f"a session id is a non-empty string; got {session_id!r}")
+        if session_id in self._sessions:
+            raise ValidationError(f"session {session_id!r} is open already")
+        if session_id in self.allocator.reserved():
+            raise ValidationError(f"session id {session_id!r} is a request the allocator reserves")
+        if type(branches) is not int or branches <= 0:
+            raise ValidationError(f"branches must be a positive int; got {branches!r}")
+        session = Session(session_id, branches)
+        self._sessions[session_id] = session
+        return session
+
+    def session(self, session_id: str) -> Session:
+        found = self._sessions.get(session_id)
+        if found is None:
+            raise ValidationError(f"no open session {session_id!r}")
+        return found
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        return tuple(self._sessions)
+
+    def end_session(self, session: Session) -> None:
+        """Retire the worker's rows for good and free every block (an open chunk is aborted
+        with the rest)."""
+        self._own(session)
+        if session.reserved:
+            self.worker.retire(session.session_id, self.allocator.generation)
+            self.allocator.free(session.session_id)
+        if session.open_chunk is not None:
+            session.open_chunk.state = ChunkState.ABORTED
+            session.open_chunk = None
+        session.ended = True
+        del self._sessions[session.session_id]
+
+    # -- chunks --------------------------------------------------------------------------------
+
+    def append_chunk(self, session: Session) -> Chunk | None:
+        """Reserve the next chunk's blocks (every branch, all or nothing) and install them on
+        the worker; None when the pool is short (nothing taken)."""
+        self._own(session)
+        if session.open_chunk is not None:
+            raise StateError(
+                f"session {session.session_id!r} has chunk {session.open_chunk.index} open: commit or abort it first"
+            )
+        tokens = self.policy.chunk_tokens
+        start = session.committed_tokens
+        sid = session.session_id
+        if not session.reserved:
+            request = KVRequest(sid, tuple(SequenceRequest(b, 0, tokens) for b in range(session.branches)))
+            snapshot = self.allocator.reserve(request)  # AdmissionError: it can never fit
+            if snapshot is None:
+                return None
+            self._install_or_free(snapshot)
+            session.reserved = True
+        elif self.allocator.extend(sid, None, tokens, install=self.worker.install) is None:
+            return None
+        chunk = Chunk(sid, session.chunks_committed, start, tokens, session.branches)
+        session.open_chunk = chunk
+        return chunk
+
+    def commit(self, chunk: Chunk) -> RequestAllocation | None:
+        """The chunk's last write becomes committed; retention then releases what slid out of
+        the window (returned to the pool at once). A chunk whose tokens were not written by
+        every paged layer is a :class:`StateError` (nothing changes)."""
+        session = self._open(chunk)
+        for row in chunk.rows():
+            binding = self.worker.resolve(row.request_id, row.sequence_id)
+            gap = missing_spans(binding.written, chunk.start, chunk.end)
+            if gap:
+                raise StateError(
+                    f"session {chunk.session_id!r} chunk {chunk.index} branch {row.sequence_id}: tokens {list(gap)} "
+                    "were never written; run a forward over chunk.rows() before committing"
+                )
+        chunk.state = ChunkState.COMMITTED
+        session.open_chunk = None
+        session.committed_tokens = chunk.end
+        session.chunks_committed += 1
+        snapshot = self._slide(session)
+        session.history.append(len(self.allocator.blocks_of(session.session_id)))
+        return snapshot
+
+    def abort(self, chunk: Chunk) -> None:
+        """Drop the chunk: its tokens and the blocks only they used (the session exactly as
+        before :meth:`append_chunk`; a first chunk takes the reservation with it)."""
+        session = self._open(chunk)
+        sid = session.session_id
+        if session.committed_tokens == 0:
+            self.worker.retire(sid, self.allocator.generation)
+            self.allocator.free(sid)
+            session.reserved = False
+        else:
+            self.allocator.truncate(sid, None, chunk.tokens, install=self.worker.install)
+        chunk.state = ChunkState.ABORTED
+        session.open_chunk = None
+
+    def run_chunk(self, session: Session, steps: Callable[[Chunk], None]) -> Chunk | None:
+        """``append_chunk``, the host's ``steps(chunk)`` (its denoise loop), then ``commit``; any
+        exception from ``steps`` aborts the chunk and propagates. None when the pool is short."""
+        chunk = self.append_chunk(session)
+        if chunk is None:
+            return None
+        try:
+            steps(chunk)
+        except BaseException:
+            self.abort(chunk)
+            raise
+        self.commit(chunk)
+        return chunk
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _own(self, session: Session) -> None:
+        if not isinstance(session, Session) or self._sessions.get(session.session_id) is not session:
+            raise ValidationError(f"not an open session of this cache: {session!r}")
+
+    def _open(self, chunk: Chunk) -> Session:
+        if not isinstance(chunk, Chunk):
+            raise ValidationError(f"expected a Chunk; got {type(chunk).__name__}")
+        session = self._sessions.get(chunk.session_id)
+        if session is None or session.open_chunk is not chunk:
+            raise StateError(
+                f"chunk {chunk.index} of session {chunk.session_id!r} is not open (state {chunk.state.value})"
+            )
+        return session
+
+    def _install_or_free(self, snapshot: RequestAllocation) -> None:
+        try:
+            self.worker.install(snapshot)
+        except BaseException:
+            self.allocator.free(snapshot.request_id)
+            raise
+
+    def _slide(self, session: Session) -> RequestAllocation | None:
+        block = self.allocator.block_size
+        keep = self.mask.retention(session.committed_tokens)
+        releasable = list(keep.releasable_blocks(block))
+        if not releasable:
+            return None
+        snapshot = self.worker.registry.snapshot_of(session.session_id) if self.worker.registry else None
+        if snapshot is None:
+            raise StateError(f"session {session.session_id!r} is not installed on the worker")
+        row = snapshot.sequences[0].block_ids[0]
+        fresh = [p for p in releasable if p < len(row) and row[p] >= 0]
+        if not fresh:
+            return None
+        return self.allocator.release(session.session_id, None, fresh, install=self.worker.install)
+
+    def kv_blocks_bound(self) -> int:
+        """Blocks one branch of a session holds at most while a chunk is open: the sink, the
+        window and the chunk, each rounded out to whole blocks, plus one block a chunk boundary
+        inside a block may straddle."""
+        p, block = self.policy, self.allocator.block_size
+        if p.window_chunks is None:
+            raise ValidationError("a session without a window keeps every chunk: its KV is unbounded")
+        return (
+            cdiv(p.sink_chunks * p.chunk_tokens, block)
+            + cdiv((p.window_chunks + 1) * p.chunk_tokens, block)
+            + 1
+        )
