@@ -846,9 +846,7 @@ def added_backends(platform: str) -> list[type[PagedBackend]]:
     return discover().backends_for(platform)
 
 
-def backend_origin(
-    platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None
-) -> str:
+def backend_origin(platform: Platform, backend: type[PagedBackend], plugins: PluginSet | None = None) -> str:
     """Where ``platform``'s ``backend`` comes from: ``built-in``, the backend entry point and
     its distribution (of ``plugins``; default: the discovered set), or a class given as the
     backend choice."""
