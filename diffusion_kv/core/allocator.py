@@ -532,7 +532,9 @@ class DiffusionKVAllocator:
             raise ValidationError(f"{call} of request {request_id!r}, which is not reserved")
         if sequence_id is None:
             return res, list(range(len(res.allocation.sequences)))
-        index = next((i for i, s in enumerate(res.allocation.sequences) if s.sequence_id == sequence_id), None)
+        index = next(
+            (i for i, s in enumerate(res.allocation.sequences) if s.sequence_id == sequence_id), None
+        )
         if index is None:
             raise ValidationError(f"request {request_id!r} has no sequence {sequence_id!r}")
         return res, [index]

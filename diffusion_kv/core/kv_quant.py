@@ -117,6 +117,12 @@ def _per_head(value: object, heads: int, what: str) -> list[float]:
     return values
 
 
+def check_scale(value: object, heads: int, what: str) -> None:
+    """Refuse a scale that is not a finite positive number or one per KV head
+    (:class:`ValidationError` naming ``what``)."""
+    _per_head(value, heads, what)
+
+
 class KVScales:
     """One layer's ``k_scale``/``v_scale`` (``[Hkv]`` float32 on the worker device) and its
     saturation counters (``[2]`` int64: keys, values clamped at +-448 since the last reset)."""

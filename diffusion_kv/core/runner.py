@@ -55,6 +55,7 @@ from diffusion_kv.core.host import HostRuntime, check_host
 from diffusion_kv.core.kv_quant import (
     QUANTIZED_CACHE_DTYPES,
     KVScales,
+    check_scale,
     parse_kv_cache_dtype,
     resolve_cache_dtype,
 )
@@ -419,6 +420,9 @@ class PagedWorker:
                 roles.add(spec.cache_role)
             cache_dtype = resolve_cache_dtype(spec.dtype, self.cache_dtype, f"layer {name!r}")
             scales = None
+            if cache_dtype not in QUANTIZED_CACHE_DTYPES:  # unused on 16-bit pages, still well formed
+                for what, value in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale)):
+                    check_scale(value, kv_heads, f"layer {name!r} {what}")
             if cache_dtype in QUANTIZED_CACHE_DTYPES:
                 per_head = [
                     s for s in (spec.k_scale, spec.v_scale) if not isinstance(s, (int, float, torch.Tensor))

@@ -187,3 +187,16 @@ def test_one_reading_of_unquantised() -> None:
     assert is_unquantised("fp8_e5m2", bf16) is False  # refused by the parser: not unquantised
     assert resolve_cache_dtype(bf16, bf16, "layer") is None
     assert resolve_cache_dtype(bf16, FP8_E4M3, "layer") is FP8_E4M3
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1", [1.0, 2.0, 3.0]])
+def test_a_malformed_scale_on_16_bit_pages_is_refused_too(bad: object) -> None:
+    from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
+    from diffusion_kv.platforms.cpu import CpuPlatform
+
+    worker = PagedWorker(CpuPlatform(), RunnerConfig(64, 1, 1, 64, device="cpu"))
+    with pytest.raises(
+        ValidationError, match=r"layer 'l0' k_scale must be a finite positive number or 2 of them"
+    ):
+        worker.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 8, torch.float32, k_scale=bad)})  # type: ignore[arg-type]
+    assert worker.layers == {}
