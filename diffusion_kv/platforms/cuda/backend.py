@@ -37,7 +37,6 @@ import torch
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
-from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.platforms.interface import (
@@ -374,13 +373,8 @@ class CudaPagedBackend(TorchSdpaBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md: CudaPagedMetadata = metadata
-        if md.cp_size > 1:
-            raise ValidationError(
-                f"cuda metadata is DCP-sharded (cp_size={md.cp_size}): attention over one rank's keys "
-                "is partial; use forward_partial and merge across the DCP group"
-            )
-        if md.way is not KernelWay.TRITON:
-            return self._gather_sdpa(layer, query, kv_cache, md, out)
+        if md.way is not KernelWay.TRITON or md.cp_size > 1:  # the SDPA way, and the DCP refusal
+            return super().forward(layer, query, kv_cache, md, out)
         result = out if out is not None else torch.empty_like(query)
         self._triton(layer, query, kv_cache, md, result, None)
         return result
