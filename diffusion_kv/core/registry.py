@@ -639,7 +639,7 @@ class RowRegistry:
         installs: list[RowInstall],
         transitions: frozenset[RowTransition],
     ) -> None:
-        """Apply an EXTEND / SLIDE / SEAL snapshot: every check first (sealed tokens written,
+        """Apply an EXTEND / TRUNCATE / SLIDE / SEAL snapshot: every check first (sealed tokens written,
         appended blocks owned by nobody), then the tables, holders and readable spans."""
         rid = snapshot.request_id
         changed = [i for i in installs if i != state.by_identity[i.identity]]
