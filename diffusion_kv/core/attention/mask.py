@@ -180,8 +180,14 @@ class MaskSpec:
         lower: bounds never decrease along a row)."""
         if self.window is None:
             return 0
-        lo, _ = self.bounds(torch.tensor([position]), max(seq_len, position + 1))
-        return int(lo[0])
+        if self.kind is AttentionMode.FULL:
+            raw = max(seq_len, position + 1)
+        elif self.kind is AttentionMode.CHUNK_CAUSAL:
+            chunk = self.chunk or 1
+            raw = (position // chunk + 1) * chunk
+        else:
+            raw = position + 1  # a windowed mask takes no spans: the plain bound (bounds())
+        return max(0, raw - self.window)
 
     # -- retention -----------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diffusion_kv.core.allocation import RequestAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.errors import StateError, ValidationError
@@ -299,7 +299,7 @@ class SessionCache:
         if snapshot is None:
             raise StateError(f"session {session.session_id!r} is not installed on the worker")
         row = snapshot.sequences[0].block_ids[0]
-        fresh = [p for p in releasable if p < len(row) and row[p] >= 0]
+        fresh = [p for p in releasable if p < len(row) and row[p] != NULL_BLOCK]
         if not fresh:
             return None
         return self.allocator.release(session.session_id, None, fresh, install=self.worker.install)
