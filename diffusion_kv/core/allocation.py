@@ -29,6 +29,8 @@ lands there."""
 
 
 def _block_ids(value: object, owner: str) -> BlockIds:
+    if type(value) is tuple and all(type(group) is tuple for group in value):
+        return value  # already normalised (the common case: snapshots built from snapshots)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValidationError(
             f"{owner} block_ids must be a sequence of per-group block id lists; got {value!r}"

@@ -241,6 +241,8 @@ class StagedTable:
         self.gpu = torch.zeros((max_num_reqs, width), dtype=torch.int32, device=device)
         self.width = width
         self._staged: list[tuple[int, int, list[int]]] = []
+        self._host = self.gpu.numpy() if self.gpu.device.type == "cpu" else None
+        """A host table's NumPy view (the same memory): slice writes without torch dispatch."""
 
     def stage_write(self, row: int, start: int, ids: list[int]) -> None:
         self._staged.append((row, start, ids))
@@ -252,8 +254,8 @@ class StagedTable:
         """Apply every staged write (one indexed copy on an accelerator, NumPy slice writes on
         the host), then clear them."""
         staged = [(row, start, ids) for row, start, ids in self._staged if ids]
-        if staged and self.gpu.device.type == "cpu":
-            table = self.gpu.numpy()
+        if staged and self._host is not None:
+            table = self._host
             for row, start, ids in staged:
                 table[row, start : start + len(ids)] = ids
         elif staged:

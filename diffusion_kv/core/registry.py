@@ -60,6 +60,9 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.layout import CacheLayout, cdiv
 
+_INT_ONLY = frozenset({int})
+"""The element types of a valid block-id list (``bool`` is not a block id)."""
+
 Identity = tuple[str, int | None, str | None]
 """``(request_id, sequence_id, context_id)``; exactly one of the last two is not None."""
 
@@ -324,7 +327,7 @@ class RowRegistry:
             # one pass in C for the common, valid case; the loop below names the first offence
             real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
             if real and not (
-                all(type(b) is int for b in real)
+                set(map(type, real)) == _INT_ONLY
                 and min(real) >= 0
                 and max(real) < self.layout.num_blocks
                 and len(set(real)) == len(real)
@@ -467,11 +470,13 @@ class RowRegistry:
                 ids = install.block_ids[g]
                 real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
                 if live.keys().isdisjoint(real) and proposed.keys().isdisjoint(real):
-                    # nobody else holds any of these blocks (the common case): nothing to refuse
-                    for position, block_id in enumerate(ids):
-                        if block_id == NULL_BLOCK:  # a released place: held by nobody
-                            continue
-                        proposed[block_id] = (install.identity, position >= read_only_blocks)
+                    # nobody else holds any of these blocks (the common case): nothing to refuse;
+                    # record them (a released place, NULL_BLOCK, is held by nobody)
+                    shared, written = ids[:read_only_blocks], ids[read_only_blocks:]
+                    if shared:
+                        proposed.update(dict.fromkeys(shared, (install.identity, False)))
+                    proposed.update(dict.fromkeys(written, (install.identity, True)))
+                    proposed.pop(NULL_BLOCK, None)
                     continue
                 for position, block_id in enumerate(ids):
                     if block_id == NULL_BLOCK:
@@ -504,16 +509,26 @@ class RowRegistry:
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
-        previous = bt.num_blocks.cpu[:, rows]  # advanced indexing: a copy
+        counts = getattr(bt.num_blocks, "np", None)  # NumPy view of the host counts, where offered
+        previous = counts[:, rows].copy() if counts is not None else bt.num_blocks.cpu[:, rows]
         try:
             for row, ids in zip(rows, block_ids, strict=True):
                 # a released place reads as the null entry (block 0, as past a row's end)
-                bt.append_block_ids(row, tuple([max(b, 0) for b in group] for group in ids), overwrite=True)
+                bt.append_block_ids(
+                    row,
+                    tuple(
+                        [max(b, 0) for b in group] if NULL_BLOCK in group else list(group) for group in ids
+                    ),
+                    overwrite=True,
+                )
             bt.apply_staged_writes()
         except Exception as exc:
             for table in bt.block_tables:
                 table.clear_staged_writes()
-            bt.num_blocks.cpu[:, rows] = previous
+            if counts is not None:
+                counts[:, rows] = previous
+            else:
+                bt.num_blocks.cpu[:, rows] = previous
             bt.num_blocks.copy_to_uva()
             raise NativeBackendError(
                 f"BlockTables failed while writing rows {rows} ({type(exc).__name__}: {exc}); "
@@ -741,7 +756,12 @@ class RowRegistry:
                     targets.add(entry[0])
             elif entry in self._states:
                 targets.add(entry)
-        doomed = [(identity, row) for identity, row in self._rows.items() if identity[0] in targets]
+        doomed = [
+            (install.identity, self._rows[install.identity])
+            for rid in targets
+            for install in self._states[rid].installs
+            if install.identity in self._rows
+        ]
         rows = [row for _, row in doomed]
         if targets:
             self._bindings.clear()
