@@ -209,3 +209,36 @@ def test_a_cross_attention_step_reads_the_context_pages() -> None:
     )
     ref = dense_attention(q, k, v, torch.ones(6, 5, dtype=torch.bool), D**-0.5)
     torch.testing.assert_close(out.transpose(0, 1).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_adopt_refuses_an_unwritten_donor_a_mismatch_and_install_still_refuses_a_replacement() -> None:
+    from dataclasses import replace
+
+    from diffusion_kv.core.allocation import RequestAllocation
+    from diffusion_kv.core.errors import GenerationError
+
+    cache, pool, _ = make()
+    stream = Stream(cache, "s", branches=1, seed=13)
+    stream.chunk()
+    registry, alloc = cache.worker.registry, cache.allocator
+    assert registry is not None
+    shadow = alloc.shadow("s", "d")
+    assert shadow is not None and pool.num_free == 40 - 4
+    cache.worker.install(shadow)
+    old = registry.snapshot_of("s")
+    assert old is not None
+    swapped = RequestAllocation(
+        "s", alloc.generation + 1, (replace(old.sequences[0], block_ids=shadow.sequences[0].block_ids),)
+    )
+    with pytest.raises(GenerationError, match="conflicting allocation snapshot"):
+        cache.worker.install(swapped)
+    with pytest.raises(StateError, match=r"donor 'd' never wrote tokens \[\(0, 6\)\]"):
+        alloc.adopt("s", "d", install=lambda s: cache.worker.adopt(s, "d"))
+    bad = RequestAllocation("s", alloc.generation + 1, (replace(old.sequences[0], block_ids=((0, 1),)),))
+    with pytest.raises(ValidationError, match="take donor 'd'"):
+        cache.worker.adopt(bad, "d")
+    assert registry.snapshot_of("s") == old and registry.snapshot_of("d") == shadow and pool.num_free == 36
+    alloc.free("d")
+    cache.worker.retire("d", alloc.generation)
+    cache.end_session(stream.session)
+    assert pool.num_free == pool.num_total
