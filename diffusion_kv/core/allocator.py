@@ -719,14 +719,17 @@ class DiffusionKVAllocator:
                 target_len=s.seq_len,
                 cached_prefix_len=0,
                 context_ids=(),
-                block_ids=(tuple(NULL_BLOCK if b == NULL_BLOCK else next(fresh) for b in row),) * self.num_groups,
+                block_ids=(tuple(NULL_BLOCK if b == NULL_BLOCK else next(fresh) for b in row),)
+                * self.num_groups,
             )
             for s, row in zip(res.allocation.sequences, rows, strict=True)
         )
         request = KVRequest(shadow_id, tuple(SequenceRequest(s.sequence_id, 0, s.seq_len) for s in sequences))
         self._generation += 1
         allocation = RequestAllocation(shadow_id, self._generation, sequences)
-        self._reserved[shadow_id] = _Reservation(request, allocation, list(taken), list(taken), [[] for _ in rows])
+        self._reserved[shadow_id] = _Reservation(
+            request, allocation, list(taken), list(taken), [[] for _ in rows]
+        )
         return allocation
 
     def adopt(
@@ -740,7 +743,9 @@ class DiffusionKVAllocator:
         res, _ = self._reservation_rows("adopt", request_id, None)
         donor, _ = self._reservation_rows("adopt", donor_id, None)
         if res.held and any(res.held):
-            raise ValidationError(f"request {request_id!r} holds cached prefix blocks; adopt replaces own blocks only")
+            raise ValidationError(
+                f"request {request_id!r} holds cached prefix blocks; adopt replaces own blocks only"
+            )
         theirs = {s.sequence_id: s for s in donor.allocation.sequences}
         sequences = []
         for s in res.allocation.sequences:

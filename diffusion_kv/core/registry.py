@@ -617,8 +617,11 @@ class RowRegistry:
                 f"installed {state.generation}"
             )
         old, given = state.snapshot, source.snapshot
-        if old.contexts or snapshot.contexts or given.contexts or not (
-            len(old.sequences) == len(snapshot.sequences) == len(given.sequences)
+        if (
+            old.contexts
+            or snapshot.contexts
+            or given.contexts
+            or not (len(old.sequences) == len(snapshot.sequences) == len(given.sequences))
         ):
             raise ValidationError(
                 f"adopt of request {rid!r} from {donor!r}: the rows must match one to one (sequences only)"
