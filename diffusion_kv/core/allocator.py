@@ -692,6 +692,78 @@ class DiffusionKVAllocator:
         self._give_back(res, dropped)
         return snapshot
 
+    def shadow(self, request_id: str, shadow_id: str) -> RequestAllocation | None:
+        """Reserve ``shadow_id``: rows with ``request_id``'s sequence ids, lengths and released
+        places (``NULL_BLOCK``), a fresh block at every live place (a re-cache writes there while
+        ``request_id`` keeps its KV). None when the pool or the worker rows are short (nothing
+        taken); hand the result to the worker's ``install`` and, at the end, to :meth:`adopt` or
+        :meth:`free`."""
+        res, _ = self._reservation_rows("shadow", request_id, None)
+        _check_id(shadow_id, "shadow")
+        if shadow_id in self._reserved:
+            raise ValidationError(f"shadow request {shadow_id!r} is reserved already")
+        if res.allocation.contexts:
+            raise ValidationError(f"request {request_id!r} has contexts; a shadow copies sequences only")
+        rows = [s.block_ids[0] for s in res.allocation.sequences]
+        need = sum(1 for row in rows for b in row if b != NULL_BLOCK)
+        if len(rows) > self.free_rows:
+            return None
+        taken = self.pool.allocate(need) if need else []
+        if taken is None:
+            return None
+        fresh = iter(taken)
+        sequences = tuple(
+            replace(
+                s,
+                prefix_len=0,
+                target_len=s.seq_len,
+                cached_prefix_len=0,
+                context_ids=(),
+                block_ids=(tuple(NULL_BLOCK if b == NULL_BLOCK else next(fresh) for b in row),)
+                * self.num_groups,
+            )
+            for s, row in zip(res.allocation.sequences, rows, strict=True)
+        )
+        request = KVRequest(shadow_id, tuple(SequenceRequest(s.sequence_id, 0, s.seq_len) for s in sequences))
+        self._generation += 1
+        allocation = RequestAllocation(shadow_id, self._generation, sequences)
+        self._reserved[shadow_id] = _Reservation(
+            request, allocation, list(taken), list(taken), [[] for _ in rows]
+        )
+        return allocation
+
+    def adopt(
+        self, request_id: str, donor_id: str, install: Callable[[RequestAllocation], object] | None = None
+    ) -> RequestAllocation:
+        """Give ``request_id``'s rows the blocks of its shadow ``donor_id`` (:meth:`shadow`): a
+        snapshot one generation newer, handed to ``install`` (the worker's ``adopt``: a REPLACE;
+        an exception leaves the allocator unchanged and propagates); then the request's old
+        blocks go back to the pool and the donor's reservation ends (its blocks are the
+        request's now)."""
+        res, _ = self._reservation_rows("adopt", request_id, None)
+        donor, _ = self._reservation_rows("adopt", donor_id, None)
+        if res.held and any(res.held):
+            raise ValidationError(
+                f"request {request_id!r} holds cached prefix blocks; adopt replaces own blocks only"
+            )
+        theirs = {s.sequence_id: s for s in donor.allocation.sequences}
+        sequences = []
+        for s in res.allocation.sequences:
+            d = theirs.get(s.sequence_id)
+            if d is None or d.seq_len != s.seq_len:
+                raise ValidationError(
+                    f"adopt: donor {donor_id!r} has no sequence {s.sequence_id} of {s.seq_len} tokens for "
+                    f"request {request_id!r}"
+                )
+            sequences.append(replace(s, block_ids=d.block_ids))
+        snapshot = self._publish_rows(res, sequences, install)
+        old = res.private
+        res.private = list(donor.private)
+        res.block_ids = list(donor.block_ids)
+        del self._reserved[donor_id]
+        self.pool.free(old)
+        return snapshot
+
     def free(self, request_id: str) -> int:
         """Release a request's blocks (idempotent): its own blocks go back to the pool, its
         references to cached blocks are dropped. Returns how many blocks went back to the pool."""

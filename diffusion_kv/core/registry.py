@@ -48,8 +48,9 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 
-from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.block_tables import BlockTables
 from diffusion_kv.core.errors import (
     GenerationError,
@@ -118,6 +119,7 @@ class RowTransition(enum.Enum):
     TRUNCATE = "truncate"
     SLIDE = "slide"
     SEAL = "seal"
+    REPLACE = "replace"
     REMOVE = "remove"
 
 
@@ -609,6 +611,64 @@ class RowRegistry:
             )
         return self.install(snapshot)
 
+    def adopt(self, snapshot: RequestAllocation, donor: str) -> bool:
+        """REPLACE: take ``snapshot`` -- one generation newer than the installed one, the same
+        rows, lengths and released places, other blocks at the live places -- where those blocks
+        are exactly the rows of the installed request ``donor`` (same sequence ids, lengths and
+        released places), whose rows wrote every token ``snapshot``'s rows can read now. Every
+        check runs first; then the donor's rows are removed and the request's rows point at the
+        donor's blocks with their readable spans unchanged (a re-cache's commit: the donor was a
+        shadow row the host recomputed). Returns False (rows changed, none added)."""
+        if self.mode is not KVCacheMode.PAGED:
+            raise StateError("paged KV rows are not available in dense mode")
+        installs = self._prepare(snapshot)
+        rid = snapshot.request_id
+        state, source = self._states.get(rid), self._states.get(donor) if type(donor) is str else None
+        if state is None or source is None or donor == rid:
+            raise StateError(f"adopt: request {rid!r} and a different donor {donor!r} must both be installed")
+        if snapshot.allocation_generation <= state.generation:
+            raise GenerationError(
+                f"adopt of request {rid!r}: generation {snapshot.allocation_generation} is not newer than the "
+                f"installed {state.generation}"
+            )
+        old, given = state.snapshot, source.snapshot
+        if (
+            old.contexts
+            or snapshot.contexts
+            or given.contexts
+            or not (len(old.sequences) == len(snapshot.sequences) == len(given.sequences))
+        ):
+            raise ValidationError(
+                f"adopt of request {rid!r} from {donor!r}: the rows must match one to one (sequences only)"
+            )
+        for a, b, d in zip(old.sequences, snapshot.sequences, given.sequences, strict=True):
+            if replace_ids(a) != replace_ids(b) or (d.sequence_id, d.seq_len, d.block_ids) != (
+                b.sequence_id,
+                b.seq_len,
+                b.block_ids,
+            ):
+                raise ValidationError(
+                    f"adopt of request {rid!r} sequence {b.sequence_id}: the new snapshot must keep the row's "
+                    f"lengths and take donor {donor!r}'s blocks {d.block_ids!r} exactly"
+                )
+            for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
+                if [x == NULL_BLOCK for x in old_ids] != [x == NULL_BLOCK for x in new_ids]:
+                    raise ValidationError(
+                        f"adopt of request {rid!r} sequence {b.sequence_id}: released places differ "
+                        f"({old_ids!r} vs {new_ids!r})"
+                    )
+            readable = self.written_spans((rid, b.sequence_id, None))
+            donor_spans = self.written_spans((donor, d.sequence_id, None))
+            gap = tuple(g for a0, b0 in readable for g in missing_spans(donor_spans, a0, b0))
+            if gap:
+                raise StateError(
+                    f"adopt of request {rid!r} sequence {b.sequence_id}: donor {donor!r} never wrote tokens "
+                    f"{list(gap)} the row reads"
+                )
+        self.remove(donor)  # the donor's blocks are the rows' now (a failure below keeps the old rows)
+        self._update(state, snapshot, installs, frozenset({RowTransition.REPLACE}))
+        return False
+
     @staticmethod
     def _transitions(old: RequestAllocation, new: RequestAllocation) -> frozenset[RowTransition] | None:
         """What a newer snapshot does to the installed rows, or None when it is none of the
@@ -859,6 +919,11 @@ class RowRegistry:
             )
             return binding
         raise StateError(f"registry state is missing the logical length of {identity!r}")
+
+
+def replace_ids(seq: SequenceAllocation) -> SequenceAllocation:
+    """``seq`` without its block ids (what a REPLACE keeps)."""
+    return dc_replace(seq, block_ids=())
 
 
 def removal_entries(requests: object) -> list[str | tuple[str, int]]:

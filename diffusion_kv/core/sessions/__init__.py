@@ -5,6 +5,23 @@ reserved, written by the host's denoise steps, then committed (retention release
 of the window) or aborted (the session exactly as before the chunk). See :mod:`.cache`.
 """
 
-from diffusion_kv.core.sessions.cache import Chunk, ChunkState, Session, SessionCache, SessionPolicy
+from diffusion_kv.core.sessions.cache import (
+    Chunk,
+    ChunkState,
+    RecachePass,
+    Session,
+    SessionCache,
+    SessionPolicy,
+)
+from diffusion_kv.core.sessions.contexts import Context, SessionContexts
 
-__all__ = ["Chunk", "ChunkState", "Session", "SessionCache", "SessionPolicy"]
+__all__ = [
+    "Chunk",
+    "ChunkState",
+    "Context",
+    "RecachePass",
+    "Session",
+    "SessionCache",
+    "SessionContexts",
+    "SessionPolicy",
+]

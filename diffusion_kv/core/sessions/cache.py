@@ -21,16 +21,19 @@ scheduler-side allocator, with the policy as data (:class:`SessionPolicy`):
 
 Positions stay on the host's absolute timeline: chunk ``i`` covers ``[i * chunk, (i + 1) *
 chunk)`` whatever was released. Committed KV changes only at ``commit``; the pool is whole again
-after every session ends, fails or aborts. Not here yet (the sessions issue): cross-attention
-context pools, prompt re-caching, many sessions in one scheduler step beside one-shot requests,
-offload to host memory, reset-at-boundary.
+after every session ends, fails or aborts. Also: cross-attention contexts per session
+(:mod:`.contexts`, ``set_context`` / ``context_kv``), re-cache under new conditioning
+(``begin_recache`` / ``commit_recache`` / ``abort_recache``: a shadow row swapped in by a REPLACE),
+``SessionPolicy.reset_at_boundary`` and ``reset(session)``; ``docs/sessions.md`` is the host's guide.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
@@ -40,6 +43,7 @@ from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import missing_spans
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker
+from diffusion_kv.core.sessions.contexts import SessionContexts
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class SessionPolicy:
     """Earlier chunks a chunk sees besides the sink (None: every earlier chunk, nothing slides)."""
     sink_chunks: int = 0
     """Leading chunks every chunk sees and no slide releases (moot without a window)."""
+    reset_at_boundary: bool = False
+    """vLLM-Omni's ``reset_at_boundary``: at every commit the committed KV past the sink is
+    dropped (its blocks back to the pool at once); the next chunk sees the sink and itself, at
+    its absolute position. ``window_chunks`` must then be None or 0."""
 
     def __post_init__(self) -> None:
         if type(self.chunk_tokens) is not int or self.chunk_tokens <= 0:
@@ -64,16 +72,25 @@ class SessionPolicy:
             )
         if type(self.sink_chunks) is not int or self.sink_chunks < 0:
             raise ValidationError(f"SessionPolicy.sink_chunks must be an int >= 0; got {self.sink_chunks!r}")
+        if type(self.reset_at_boundary) is not bool:
+            raise ValidationError(
+                f"SessionPolicy.reset_at_boundary must be a bool; got {self.reset_at_boundary!r}"
+            )
+        if self.reset_at_boundary and self.window_chunks:
+            raise ValidationError(
+                f"SessionPolicy.reset_at_boundary keeps only the sink past each commit; window_chunks must be None or 0, "
+                f"got {self.window_chunks}"
+            )
 
     @property
     def mask(self) -> MaskSpec:
         """The layers' mask: chunk-causal by chunks, the window counting the chunk itself."""
-        if self.window_chunks is None:
+        if self.window_chunks is None and not self.reset_at_boundary:
             return MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=self.chunk_tokens)
         return MaskSpec(
             AttentionMode.CHUNK_CAUSAL,
             chunk=self.chunk_tokens,
-            window=(self.window_chunks + 1) * self.chunk_tokens,
+            window=((self.window_chunks or 0) + 1) * self.chunk_tokens,
             sink=self.sink_chunks * self.chunk_tokens,
         )
 
@@ -121,12 +138,43 @@ class Session:
     ended: bool = False
     history: list[int] = field(default_factory=list)
     """Blocks held after each commit (KV memory over the session, for reports)."""
+    recache: RecachePass | None = None
+    """The re-cache pass in progress (:meth:`SessionCache.begin_recache`)."""
+
+
+@dataclass
+class RecachePass:
+    """A re-cache of a session's committed KV under new conditioning (LongLive's prompt
+    switch): a shadow request ``shadow_id`` with the session's lengths and released places and
+    fresh blocks, which the host's one forward over :meth:`rows` writes (the same absolute
+    positions, the layers' chunk-causal mask inside the pass), and the ``contexts`` staged to
+    replace the session's at commit (write them over :meth:`context_rows`)."""
+
+    session_id: str
+    shadow_id: str
+    tokens: int
+    branches: int
+    contexts: tuple[str, ...] = ()
+    done: bool = False
+
+    def rows(self) -> tuple[PagedRow, ...]:
+        """One row per branch writing every committed token ``[0, tokens)`` of the shadow."""
+        return tuple(
+            PagedRow(self.shadow_id, self.tokens, self.tokens, 0, sequence_id=b) for b in range(self.branches)
+        )
 
 
 class SessionCache:
     """Sessions on one worker and its allocator (module docstring)."""
 
-    def __init__(self, worker: PagedWorker, allocator: DiffusionKVAllocator, policy: SessionPolicy) -> None:
+    def __init__(
+        self,
+        worker: PagedWorker,
+        allocator: DiffusionKVAllocator,
+        policy: SessionPolicy,
+        *,
+        contexts: SessionContexts | None = None,
+    ) -> None:
         if not isinstance(worker, PagedWorker) or worker.layout is None:
             raise ValidationError("SessionCache takes a PagedWorker whose KV cache is initialised")
         if not isinstance(allocator, DiffusionKVAllocator):
@@ -150,7 +198,12 @@ class SessionCache:
         self.worker = worker
         self.allocator = allocator
         self.policy = policy
+        if contexts is not None and not isinstance(contexts, SessionContexts):
+            raise ValidationError(
+                f"SessionCache contexts must be a SessionContexts or None; got {type(contexts).__name__}"
+            )
         self.mask = mask
+        self.contexts = contexts
         self._sessions: dict[str, Session] = {}
 
     # -- sessions ------------------------------------------------------------------------------
@@ -182,14 +235,180 @@ class SessionCache:
         """Retire the worker's rows for good and free every block (an open chunk is aborted
         with the rest)."""
         self._own(session)
+        self._drop_kv(session)
+        if self.contexts is not None:
+            self.contexts.release_session(session.session_id)
+        session.ended = True
+        del self._sessions[session.session_id]
+
+    def reset(self, session: Session, keep_contexts: Iterable[str] = ()) -> None:
+        """Start the session over (vLLM-Omni's session ``reset``): an open chunk or re-cache is
+        aborted, every committed block goes back to the pool at once, the contexts not named in
+        ``keep_contexts`` are released, and the next chunk starts again at position 0."""
+        self._own(session)
+        keep = tuple(keep_contexts)
+        if self.contexts is not None:
+            unknown = sorted(set(keep) - set(self.contexts.names(session.session_id)))
+            if unknown:
+                raise ValidationError(f"session {session.session_id!r} has no contexts {unknown} to keep")
+        elif keep:
+            raise ValidationError(f"session {session.session_id!r} has no contexts to keep: {list(keep)}")
+        self._drop_kv(session)
+        if self.contexts is not None:
+            self.contexts.release_session(session.session_id, keep)
+        session.committed_tokens = 0
+        session.chunks_committed = 0
+
+    def _drop_kv(self, session: Session) -> None:
+        """Abort the open chunk and re-cache, retire the rows and free every block."""
+        if session.recache is not None:
+            self.abort_recache(session.recache)
         if session.reserved:
             self.worker.retire(session.session_id, self.allocator.generation)
             self.allocator.free(session.session_id)
+            session.reserved = False
         if session.open_chunk is not None:
             session.open_chunk.state = ChunkState.ABORTED
             session.open_chunk = None
-        session.ended = True
-        del self._sessions[session.session_id]
+
+    # -- contexts ------------------------------------------------------------------------------
+
+    def _contexts(self) -> SessionContexts:
+        if self.contexts is None:
+            raise StateError(
+                "this SessionCache has no cross-attention contexts: pass contexts=SessionContexts(...)"
+            )
+        return self.contexts
+
+    def set_context(self, session: Session, name: str, tokens: int) -> tuple[PagedRow, ...] | None:
+        """Reserve the session's context ``name`` (``tokens`` keys, one row per branch; write-
+        once) and return the rows the host's forward over the context worker writes; None when
+        its pool is short (nothing taken)."""
+        self._own(session)
+        context = self._contexts().set(session.session_id, name, tokens, session.branches)
+        return context.rows() if context is not None else None
+
+    def context_rows(self, session: Session, name: str) -> tuple[PagedRow, ...]:
+        """The rows of a written context (:class:`StateError` while any token is unwritten)."""
+        self._own(session)
+        return self._contexts().written(session.session_id, name).rows()
+
+    def context_kv(
+        self, session: Session, name: str, layer: str, branch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A written context's keys and values of one cross-attention layer, gathered from its
+        pages (:meth:`SessionContexts.kv`)."""
+        self._own(session)
+        return self._contexts().kv(session.session_id, name, layer, branch)
+
+    def release_context(self, session: Session, name: str) -> None:
+        """Release a context now (its blocks back to the pool); ``set_context`` may write it again."""
+        self._own(session)
+        self._contexts().get(session.session_id, name)
+        self._contexts().release(session.session_id, name)
+
+    # -- re-cache ------------------------------------------------------------------------------
+
+    def begin_recache(
+        self, session: Session, contexts: Mapping[str, int] | None = None
+    ) -> RecachePass | None:
+        """Open a re-cache of every committed token (LongLive's prompt switch): a shadow with fresh
+        blocks, plus new contexts (``name -> tokens``) staged to replace the session's. The host
+        runs one forward over ``pass.rows()`` (and writes each staged context over
+        ``pass.context_rows(name)``), then :meth:`commit_recache` or :meth:`abort_recache`. None
+        when a pool is short (nothing taken)."""
+        self._own(session)
+        sid = session.session_id
+        if session.open_chunk is not None or session.recache is not None:
+            raise StateError(f"session {sid!r} has a chunk or a re-cache open: commit or abort it first")
+        if session.committed_tokens == 0:
+            raise StateError(f"session {sid!r} has no committed KV to re-cache")
+        staged = dict(contexts or {})
+        if staged:
+            known = self._contexts().names(sid)
+            unknown = sorted(set(staged) - set(known))
+            if unknown:
+                raise ValidationError(
+                    f"session {sid!r} re-cache: no contexts {unknown} to replace (has {list(known)})"
+                )
+        snapshot = self.worker.registry.snapshot_of(sid) if self.worker.registry is not None else None
+        released = (
+            [p for p, b in enumerate(snapshot.sequences[0].block_ids[0]) if b == NULL_BLOCK]
+            if snapshot
+            else []
+        )
+        if released:
+            raise NotImplementedError(
+                f"re-cache of session {sid!r} after its window slid (places {released} released): a pass whose "
+                "rows read only the live keys needs block plans that skip released places in the translator"
+            )
+        shadow_id = f"{sid}/recache"
+        shadow = self.allocator.shadow(sid, shadow_id)
+        if shadow is None:
+            return None
+        self._install_or_free(shadow)
+        recache = RecachePass(sid, shadow_id, session.committed_tokens, session.branches, tuple(staged))
+        for name, tokens in staged.items():
+            if self._contexts().stage(sid, name, tokens, session.branches) is None:
+                self._drop_shadow(recache)
+                return None
+        session.recache = recache
+        return recache
+
+    def recache_context_rows(self, recache: RecachePass, name: str) -> tuple[PagedRow, ...]:
+        """The rows that write the staged context ``name`` of an open re-cache."""
+        self._open_recache(recache)
+        return self._contexts().get(recache.session_id, name, staged=True).rows()
+
+    def commit_recache(self, recache: RecachePass) -> RequestAllocation:
+        """Swap the re-cached KV in (the shadow's blocks replace the session's at every live
+        place, a REPLACE; the old blocks back to the pool) and the staged contexts; refused
+        (:class:`StateError`, nothing changes) while any token of the shadow or of a staged
+        context is unwritten."""
+        session = self._open_recache(recache)
+        for b in range(recache.branches):
+            gap = missing_spans(self.worker.resolve(recache.shadow_id, b).written, 0, recache.tokens)
+            if gap:
+                raise StateError(
+                    f"re-cache of session {recache.session_id!r} branch {b}: tokens {list(gap)} were never written; "
+                    "run a forward over pass.rows() before committing"
+                )
+        for name in recache.contexts:
+            gaps = self._contexts().unwritten(self._contexts().get(recache.session_id, name, staged=True))
+            if gaps:
+                raise StateError(
+                    f"re-cache of session {recache.session_id!r}: staged context {name!r} (branch, tokens) {gaps} "
+                    "were never written"
+                )
+        snapshot = self.allocator.adopt(
+            recache.session_id, recache.shadow_id, install=lambda s: self.worker.adopt(s, recache.shadow_id)
+        )
+        if recache.contexts:
+            self._contexts().swap(recache.session_id, recache.contexts)
+        recache.done = True
+        session.recache = None
+        return snapshot
+
+    def abort_recache(self, recache: RecachePass) -> None:
+        """Drop the shadow and the staged contexts: the session's KV and contexts as before."""
+        session = self._open_recache(recache)
+        self._drop_shadow(recache)
+        recache.done = True
+        session.recache = None
+
+    def _drop_shadow(self, recache: RecachePass) -> None:
+        self.worker.retire(recache.shadow_id, self.allocator.generation)
+        self.allocator.free(recache.shadow_id)
+        if self.contexts is not None:
+            self.contexts.drop_staged(recache.session_id)
+
+    def _open_recache(self, recache: RecachePass) -> Session:
+        if not isinstance(recache, RecachePass):
+            raise ValidationError(f"expected a RecachePass; got {type(recache).__name__}")
+        session = self._sessions.get(recache.session_id)
+        if session is None or session.recache is not recache:
+            raise StateError(f"re-cache {recache.shadow_id!r} of session {recache.session_id!r} is not open")
+        return session
 
     # -- chunks --------------------------------------------------------------------------------
 
@@ -201,6 +420,8 @@ class SessionCache:
             raise StateError(
                 f"session {session.session_id!r} has chunk {session.open_chunk.index} open: commit or abort it first"
             )
+        if session.recache is not None:
+            raise StateError(f"session {session.session_id!r} has a re-cache open: commit or abort it first")
         tokens = self.policy.chunk_tokens
         start = session.committed_tokens
         sid = session.session_id
@@ -309,10 +530,10 @@ class SessionCache:
         window and the chunk, each rounded out to whole blocks, plus one block a chunk boundary
         inside a block may straddle."""
         p, block = self.policy, self.allocator.block_size
-        if p.window_chunks is None:
+        if p.window_chunks is None and not p.reset_at_boundary:
             raise ValidationError("a session without a window keeps every chunk: its KV is unbounded")
         return (
             cdiv(p.sink_chunks * p.chunk_tokens, block)
-            + cdiv((p.window_chunks + 1) * p.chunk_tokens, block)
+            + cdiv(((p.window_chunks or 0) + 1) * p.chunk_tokens, block)
             + 1
         )

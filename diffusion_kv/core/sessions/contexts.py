@@ -1,0 +1,216 @@
+"""Cross-attention contexts of sessions (text, image, action): paged KV of their own.
+
+A :class:`SessionContexts` runs on a worker of its own whose layers are the model's
+cross-attention layers, all FULL attention (non-causal, no spans, no window), and its own
+allocator. A context is one request on that worker, one row per CFG branch, ``tokens`` long:
+
+* ``set(session_id, name, tokens, branches)`` reserves and installs it and returns its rows; the
+  host runs one forward over them (each cross-attention layer's K/V projections of the context;
+  the attention output of that pass is not needed) -- write-once: a second ``set`` of a live
+  name is a :class:`StateError` (a re-cache stages a new one instead, :meth:`stage`);
+* ``kv(session_id, name, layer, branch)`` gathers the context's K/V pages of one layer (every
+  denoise step's cross-attention reads them), refused until every layer wrote every token;
+* ``release`` / ``release_session`` return its blocks to the pool at once.
+
+:class:`~diffusion_kv.core.sessions.cache.SessionCache` owns one (its ``contexts`` keyword) and
+releases a session's contexts with the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
+from diffusion_kv.core.backend import KVPageLayout
+from diffusion_kv.core.batch import key_value_caches
+from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.kv_quant import QUANTIZED_CACHE_DTYPES
+from diffusion_kv.core.registry import missing_spans
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import PagedWorker
+
+FULL = MaskSpec.of(AttentionMode.FULL)
+
+
+@dataclass(frozen=True)
+class Context:
+    """One written-once context: ``tokens`` keys per branch in request ``request_id``."""
+
+    session_id: str
+    name: str
+    request_id: str
+    tokens: int
+    branches: int
+
+    def rows(self) -> tuple[PagedRow, ...]:
+        """One row per branch writing (and attending over) the whole context."""
+        return tuple(
+            PagedRow(self.request_id, self.tokens, self.tokens, 0, sequence_id=b)
+            for b in range(self.branches)
+        )
+
+
+class SessionContexts:
+    """Contexts of sessions on one FULL-attention worker and its allocator (module docstring)."""
+
+    def __init__(self, worker: PagedWorker, allocator: DiffusionKVAllocator) -> None:
+        if not isinstance(worker, PagedWorker) or worker.layout is None:
+            raise ValidationError("SessionContexts takes a PagedWorker whose KV cache is initialised")
+        if not isinstance(allocator, DiffusionKVAllocator):
+            raise ValidationError(
+                f"SessionContexts takes a DiffusionKVAllocator; got {type(allocator).__name__}"
+            )
+        others = [g.spec.mask.describe() for g in worker.layout.groups if g.spec.mask != FULL]
+        if others:
+            raise ValidationError(
+                f"context layers attend with full attention (non-causal, no spans); the worker's attend with {others}"
+            )
+        if allocator.block_size != worker.layout.groups[0].block_size:
+            raise ValidationError(
+                f"allocator block size {allocator.block_size} differs from the worker's "
+                f"{worker.layout.groups[0].block_size}"
+            )
+        self.worker = worker
+        self.allocator = allocator
+        self._live: dict[tuple[str, str], Context] = {}
+        self._staged: dict[tuple[str, str], Context] = {}
+        self._serial = 0
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def set(self, session_id: str, name: str, tokens: int, branches: int) -> Context | None:
+        """Reserve and install a new context (write-once); None when the pool is short."""
+        if (session_id, name) in self._live:
+            raise StateError(
+                f"context {name!r} of session {session_id!r} is written already (write-once; a re-cache replaces it)"
+            )
+        return self._reserve(session_id, name, tokens, branches, self._live)
+
+    def stage(self, session_id: str, name: str, tokens: int, branches: int) -> Context | None:
+        """A context that replaces ``name`` at :meth:`swap` (a re-cache's); None when short."""
+        if (session_id, name) in self._staged:
+            raise StateError(f"context {name!r} of session {session_id!r} is staged already")
+        return self._reserve(session_id, name, tokens, branches, self._staged)
+
+    def _reserve(
+        self, session_id: str, name: str, tokens: int, branches: int, into: dict[tuple[str, str], Context]
+    ) -> Context | None:
+        if type(name) is not str or not name:
+            raise ValidationError(f"a context name is a non-empty string; got {name!r}")
+        if type(tokens) is not int or tokens <= 0:
+            raise ValidationError(
+                f"context {name!r} of session {session_id!r}: tokens must be a positive int; got {tokens!r}"
+            )
+        self._serial += 1
+        rid = f"{session_id}/ctx/{name}/{self._serial}"
+        request = KVRequest(rid, tuple(SequenceRequest(b, 0, tokens) for b in range(branches)))
+        snapshot = self.allocator.reserve(request)  # AdmissionError: it can never fit
+        if snapshot is None:
+            return None
+        try:
+            self.worker.install(snapshot)
+        except BaseException:
+            self.allocator.free(rid)
+            raise
+        context = Context(session_id, name, rid, tokens, branches)
+        into[(session_id, name)] = context
+        return context
+
+    def swap(self, session_id: str, names: Iterable[str]) -> None:
+        """The staged contexts ``names`` become the live ones (the old ones released)."""
+        for name in names:
+            staged = self._staged.pop((session_id, name))
+            old = self._live.pop((session_id, name), None)
+            if old is not None:
+                self._free(old)
+            self._live[(session_id, name)] = staged
+
+    def drop_staged(self, session_id: str) -> None:
+        for key in [k for k in self._staged if k[0] == session_id]:
+            self._free(self._staged.pop(key))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get(self, session_id: str, name: str, *, staged: bool = False) -> Context:
+        found = (self._staged if staged else self._live).get((session_id, name))
+        if found is None:
+            raise ValidationError(
+                f"session {session_id!r} has no {'staged ' if staged else ''}context {name!r}"
+            )
+        return found
+
+    def names(self, session_id: str) -> tuple[str, ...]:
+        return tuple(n for s, n in self._live if s == session_id)
+
+    def unwritten(self, context: Context) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+        """``(branch, token spans)`` of the context that no forward wrote yet."""
+        gaps = []
+        for b in range(context.branches):
+            gap = missing_spans(self.worker.resolve(context.request_id, b).written, 0, context.tokens)
+            if gap:
+                gaps.append((b, gap))
+        return gaps
+
+    def written(self, session_id: str, name: str) -> Context:
+        context = self.get(session_id, name)
+        gaps = self.unwritten(context)
+        if gaps:
+            raise StateError(
+                f"context {name!r} of session {session_id!r}: (branch, tokens) {gaps} were never written; run a "
+                "forward over its rows first"
+            )
+        return context
+
+    def kv(
+        self, session_id: str, name: str, layer: str, branch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's keys and values of ``layer`` for ``branch``, ``[tokens, Hkv, D]`` each,
+        gathered from its pages (fresh tensors)."""
+        context = self.written(session_id, name)
+        geometry = self.worker.layers.get(layer)
+        if geometry is None:
+            raise ValidationError(
+                f"context worker has no layer {layer!r}; layers: {sorted(self.worker.layers)}"
+            )
+        if type(branch) is not int or not 0 <= branch < context.branches:
+            raise ValidationError(
+                f"context {name!r} of session {session_id!r} has branches [0, {context.branches}); got {branch!r}"
+            )
+        if geometry.cache_dtype in QUANTIZED_CACHE_DTYPES or self.worker.config.cp_size > 1:
+            raise NotImplementedError(
+                f"reading context {name!r} of layer {layer!r}: gathering fp8 pages or DCP-sharded pages is not implemented"
+            )
+        tables = self.worker.block_tables
+        assert tables is not None
+        ratio = tables.blocks_per_kv_block[0]
+        ids = self.worker.resolve(context.request_id, branch).block_ids[0]
+        kernel = torch.tensor([b * ratio + k for b in ids for k in range(ratio)], dtype=torch.long)
+        keys, values = key_value_caches(self.worker.kv_caches[layer])
+        if self.worker.backends[0].page_layout is KVPageLayout.HEAD_FIRST:
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        kernel = kernel.to(keys.device)
+        shape = (-1, geometry.num_kv_heads, geometry.head_size)
+        return (
+            keys.index_select(0, kernel).reshape(shape)[: context.tokens],
+            values.index_select(0, kernel).reshape(shape)[: context.tokens],
+        )
+
+    # -- release -------------------------------------------------------------------------------
+
+    def release(self, session_id: str, name: str) -> None:
+        self._free(self._live.pop((session_id, name)))
+
+    def release_session(self, session_id: str, keep: Iterable[str] = ()) -> None:
+        """Release every context of ``session_id`` (staged ones too) except the live ``keep``."""
+        kept = set(keep)
+        self.drop_staged(session_id)
+        for key in [k for k in self._live if k[0] == session_id and k[1] not in kept]:
+            self._free(self._live.pop(key))
+
+    def _free(self, context: Context) -> None:
+        self.worker.retire(context.request_id, self.allocator.generation)
+        self.allocator.free(context.request_id)

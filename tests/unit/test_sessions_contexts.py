@@ -1,0 +1,244 @@
+"""Sessions: cross-attention contexts, re-cache (shadow row + REPLACE), reset_at_boundary and
+reset, on the cpu reference, against dense bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
+from diffusion_kv.conformance.reference import dense_attention
+from diffusion_kv.core.allocation import NULL_BLOCK
+from diffusion_kv.core.attention import AttentionMode
+from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.registry import RowTransition
+from diffusion_kv.core.runner import PagedWorker, RunnerConfig
+from diffusion_kv.core.sessions import SessionCache, SessionContexts, SessionPolicy
+from diffusion_kv.platforms.cpu import CpuPlatform
+from tests.unit.test_sessions import BLOCK, D, H, Stream
+
+UNBOUNDED = SessionPolicy(chunk_tokens=6)
+
+
+def make(
+    policy: SessionPolicy = UNBOUNDED, blocks: int = 40, ctx_blocks: int = 12
+) -> tuple[SessionCache, FreeListPool, FreeListPool]:
+    worker = PagedWorker(CpuPlatform(), RunnerConfig(96, 2, 4, 96, device="cpu"))
+    worker.register_kv_cache_layers(
+        {f"l{i}": PagedLayerSpec(H, H, D, torch.float32, mode=policy.mask) for i in range(2)}
+    )
+    worker.initialize_kv_cache(num_blocks=blocks, block_size=BLOCK)
+    pool = FreeListPool(blocks)
+    alloc = DiffusionKVAllocator(
+        block_size=BLOCK, max_model_len=96, max_rows_per_request=2, worker_rows=4, pool=pool
+    )
+    cw = PagedWorker(CpuPlatform(), RunnerConfig(32, 2, 4, 64, device="cpu"))
+    cw.register_kv_cache_layers({"x0": PagedLayerSpec(H, H, D, torch.float32, mode=AttentionMode.FULL)})
+    cw.initialize_kv_cache(num_blocks=ctx_blocks, block_size=BLOCK)
+    cpool = FreeListPool(ctx_blocks)
+    calloc = DiffusionKVAllocator(
+        block_size=BLOCK, max_model_len=32, max_rows_per_request=2, worker_rows=4, pool=cpool
+    )
+    return SessionCache(worker, alloc, policy, contexts=SessionContexts(cw, calloc)), pool, cpool
+
+
+def write_context(cache: SessionCache, rows: tuple, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(seed)
+    worker = cache.contexts.worker  # type: ignore[union-attr]
+    T = sum(r.query_len for r in rows)
+    k, v = torch.randn(T, H, D, generator=gen), torch.randn(T, H, D, generator=gen)
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(rows)
+        worker.forward("x0", k, k, v)
+    n = rows[0].query_len
+    return [(k[b * n : (b + 1) * n], v[b * n : (b + 1) * n]) for b in range(len(rows))]
+
+
+def test_a_context_is_written_once_read_from_its_pages_and_released_with_the_session() -> None:
+    cache, _, cpool = make()
+    stream = Stream(cache, "s", branches=2, seed=0)
+    rows = cache.set_context(stream.session, "text", 5)
+    assert rows is not None and [(r.query_len, r.sequence_id) for r in rows] == [(5, 0), (5, 1)]
+    assert cpool.num_free == 12 - 4  # 5 tokens -> 2 blocks per branch
+    with pytest.raises(
+        StateError, match=r"context 'text' of session 's': \(branch, tokens\) \[\(0, \(\(0, 5\),\)\), \(1"
+    ):
+        cache.context_kv(stream.session, "text", "x0")
+    written = write_context(cache, rows, seed=1)
+    for b in range(2):
+        k, v = cache.context_kv(stream.session, "text", "x0", branch=b)
+        assert torch.equal(k, written[b][0]) and torch.equal(v, written[b][1])
+    with pytest.raises(StateError, match="written already"):
+        cache.set_context(stream.session, "text", 5)
+    assert cpool.num_free == 8
+    stream.chunk()  # the session runs on; contexts stay
+    assert cache.context_rows(stream.session, "text") == rows
+    cache.end_session(stream.session)
+    assert cpool.num_free == cpool.num_total and cache.contexts.worker.registry.installed_requests() == ()  # type: ignore[union-attr]
+
+
+def test_a_short_context_pool_takes_nothing_and_no_contexts_is_a_state_error() -> None:
+    cache, _, cpool = make(ctx_blocks=5)
+    assert cache.set_context(cache.begin_session("x"), "text", 5) is not None  # 2 blocks
+    session = cache.begin_session("s", branches=2)
+    assert cache.set_context(session, "text", 5) is None and cpool.num_free == 3  # needs 4
+    bare = SessionCache(cache.worker, cache.allocator, UNBOUNDED)
+    with pytest.raises(StateError, match="has no cross-attention contexts"):
+        bare.set_context(bare.begin_session("t"), "text", 4)
+
+
+def recache_forward(stream: Stream, recache, seed: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The host's one forward over the re-cache rows: new K/V for every committed token."""
+    gen = torch.Generator().manual_seed(seed)
+    n, out = recache.tokens, {}
+    worker = stream.cache.worker
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(recache.rows())
+        for name in worker.layers:
+            q, k, v = (torch.randn(n * recache.branches, H, D, generator=gen) for _ in range(3))
+            worker.forward(name, q, k, v)
+            for b in range(recache.branches):
+                out[b, name] = (k[b * n : (b + 1) * n], v[b * n : (b + 1) * n])
+    return out
+
+
+def test_a_recache_commits_atomically_and_an_abort_leaves_everything_bit_exact() -> None:
+    cache, pool, cpool = make()
+    stream = Stream(cache, "s", branches=2, seed=2)
+    write_context(cache, cache.set_context(stream.session, "text", 5), seed=3)  # type: ignore[arg-type]
+    for _ in range(3):
+        stream.chunk()
+    old_k = cache.context_kv(stream.session, "text", "x0")
+    registry = cache.worker.registry
+    before = (registry.snapshot_of("s").sequences, pool.num_free, cpool.num_free)  # type: ignore[union-attr]
+    # abort: nothing of the shadow or the staged context stays
+    rc = cache.begin_recache(stream.session, {"text": 7})
+    assert rc is not None and rc.tokens == 18 and pool.num_free == before[1] - 2 * 5
+    with pytest.raises(StateError, match="has a re-cache open"):
+        cache.append_chunk(stream.session)
+    with pytest.raises(StateError, match=r"branch 0: tokens \[\(0, 18\)\] were never written"):
+        cache.commit_recache(rc)
+    recache_forward(stream, rc, seed=4)
+    cache.abort_recache(rc)
+    assert (registry.snapshot_of("s").sequences, pool.num_free, cpool.num_free) == before  # type: ignore[union-attr]
+    assert all(
+        torch.equal(a, b) for a, b in zip(cache.context_kv(stream.session, "text", "x0"), old_k, strict=True)
+    )
+    stream.chunk()  # still equal to dense over the old KV
+    # commit: the new KV and context are what later chunks read
+    rc = cache.begin_recache(stream.session, {"text": 7})
+    assert rc is not None
+    new = recache_forward(stream, rc, seed=5)
+    with pytest.raises(StateError, match="staged context 'text'"):
+        cache.commit_recache(rc)
+    ctx = write_context(cache, cache.recache_context_rows(rc, "text"), seed=6)
+    cache.commit_recache(rc)
+    assert registry.last_transitions == {RowTransition.REPLACE}
+    for key, (k, v) in new.items():
+        stream.keys[key], stream.values[key] = k, v
+    assert torch.equal(cache.context_kv(stream.session, "text", "x0", branch=1)[0], ctx[1][0])
+    assert (
+        pool.num_free == pool.num_total - 2 * 6 and cpool.num_free == cpool.num_total - 4
+    )  # 24 tokens; 7 tokens
+    stream.chunk()  # equal to dense over the re-cached KV
+    with pytest.raises(StateError, match="is not open"):
+        cache.abort_recache(rc)
+    cache.end_session(stream.session)
+    assert pool.num_free == pool.num_total and cpool.num_free == cpool.num_total
+
+
+def test_a_recache_after_the_window_slid_is_not_implemented_and_takes_nothing() -> None:
+    policy = SessionPolicy(chunk_tokens=6, window_chunks=1, sink_chunks=1)
+    cache, pool, _ = make(policy)
+    stream = Stream(cache, "s", branches=1, seed=7)
+    for _ in range(4):
+        stream.chunk()
+    free = pool.num_free
+    with pytest.raises(NotImplementedError, match=r"after its window slid \(places \[2, 3\] released\)"):
+        cache.begin_recache(stream.session)
+    assert pool.num_free == free and stream.session.recache is None
+    with pytest.raises(StateError, match="no committed KV"):
+        cache.begin_recache(cache.begin_session("t"))
+
+
+def test_reset_at_boundary_keeps_only_the_sink_and_positions_stay_absolute() -> None:
+    policy = SessionPolicy(chunk_tokens=8, sink_chunks=1, reset_at_boundary=True)
+    assert (policy.mask.window, policy.mask.sink) == (8, 8)
+    cache, pool, _ = make(policy)
+    stream = Stream(cache, "s", branches=1, seed=8)
+    for i in range(4):
+        stream.chunk()  # chunk i sees the sink and itself, at [8 i, 8 i + 8)
+        row = cache.worker.registry.snapshot_of("s").sequences[0].block_ids[0]  # type: ignore[union-attr]
+        assert sum(b != NULL_BLOCK for b in row) == 2 and len(row) == 2 * (i + 1)
+    assert stream.session.committed_tokens == 32 and pool.num_free == pool.num_total - 2
+    with pytest.raises(ValidationError, match="window_chunks must be None or 0, got 2"):
+        SessionPolicy(chunk_tokens=8, window_chunks=2, reset_at_boundary=True)
+
+
+def test_reset_starts_the_session_over_and_keeps_only_named_contexts() -> None:
+    cache, pool, cpool = make()
+    stream = Stream(cache, "s", branches=1, seed=9)
+    write_context(cache, cache.set_context(stream.session, "text", 4), seed=10)  # type: ignore[arg-type]
+    cache.set_context(stream.session, "action", 3)
+    stream.chunk()
+    chunk = cache.append_chunk(stream.session)
+    with pytest.raises(ValidationError, match=r"no contexts \['image'\] to keep"):
+        cache.reset(stream.session, keep_contexts=["image"])
+    assert chunk is not None and chunk.state.value == "open"
+    cache.reset(stream.session, keep_contexts=["text"])
+    assert chunk.state.value == "aborted" and stream.session.committed_tokens == 0
+    assert pool.num_free == pool.num_total and cpool.num_free == cpool.num_total - 1
+    assert cache.contexts.names("s") == ("text",)  # type: ignore[union-attr]
+    stream.keys = {k: v[:0] for k, v in stream.keys.items()}
+    stream.values = {k: v[:0] for k, v in stream.values.items()}
+    stream.chunk()  # position 0 again, equal to dense
+    assert stream.session.committed_tokens == 6
+    cache.end_session(stream.session)
+    assert pool.num_free == pool.num_total and cpool.num_free == cpool.num_total
+
+
+def test_a_cross_attention_step_reads_the_context_pages() -> None:
+    """A denoise step's cross-attention over a written context equals dense attention."""
+    cache, _, _ = make()
+    session = cache.begin_session("s")
+    ((k, v),) = write_context(cache, cache.set_context(session, "text", 5), seed=11)  # type: ignore[arg-type]
+    q = torch.randn(6, H, D, generator=torch.Generator().manual_seed(12))
+    ck, cv = cache.context_kv(session, "text", "x0")
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1)
+    )
+    ref = dense_attention(q, k, v, torch.ones(6, 5, dtype=torch.bool), D**-0.5)
+    torch.testing.assert_close(out.transpose(0, 1).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_adopt_refuses_an_unwritten_donor_a_mismatch_and_install_still_refuses_a_replacement() -> None:
+    from dataclasses import replace
+
+    from diffusion_kv.core.allocation import RequestAllocation
+    from diffusion_kv.core.errors import GenerationError
+
+    cache, pool, _ = make()
+    stream = Stream(cache, "s", branches=1, seed=13)
+    stream.chunk()
+    registry, alloc = cache.worker.registry, cache.allocator
+    assert registry is not None
+    shadow = alloc.shadow("s", "d")
+    assert shadow is not None and pool.num_free == 40 - 4
+    cache.worker.install(shadow)
+    old = registry.snapshot_of("s")
+    assert old is not None
+    swapped = RequestAllocation(
+        "s", alloc.generation + 1, (replace(old.sequences[0], block_ids=shadow.sequences[0].block_ids),)
+    )
+    with pytest.raises(GenerationError, match="conflicting allocation snapshot"):
+        cache.worker.install(swapped)
+    with pytest.raises(StateError, match=r"donor 'd' never wrote tokens \[\(0, 6\)\]"):
+        alloc.adopt("s", "d", install=lambda s: cache.worker.adopt(s, "d"))
+    bad = RequestAllocation("s", alloc.generation + 1, (replace(old.sequences[0], block_ids=((0, 1),)),))
+    with pytest.raises(ValidationError, match="take donor 'd'"):
+        cache.worker.adopt(bad, "d")
+    assert registry.snapshot_of("s") == old and registry.snapshot_of("d") == shadow and pool.num_free == 36
+    alloc.free("d")
+    cache.worker.retire("d", alloc.generation)
+    cache.end_session(stream.session)
+    assert pool.num_free == pool.num_total
