@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
@@ -40,6 +41,10 @@ from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import missing_spans
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker
+
+if TYPE_CHECKING:  # the scale modules import this one
+    from diffusion_kv.core.sessions.admission import Admission
+    from diffusion_kv.core.sessions.offload import OffloadedKV
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,11 @@ class Session:
     ended: bool = False
     history: list[int] = field(default_factory=list)
     """Blocks held after each commit (KV memory over the session, for reports)."""
+    last_used: int = 0
+    """The cache's clock at this session's last append or commit (least recently used first
+    when the pool runs short: :mod:`.offload`)."""
+    offloaded: OffloadedKV | None = None
+    """The host copy of its committed K/V while offloaded (its blocks are back in the pool)."""
 
 
 class SessionCache:
@@ -152,6 +162,11 @@ class SessionCache:
         self.policy = policy
         self.mask = mask
         self._sessions: dict[str, Session] = {}
+        self._clock = 0
+        self.on_pool_short: Callable[[Session], bool] | None = None
+        """Called by :meth:`append_chunk` when the pool cannot take the chunk (with the session
+        asking); returning True makes it try once more (e.g. after offloading an idle session:
+        :func:`~diffusion_kv.core.sessions.offload.offload_lru`)."""
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -164,6 +179,9 @@ class SessionCache:
             raise ValidationError(f"session id {session_id!r} is a request the allocator reserves")
         if type(branches) is not int or branches <= 0:
             raise ValidationError(f"branches must be a positive int; got {branches!r}")
+        from diffusion_kv.core.sessions.admission import check_fits
+
+        check_fits(self, session_id, branches)  # AdmissionError: it could never fit
         session = Session(session_id, branches)
         self._sessions[session_id] = session
         return session
@@ -180,8 +198,9 @@ class SessionCache:
 
     def end_session(self, session: Session) -> None:
         """Retire the worker's rows for good and free every block (an open chunk is aborted
-        with the rest)."""
-        self._own(session)
+        with the rest; an offloaded session's host copy is dropped)."""
+        self._own(session, offloaded_ok=True)
+        session.offloaded = None
         if session.reserved:
             self.worker.retire(session.session_id, self.allocator.generation)
             self.allocator.free(session.session_id)
@@ -207,14 +226,20 @@ class SessionCache:
         if not session.reserved:
             request = KVRequest(sid, tuple(SequenceRequest(b, 0, tokens) for b in range(session.branches)))
             snapshot = self.allocator.reserve(request)  # AdmissionError: it can never fit
+            if snapshot is None and self._pool_short(session):
+                snapshot = self.allocator.reserve(request)
             if snapshot is None:
                 return None
             self._install_or_free(snapshot)
             session.reserved = True
-        elif self.allocator.extend(sid, None, tokens, install=self.worker.install) is None:
+        elif self.allocator.extend(sid, None, tokens, install=self.worker.install) is None and (
+            not self._pool_short(session)
+            or self.allocator.extend(sid, None, tokens, install=self.worker.install) is None
+        ):
             return None
         chunk = Chunk(sid, session.chunks_committed, start, tokens, session.branches)
         session.open_chunk = chunk
+        session.last_used = self._tick()
         return chunk
 
     def commit(self, chunk: Chunk) -> RequestAllocation | None:
@@ -236,6 +261,7 @@ class SessionCache:
         session.chunks_committed += 1
         snapshot = self._slide(session)
         session.history.append(len(self.allocator.blocks_of(session.session_id)))
+        session.last_used = self._tick()
         return snapshot
 
     def abort(self, chunk: Chunk) -> None:
@@ -268,14 +294,28 @@ class SessionCache:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _own(self, session: Session) -> None:
+    def _own(self, session: Session, *, offloaded_ok: bool = False) -> None:
         if not isinstance(session, Session) or self._sessions.get(session.session_id) is not session:
             raise ValidationError(f"not an open session of this cache: {session!r}")
+        if session.offloaded is not None and not offloaded_ok:
+            raise StateError(
+                f"session {session.session_id!r} is offloaded to host memory: reload(session) it first "
+                "(or end_session it)"
+            )
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _pool_short(self, session: Session) -> bool:
+        return self.on_pool_short is not None and bool(self.on_pool_short(session))
 
     def _open(self, chunk: Chunk) -> Session:
         if not isinstance(chunk, Chunk):
             raise ValidationError(f"expected a Chunk; got {type(chunk).__name__}")
         session = self._sessions.get(chunk.session_id)
+        if session is not None and session.offloaded is not None:
+            self._own(session)  # StateError naming it
         if session is None or session.open_chunk is not chunk:
             raise StateError(
                 f"chunk {chunk.index} of session {chunk.session_id!r} is not open (state {chunk.state.value})"
@@ -316,3 +356,26 @@ class SessionCache:
             + cdiv((p.window_chunks + 1) * p.chunk_tokens, block)
             + 1
         )
+
+    # -- at scale (diffusion_kv.core.sessions.{admission,offload}) -----------------------------
+
+    def admission(self, branches: int = 1) -> Admission:
+        """How many more sessions of ``branches`` rows fit the pool now and at most
+        (:func:`~diffusion_kv.core.sessions.admission.admission`)."""
+        from diffusion_kv.core.sessions.admission import admission
+
+        return admission(self, branches)
+
+    def offload(self, session: Session) -> int:
+        """Copy an idle session's committed K/V to host memory and return its blocks to the
+        pool (:func:`~diffusion_kv.core.sessions.offload.offload`); the blocks freed."""
+        from diffusion_kv.core.sessions.offload import offload
+
+        return offload(self, session)
+
+    def reload(self, session: Session) -> bool:
+        """Bring an offloaded session back bit-exact; False when the pool is short (nothing
+        changes) (:func:`~diffusion_kv.core.sessions.offload.reload`)."""
+        from diffusion_kv.core.sessions.offload import reload
+
+        return reload(self, session)
