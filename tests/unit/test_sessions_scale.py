@@ -24,8 +24,9 @@ from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker, RunnerConfig
 from diffusion_kv.core.scheduler import DiffusionRequest, DiffusionScheduler, StepBatch
 from diffusion_kv.core.sessions import Session, SessionCache, SessionPolicy
+from diffusion_kv.core.sessions.admission import admission
 from diffusion_kv.core.sessions.batching import MixedStep, SessionBatch, SessionScheduler
-from diffusion_kv.core.sessions.offload import lru_offloader
+from diffusion_kv.core.sessions.offload import lru_offloader, offload, reload
 from diffusion_kv.core.sessions.sharing import SharedStarts
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
@@ -314,7 +315,7 @@ def test_queued_chunks_wait_for_blocks_in_order() -> None:
 def test_admission_counts_sessions_now_and_at_most() -> None:
     cache = make(num_blocks=40)
     assert cache.kv_blocks_bound() == 8
-    first = cache.admission()
+    first = admission(cache)
     assert (first.per_session, first.now, first.at_most, first.free_blocks, first.headroom) == (
         8,
         5,
@@ -322,11 +323,11 @@ def test_admission_counts_sessions_now_and_at_most() -> None:
         40,
         0,
     )
-    assert cache.admission(2).at_most == 2 and cache.admission(2).now == 2
+    assert admission(cache, 2).at_most == 2 and admission(cache, 2).now == 2
     host = Host(cache)
     a = cache.begin_session("a", 1)
     host.chunk(a)  # holds 2 blocks, may grow to 8
-    now = cache.admission()
+    now = admission(cache)
     assert (now.free_blocks, now.headroom, now.now, now.at_most) == (38, 6, 4, 5)
     small = make(num_blocks=12)
     with pytest.raises(
@@ -337,7 +338,7 @@ def test_admission_counts_sessions_now_and_at_most() -> None:
         small.begin_session("y", 3)
     assert small.sessions == () and small.allocator.pool.num_free == 12
     unbounded = make(num_blocks=40, policy=SessionPolicy(chunk_tokens=6))
-    assert unbounded.admission().per_session == 24 and unbounded.admission().at_most == 1
+    assert admission(unbounded).per_session == 24 and admission(unbounded).at_most == 1
     unbounded.begin_session("u", 2)  # its first chunk fits: admitted (it grows until max_model_len)
 
 
@@ -370,24 +371,24 @@ def test_offload_and_reload_are_bit_exact_and_free_the_blocks(dtype: str) -> Non
     assert any(any(row[1]) for row in [shape[0]])  # the window slid: holes
     pool = cache.allocator.pool
     free = pool.num_free
-    freed = cache.offload(a)
+    freed = offload(cache, a)
     assert freed == sum(not hole for row in shape for hole in row[1]) and pool.num_free == free + freed
     assert cache.worker.registry.snapshot_of("a") is None and a.offloaded is not None  # type: ignore[union-attr]
-    for call in (cache.append_chunk, cache.offload):
+    for call in (cache.append_chunk, lambda s: offload(cache, s)):
         with pytest.raises(StateError, match="session 'a' is offloaded to host memory"):
             call(a)
     with pytest.raises(StateError, match="session 'a' is offloaded"):
         cache.run_chunk(a, lambda c: None)
     host.chunk(b)  # another session takes (and overwrites) the freed blocks meanwhile
     host.chunk(b)
-    assert cache.reload(a) and a.offloaded is None
+    assert reload(cache, a) and a.offloaded is None
     new_shape, new_data, new_written = pages_of(cache, "a")
     assert new_shape == shape and new_written == written
     assert all(torch.equal(x, y) for x, y in zip(data, new_data, strict=True))
     for _ in range(3):
         host.chunk(a)  # the stream goes on, equal to dense
     with pytest.raises(StateError, match="session 'a' is not offloaded"):
-        cache.reload(a)
+        reload(cache, a)
     cache.end_session(a)
     cache.end_session(b)
     assert pool.num_free == pool.num_total
@@ -399,15 +400,15 @@ def test_reload_waits_for_room_and_refuses_changed_scales() -> None:
     a = cache.begin_session("a")
     for _ in range(4):
         host.chunk(a)
-    cache.offload(a)
+    offload(cache, a)
     pool = cache.allocator.pool
     taken = pool.allocate(pool.num_free - 2)
     assert taken is not None
-    assert cache.reload(a) is False and a.offloaded is not None and pool.num_free == 2
+    assert reload(cache, a) is False and a.offloaded is not None and pool.num_free == 2
     pool.free(taken)
     cache.worker.layers["l1"].kv_scales.set(2.0, 1.0)  # type: ignore[union-attr]
     with pytest.raises(StateError, match=r"k_scale/v_scale of layers \['l1'\] changed"):
-        cache.reload(a)
+        reload(cache, a)
     assert a.offloaded is not None and pool.num_free == pool.num_total
     cache.end_session(a)  # drops the host copy
     assert a.offloaded is None and cache.sessions == ()
@@ -432,7 +433,7 @@ def test_a_short_pool_offloads_the_least_recently_used_idle_session() -> None:
     assert a.offloaded is not None and b.offloaded is None and c.offloaded is None
     cache.abort(chunk)
     pool.free(taken)
-    assert cache.reload(a)
+    assert reload(cache, a)
     host.chunk(a)  # equal to dense after the round trip
     for s in (a, b, c, d):
         cache.end_session(s)

@@ -23,14 +23,10 @@ its first chunk alone exceeds the pool. Idle prefix-cache blocks are not counted
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from diffusion_kv.core.allocator import AdmissionError
 from diffusion_kv.core.errors import ValidationError
 from diffusion_kv.core.layout import cdiv
-
-if TYPE_CHECKING:
-    from diffusion_kv.core.sessions.cache import SessionCache
+from diffusion_kv.core.sessions.cache import SessionCache
 
 
 @dataclass(frozen=True)
@@ -90,29 +86,8 @@ def admission(cache: SessionCache, branches: int = 1) -> Admission:
 
 def check_fits(cache: SessionCache, session_id: str, branches: int) -> None:
     """:class:`AdmissionError` naming the numbers when a session of ``branches`` rows could
-    never run on ``cache`` (module docstring); nothing else."""
-    alloc = cache.allocator
-    limit = min(alloc.max_rows_per_request, alloc.worker_rows)
-    if branches > limit:
-        raise AdmissionError(
-            f"session {session_id!r} needs {branches} rows (one per branch); the limit is {limit} "
-            f"(max_rows_per_request {alloc.max_rows_per_request}, worker rows {alloc.worker_rows})"
-        )
-    total = alloc.pool.num_total
-    if cache.policy.window_chunks is None:
-        first = cdiv(cache.policy.chunk_tokens, alloc.block_size) * branches
-        if first > total:
-            raise AdmissionError(
-                f"session {session_id!r} needs {first} blocks for its first chunk ({branches} branches); the "
-                f"pool has {total} in total"
-            )
-        return
-    need = cache.kv_blocks_bound() * branches
-    if need > total:
-        raise AdmissionError(
-            f"session {session_id!r} may hold {need} blocks ({cache.kv_blocks_bound()} per branch x {branches}: "
-            f"sink + window + chunk); the pool has {total} in total"
-        )
+    never run on ``cache`` (module docstring; what ``begin_session`` checks); nothing else."""
+    cache._check_fits(session_id, _check_branches(branches))
 
 
 __all__ = ["Admission", "admission", "check_fits", "per_branch_bound"]

@@ -31,20 +31,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
-from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import missing_spans
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker
-
-if TYPE_CHECKING:  # the scale modules import this one
-    from diffusion_kv.core.sessions.admission import Admission
-    from diffusion_kv.core.sessions.offload import OffloadedKV
 
 
 @dataclass(frozen=True)
@@ -129,8 +124,9 @@ class Session:
     last_used: int = 0
     """The cache's clock at this session's last append or commit (least recently used first
     when the pool runs short: :mod:`.offload`)."""
-    offloaded: OffloadedKV | None = None
-    """The host copy of its committed K/V while offloaded (its blocks are back in the pool)."""
+    offloaded: object | None = None
+    """The host copy of its committed K/V while offloaded (an
+    :class:`~diffusion_kv.core.sessions.offload.OffloadedKV`; its blocks are back in the pool)."""
 
 
 class SessionCache:
@@ -179,9 +175,7 @@ class SessionCache:
             raise ValidationError(f"session id {session_id!r} is a request the allocator reserves")
         if type(branches) is not int or branches <= 0:
             raise ValidationError(f"branches must be a positive int; got {branches!r}")
-        from diffusion_kv.core.sessions.admission import check_fits
-
-        check_fits(self, session_id, branches)  # AdmissionError: it could never fit
+        self._check_fits(session_id, branches)  # AdmissionError: it could never fit
         session = Session(session_id, branches)
         self._sessions[session_id] = session
         return session
@@ -357,25 +351,30 @@ class SessionCache:
             + 1
         )
 
-    # -- at scale (diffusion_kv.core.sessions.{admission,offload}) -----------------------------
-
-    def admission(self, branches: int = 1) -> Admission:
-        """How many more sessions of ``branches`` rows fit the pool now and at most
-        (:func:`~diffusion_kv.core.sessions.admission.admission`)."""
-        from diffusion_kv.core.sessions.admission import admission
-
-        return admission(self, branches)
-
-    def offload(self, session: Session) -> int:
-        """Copy an idle session's committed K/V to host memory and return its blocks to the
-        pool (:func:`~diffusion_kv.core.sessions.offload.offload`); the blocks freed."""
-        from diffusion_kv.core.sessions.offload import offload
-
-        return offload(self, session)
-
-    def reload(self, session: Session) -> bool:
-        """Bring an offloaded session back bit-exact; False when the pool is short (nothing
-        changes) (:func:`~diffusion_kv.core.sessions.offload.reload`)."""
-        from diffusion_kv.core.sessions.offload import reload
-
-        return reload(self, session)
+    def _check_fits(self, session_id: str, branches: int) -> None:
+        """:class:`AdmissionError` naming the numbers when a session of ``branches`` rows could
+        never run here: more rows than a request or the worker has; with a window, a bound
+        (:meth:`kv_blocks_bound` per branch) larger than the pool; without one, a first chunk
+        larger than the pool (``diffusion_kv.core.sessions.admission``)."""
+        alloc = self.allocator
+        limit = min(alloc.max_rows_per_request, alloc.worker_rows)
+        if branches > limit:
+            raise AdmissionError(
+                f"session {session_id!r} needs {branches} rows (one per branch); the limit is {limit} "
+                f"(max_rows_per_request {alloc.max_rows_per_request}, worker rows {alloc.worker_rows})"
+            )
+        total = alloc.pool.num_total
+        if self.policy.window_chunks is None:
+            first = cdiv(self.policy.chunk_tokens, alloc.block_size) * branches
+            if first > total:
+                raise AdmissionError(
+                    f"session {session_id!r} needs {first} blocks for its first chunk ({branches} branches); "
+                    f"the pool has {total} in total"
+                )
+            return
+        bound = self.kv_blocks_bound()
+        if bound * branches > total:
+            raise AdmissionError(
+                f"session {session_id!r} may hold {bound * branches} blocks ({bound} per branch x {branches}: "
+                f"sink + window + chunk); the pool has {total} in total"
+            )

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,7 @@ from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.errors import StateError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import TokenSpans, WrittenSpan
-
-if TYPE_CHECKING:
-    from diffusion_kv.core.sessions.cache import Session, SessionCache
+from diffusion_kv.core.sessions.cache import Session, SessionCache
 
 Scales = tuple[tuple[float, ...], tuple[float, ...]] | None
 
@@ -136,7 +133,7 @@ def reload(cache: SessionCache, session: Session) -> bool:
     cache._own(session, offloaded_ok=True)
     kept = session.offloaded
     sid = session.session_id
-    if kept is None:
+    if not isinstance(kept, OffloadedKV):
         raise StateError(f"session {sid!r} is not offloaded")
     now = _scales(cache)
     changed = sorted(n for n, s in kept.scales.items() if now.get(n) != s)
