@@ -546,3 +546,19 @@ def test_a_session_stream_on_fp8_pages_matches_dense_over_the_stored_values() ->
     cache.end_session(a)
     cache.end_session(b)
     assert cache.allocator.pool.num_free == cache.allocator.pool.num_total
+
+
+def test_a_queued_chunk_of_an_offloaded_session_reloads_it_first() -> None:
+    cache = make()
+    host = Host(cache)
+    a = cache.begin_session("a")
+    host.chunk(a)
+    offload(cache, a)
+    sched = SessionScheduler(cache)
+    sched.submit_chunk(a, 1)
+    report = sched.step(lambda s: host.session_step(s.sessions))  # type: ignore[arg-type]
+    assert report is not None and report.opened == ("a",) and report.committed == (("a", 1),)
+    assert a.offloaded is None and a.committed_tokens == 12  # equal to dense after the reload
+    sched.close()
+    cache.end_session(a)
+    assert cache.allocator.pool.num_free == cache.allocator.pool.num_total

@@ -46,6 +46,7 @@ from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.scheduler import DiffusionScheduler, StepBatch, StepReport
 from diffusion_kv.core.sessions.cache import Chunk, Session, SessionCache
+from diffusion_kv.core.sessions.offload import reload
 from diffusion_kv.core.translate import PreparedBatch
 
 
@@ -364,7 +365,7 @@ class SessionScheduler:
             if tokens + need > self.max_session_tokens:
                 break
             self._runtime.deactivate()  # installing changes the block tables
-            if session.offloaded is not None and not self.cache.reload(session):
+            if session.offloaded is not None and not reload(self.cache, session):
                 break
             chunk = self.cache.append_chunk(session)
             if chunk is None:

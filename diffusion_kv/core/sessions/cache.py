@@ -21,9 +21,11 @@ scheduler-side allocator, with the policy as data (:class:`SessionPolicy`):
 
 Positions stay on the host's absolute timeline: chunk ``i`` covers ``[i * chunk, (i + 1) *
 chunk)`` whatever was released. Committed KV changes only at ``commit``; the pool is whole again
-after every session ends, fails or aborts. Not here yet (the sessions issue): cross-attention
-context pools, prompt re-caching, many sessions in one scheduler step beside one-shot requests,
-offload to host memory, reset-at-boundary.
+after every session ends, fails or aborts. At scale (``docs/sessions-scale.md``): many sessions
+in one step beside one-shot requests (:mod:`.batching`), admission (:mod:`.admission`; a session
+that could never fit is refused at ``begin_session``), offload to host memory (:mod:`.offload`;
+``on_pool_short`` hook), prefix sharing of first chunks (:mod:`.sharing`). Not here yet (the
+sessions issue): cross-attention context pools, prompt re-caching, reset-at-boundary.
 """
 
 from __future__ import annotations
