@@ -477,6 +477,84 @@ class DiffusionKVAllocator:
         self._reserved[request.request_id] = _Reservation(request, allocation, used, list(taken), hit_keys)
         return allocation
 
+    def restore(self, request: KVRequest, released: Sequence[int]) -> RequestAllocation | None:
+        """Reserve ``request`` (every sequence a target of ``prefix_len + target_len`` tokens, no
+        prefix keys, no contexts) with ``NULL_BLOCK`` at block positions ``released`` of every row:
+        only the live places take a block from the pool, all or nothing -- what bringing back a
+        windowed stream whose early blocks slid out needs (an offloaded session's reload). None
+        when the pool or the worker rows are short (nothing taken); :class:`AdmissionError` when
+        the live blocks can never fit, a row is longer than ``max_model_len`` or the id is
+        reserved already."""
+        if not isinstance(request, KVRequest):
+            raise AdmissionError(f"restore takes a KVRequest; got {type(request).__name__}")
+        rid = request.request_id
+        _check_id(rid, "restore")
+        if rid in self._reserved:
+            raise AdmissionError(f"request {rid!r} is reserved already; free it before restoring it")
+        if request.contexts or any(s.prefix_keys for s in request.sequences) or not request.sequences:
+            raise AdmissionError(
+                f"restore of request {rid!r} takes sequences without prefix keys or contexts"
+            )
+        if isinstance(released, (str, bytes)) or any(type(p) is not int or p < 0 for p in released):
+            raise AdmissionError(
+                f"restore of request {rid!r}: released positions must be ints >= 0; got {released!r}"
+            )
+        holes = set(released)
+        if request.num_rows > min(self.max_rows_per_request, self.worker_rows):
+            raise AdmissionError(
+                f"request {rid!r} needs {request.num_rows} rows; the limit is "
+                f"{min(self.max_rows_per_request, self.worker_rows)}"
+            )
+        rows: list[int] = []
+        for s in request.sequences:
+            n = s.prefix_len + s.target_len
+            if not _count(s.sequence_id) or not _count(s.prefix_len) or not _count(s.target_len) or n == 0:
+                raise AdmissionError(f"restore of request {rid!r}: malformed sequence {s!r}")
+            if n > self.max_model_len:
+                raise AdmissionError(
+                    f"request {rid!r} has a row of {n} tokens; max_model_len is {self.max_model_len}"
+                )
+            if holes and max(holes) >= cdiv(n, self.block_size):
+                raise AdmissionError(
+                    f"restore of request {rid!r}: released positions {sorted(holes)} lie outside its "
+                    f"{cdiv(n, self.block_size)} blocks"
+                )
+            rows.append(cdiv(n, self.block_size))
+        need = sum(n - len(holes) for n in rows)
+        if need > self.pool.num_total:
+            raise AdmissionError(
+                f"request {rid!r} needs {need} live blocks; the pool has {self.pool.num_total} in total"
+            )
+        if request.num_rows > self.free_rows:
+            return None
+        taken = self.pool.allocate(need)
+        if taken is None:
+            return None
+        cursor = 0
+        sequences = []
+        for s, n in zip(request.sequences, rows, strict=True):
+            row = []
+            for p in range(n):
+                if p in holes:
+                    row.append(NULL_BLOCK)
+                else:
+                    row.append(taken[cursor])
+                    cursor += 1
+            sequences.append(
+                SequenceAllocation(
+                    sequence_id=s.sequence_id,
+                    prefix_len=s.prefix_len,
+                    target_len=s.target_len,
+                    seq_len=s.prefix_len + s.target_len,
+                    block_ids=(tuple(row),) * self.num_groups,
+                )
+            )
+        self._generation += 1
+        allocation = RequestAllocation(rid, self._generation, tuple(sequences))
+        held: list[list[bytes]] = [[] for _ in request.sequences]
+        self._reserved[rid] = _Reservation(request, allocation, list(taken), list(taken), held)
+        return allocation
+
     def publish(
         self, request_id: str, install: Callable[[RequestAllocation], object] | None = None
     ) -> RequestAllocation | None:

@@ -9,7 +9,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "sessions.md"
 
 
 def test_the_sessions_guide_example_runs() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    example = DOC.read_text().split("\n## Example\n", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", example, flags=re.S)
     assert len(blocks) == 1
     namespace: dict[str, object] = {}
     exec(compile(blocks[0], str(DOC), "exec"), namespace)

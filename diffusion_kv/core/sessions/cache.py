@@ -25,6 +25,10 @@ after every session ends, fails or aborts. Also: cross-attention contexts per se
 (:mod:`.contexts`, ``set_context`` / ``context_kv``), re-cache under new conditioning
 (``begin_recache`` / ``commit_recache`` / ``abort_recache``: a shadow row swapped in by a REPLACE),
 ``SessionPolicy.reset_at_boundary`` and ``reset(session)``; ``docs/sessions.md`` is the host's guide.
+At scale (``docs/sessions.md``, "Many sessions"): many sessions in one step beside one-shot
+requests (:mod:`.batching`), admission (:mod:`.admission`; a session that could never fit is
+refused at ``begin_session``), offload to host memory (:mod:`.offload`; ``on_pool_short`` hook),
+prefix sharing of first chunks (:mod:`.sharing`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
-from diffusion_kv.core.allocator import DiffusionKVAllocator, KVRequest, SequenceRequest
+from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, MaskSpec
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.layout import cdiv
@@ -141,6 +145,13 @@ class Session:
     recache: RecachePass | None = None
     """The re-cache pass in progress (:meth:`SessionCache.begin_recache`)."""
 
+    last_used: int = 0
+    """The cache's clock at this session's last append or commit (least recently used first
+    when the pool runs short: :mod:`.offload`)."""
+    offloaded: object | None = None
+    """The host copy of its committed K/V while offloaded (an
+    :class:`~diffusion_kv.core.sessions.offload.OffloadedKV`; its blocks are back in the pool)."""
+
 
 @dataclass
 class RecachePass:
@@ -205,6 +216,11 @@ class SessionCache:
         self.mask = mask
         self.contexts = contexts
         self._sessions: dict[str, Session] = {}
+        self._clock = 0
+        self.on_pool_short: Callable[[Session], bool] | None = None
+        """Called by :meth:`append_chunk` when the pool cannot take the chunk (with the session
+        asking); returning True makes it try once more (e.g. after offloading an idle session:
+        :func:`~diffusion_kv.core.sessions.offload.offload_lru`)."""
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -217,6 +233,7 @@ class SessionCache:
             raise ValidationError(f"session id {session_id!r} is a request the allocator reserves")
         if type(branches) is not int or branches <= 0:
             raise ValidationError(f"branches must be a positive int; got {branches!r}")
+        self._check_fits(session_id, branches)  # AdmissionError: it could never fit
         session = Session(session_id, branches)
         self._sessions[session_id] = session
         return session
@@ -233,8 +250,9 @@ class SessionCache:
 
     def end_session(self, session: Session) -> None:
         """Retire the worker's rows for good and free every block (an open chunk is aborted
-        with the rest)."""
-        self._own(session)
+        with the rest; an offloaded session's host copy is dropped)."""
+        self._own(session, offloaded_ok=True)
+        session.offloaded = None
         self._drop_kv(session)
         if self.contexts is not None:
             self.contexts.release_session(session.session_id)
@@ -244,8 +262,9 @@ class SessionCache:
     def reset(self, session: Session, keep_contexts: Iterable[str] = ()) -> None:
         """Start the session over (vLLM-Omni's session ``reset``): an open chunk or re-cache is
         aborted, every committed block goes back to the pool at once, the contexts not named in
-        ``keep_contexts`` are released, and the next chunk starts again at position 0."""
-        self._own(session)
+        ``keep_contexts`` are released, and the next chunk starts again at position 0 (an
+        offloaded session's host copy is dropped)."""
+        self._own(session, offloaded_ok=True)
         keep = tuple(keep_contexts)
         if self.contexts is not None:
             unknown = sorted(set(keep) - set(self.contexts.names(session.session_id)))
@@ -253,6 +272,7 @@ class SessionCache:
                 raise ValidationError(f"session {session.session_id!r} has no contexts {unknown} to keep")
         elif keep:
             raise ValidationError(f"session {session.session_id!r} has no contexts to keep: {list(keep)}")
+        session.offloaded = None
         self._drop_kv(session)
         if self.contexts is not None:
             self.contexts.release_session(session.session_id, keep)
@@ -428,14 +448,20 @@ class SessionCache:
         if not session.reserved:
             request = KVRequest(sid, tuple(SequenceRequest(b, 0, tokens) for b in range(session.branches)))
             snapshot = self.allocator.reserve(request)  # AdmissionError: it can never fit
+            if snapshot is None and self._pool_short(session):
+                snapshot = self.allocator.reserve(request)
             if snapshot is None:
                 return None
             self._install_or_free(snapshot)
             session.reserved = True
-        elif self.allocator.extend(sid, None, tokens, install=self.worker.install) is None:
+        elif self.allocator.extend(sid, None, tokens, install=self.worker.install) is None and (
+            not self._pool_short(session)
+            or self.allocator.extend(sid, None, tokens, install=self.worker.install) is None
+        ):
             return None
         chunk = Chunk(sid, session.chunks_committed, start, tokens, session.branches)
         session.open_chunk = chunk
+        session.last_used = self._tick()
         return chunk
 
     def commit(self, chunk: Chunk) -> RequestAllocation | None:
@@ -457,6 +483,7 @@ class SessionCache:
         session.chunks_committed += 1
         snapshot = self._slide(session)
         session.history.append(len(self.allocator.blocks_of(session.session_id)))
+        session.last_used = self._tick()
         return snapshot
 
     def abort(self, chunk: Chunk) -> None:
@@ -489,14 +516,28 @@ class SessionCache:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _own(self, session: Session) -> None:
+    def _own(self, session: Session, *, offloaded_ok: bool = False) -> None:
         if not isinstance(session, Session) or self._sessions.get(session.session_id) is not session:
             raise ValidationError(f"not an open session of this cache: {session!r}")
+        if session.offloaded is not None and not offloaded_ok:
+            raise StateError(
+                f"session {session.session_id!r} is offloaded to host memory: reload(session) it first "
+                "(or end_session it)"
+            )
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _pool_short(self, session: Session) -> bool:
+        return self.on_pool_short is not None and bool(self.on_pool_short(session))
 
     def _open(self, chunk: Chunk) -> Session:
         if not isinstance(chunk, Chunk):
             raise ValidationError(f"expected a Chunk; got {type(chunk).__name__}")
         session = self._sessions.get(chunk.session_id)
+        if session is not None and session.offloaded is not None:
+            self._own(session)  # StateError naming it
         if session is None or session.open_chunk is not chunk:
             raise StateError(
                 f"chunk {chunk.index} of session {chunk.session_id!r} is not open (state {chunk.state.value})"
@@ -537,3 +578,31 @@ class SessionCache:
             + cdiv(((p.window_chunks or 0) + 1) * p.chunk_tokens, block)
             + 1
         )
+
+    def _check_fits(self, session_id: str, branches: int) -> None:
+        """:class:`AdmissionError` naming the numbers when a session of ``branches`` rows could
+        never run here: more rows than a request or the worker has; with a window, a bound
+        (:meth:`kv_blocks_bound` per branch) larger than the pool; without one, a first chunk
+        larger than the pool (``diffusion_kv.core.sessions.admission``)."""
+        alloc = self.allocator
+        limit = min(alloc.max_rows_per_request, alloc.worker_rows)
+        if branches > limit:
+            raise AdmissionError(
+                f"session {session_id!r} needs {branches} rows (one per branch); the limit is {limit} "
+                f"(max_rows_per_request {alloc.max_rows_per_request}, worker rows {alloc.worker_rows})"
+            )
+        total = alloc.pool.num_total
+        if self.policy.window_chunks is None:
+            first = cdiv(self.policy.chunk_tokens, alloc.block_size) * branches
+            if first > total:
+                raise AdmissionError(
+                    f"session {session_id!r} needs {first} blocks for its first chunk ({branches} branches); "
+                    f"the pool has {total} in total"
+                )
+            return
+        bound = self.kv_blocks_bound()
+        if bound * branches > total:
+            raise AdmissionError(
+                f"session {session_id!r} may hold {bound * branches} blocks ({bound} per branch x {branches}: "
+                f"sink + window + chunk); the pool has {total} in total"
+            )
