@@ -310,3 +310,140 @@ def lingbot_layout(shape: LingBotShape) -> KVLayout:
         window_frames=shape.window_frames,
         sink_frames=shape.sink_frames,
     )
+
+
+# -- DreamZero -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DreamZeroShape:
+    layers: int = 2
+    heads: int = 2
+    dim: int = 32
+    height: int = 4  # latent pixels; patch 2x2 -> 4 tokens per frame
+    width: int = 4
+    frames_per_block: int = 2
+    window_frames: int = 6
+    text_tokens: int = 6
+    text_dim: int = 16
+    channels: int = 4
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return (self.height // 2) * (self.width // 2)
+
+
+def dreamzero(shape: DreamZeroShape, seed: int = 0) -> torch.nn.Module:
+    from vllm_omni.diffusion.models.dreamzero.causal_wan_model import CausalWanModel
+
+    model = CausalWanModel(
+        model_type="t2v",
+        patch_size=(1, 2, 2),
+        frame_seqlen=shape.tokens_per_frame,
+        text_len=shape.text_tokens,
+        in_dim=shape.channels,
+        dim=shape.dim,
+        ffn_dim=64,
+        freq_dim=32,
+        text_dim=shape.text_dim,
+        out_dim=shape.channels,
+        num_heads=shape.heads,
+        num_layers=shape.layers,
+        num_frame_per_block=shape.frames_per_block,
+        hidden_size=32,
+    ).eval()
+    _randomise(model, seed)
+    _finish_linear_layers(model)
+    return model
+
+
+def dreamzero_layout(shape: DreamZeroShape) -> KVLayout:
+    return KVLayout(
+        num_layers=shape.layers,
+        num_kv_heads=shape.heads,
+        head_size=shape.dim // shape.heads,
+        tokens_per_frame=shape.tokens_per_frame,
+        frames_per_block=shape.frames_per_block,
+        window_frames=shape.window_frames,
+        sink_frames=0,
+        kv_branches=("positive", "negative"),
+        cross_attention=(("text", shape.text_tokens),),
+    )
+
+
+@dataclass
+class DreamZeroInputs:
+    shape: DreamZeroShape
+    seed: int
+
+    def latents(self, index: int) -> torch.Tensor:
+        s = self.shape
+        gen = torch.Generator().manual_seed(self.seed * 1000 + index)
+        return torch.randn(1, s.channels, s.frames_per_block, s.height, s.width, generator=gen)
+
+    def context(self, negative: bool) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 7 + int(negative))
+        return torch.randn(1, self.shape.text_tokens, self.shape.text_dim, generator=gen)
+
+
+def dreamzero_populate_cross(model: torch.nn.Module, state: Any, inputs: DreamZeroInputs) -> None:
+    """The pipeline's ``_kv_populate_cross``: text K/V of every layer, once per branch."""
+    for negative, branch in ((False, "positive"), (True, "negative")):
+        if state.is_cross_attention_populated(branch, "text"):
+            continue
+        projected = model.text_embedding(inputs.context(negative))
+
+        def layer_kv(projected: torch.Tensor = projected) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for block in model.blocks:
+                ca = block.cross_attn
+                n, d = ca.tp_num_heads, ca.head_dim
+                yield ca.norm_k(ca.k(projected)).unflatten(2, (n, d)), ca.v(projected).unflatten(2, (n, d))
+
+        state.populate_cross_attention(branch, "text", layer_kv())
+
+
+DREAMZERO_STEPS = (1000.0, 500.0)
+
+
+def dreamzero_block(
+    model: torch.nn.Module,
+    state: Any,
+    inputs: DreamZeroInputs,
+    index: int,
+    start_frame: int,
+    observed: torch.Tensor | None,
+    steps: tuple[float, ...] = DREAMZERO_STEPS,
+    guidance: float = 2.0,
+) -> torch.Tensor:
+    """One DreamZero AR block as its pipeline runs it, both CFG branches: the commit forward
+    over the previous block's observed latents (``observed``, at ``start_frame - F``), then a
+    denoise forward per step over the new block (``commit_current`` False)."""
+    s = inputs.shape
+    f = s.frames_per_block
+    seq_len = f * s.tokens_per_frame
+    dreamzero_populate_cross(model, state, inputs)
+
+    def call(x: torch.Tensor, t: float, negative: bool, frame: int, commit: bool) -> torch.Tensor:
+        branch = "negative" if negative else "positive"
+        out, _, _ = model(
+            x=x,
+            timestep=torch.full((1, f), t),
+            context=inputs.context(negative),
+            seq_len=seq_len,
+            kv_cache=state.get_kv_caches(branch, seq_len=seq_len, commit_current=commit),
+            crossattn_cache=state.get_cross_attention_kv(branch, "text"),
+            current_start_frame=frame,
+        )
+        if commit:
+            state.commit_paged_context(branch)
+        return out  # type: ignore[no-any-return]
+
+    if observed is not None:
+        for negative in (False, True):
+            call(observed, 0.0, negative, start_frame - f, True)
+    latents = inputs.latents(index)
+    for t in steps:
+        cond = call(latents, t, False, start_frame, False)
+        uncond = call(latents, t, True, start_frame, False)
+        latents = latents - (t / 1000.0) * (uncond + guidance * (cond - uncond))
+    return latents
