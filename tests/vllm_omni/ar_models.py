@@ -170,7 +170,9 @@ class LingBotInputs:
         half = s.in_channels // 2
         return {
             "noise": torch.randn(1, half, s.frames_per_block, s.height, s.width, generator=gen),
-            "condition": torch.randn(1, s.in_channels - half, s.frames_per_block, s.height, s.width, generator=gen),
+            "condition": torch.randn(
+                1, s.in_channels - half, s.frames_per_block, s.height, s.width, generator=gen
+            ),
             "camera": torch.randn(1, 6 * 8 * 8, s.frames_per_block, s.height, s.width, generator=gen) * 0.1,
         }
 
@@ -202,7 +204,8 @@ def lingbot_block(
     latents = data["noise"]
     for t in steps:
         cache = LingBotTransformerCache(
-            self_attention=state.get_kv_caches(branch, seq_len=seq_len, commit_current=False), cross_attention=cross
+            self_attention=state.get_kv_caches(branch, seq_len=seq_len, commit_current=False),
+            cross_attention=cross,
         )
         flow = model(
             hidden_states=torch.cat((latents, data["condition"]), dim=1),
@@ -215,7 +218,8 @@ def lingbot_block(
         )
         latents = latents - (t / 1000.0) * flow.float()
     cache = LingBotTransformerCache(
-        self_attention=state.get_kv_caches(branch, seq_len=seq_len, commit_current=True), cross_attention=cross
+        self_attention=state.get_kv_caches(branch, seq_len=seq_len, commit_current=True),
+        cross_attention=cross,
     )
     model(
         hidden_states=torch.cat((latents, data["condition"]), dim=1),
@@ -296,7 +300,10 @@ def dkv_cache(layout: KVLayout, **kwargs: Any) -> Any:
         dtype=layout.dtype,
     )
     return ar_sessions.DiffusionKVARCache(
-        geometry, kv_branches=layout.kv_branches, cross_attention_lengths=dict(layout.cross_attention), **kwargs
+        geometry,
+        kv_branches=layout.kv_branches,
+        cross_attention_lengths=dict(layout.cross_attention),
+        **kwargs,
     )
 
 

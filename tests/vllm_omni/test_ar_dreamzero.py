@@ -74,6 +74,8 @@ def test_what_is_not_served_is_refused_with_the_reason(env: Any) -> None:
         contexts[0].forward_ctx.prepare(device=torch.device("cpu"), action_len=33, query_len=41)
     dkv.abort_pending()
     assert dkv.cache.pool.num_free == free and dkv.committed_tokens("positive") == 0
-    with pytest.raises(UnsupportedFeatureError, match="window_frames=5 is not a multiple of frames_per_block=2"):
+    with pytest.raises(
+        UnsupportedFeatureError, match="window_frames=5 is not a multiple of frames_per_block=2"
+    ):
         M.dkv_cache(M.KVLayout(2, 2, 16, 4, 2, window_frames=5, sink_frames=0))
     dkv.close()

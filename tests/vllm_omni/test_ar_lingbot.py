@@ -47,7 +47,9 @@ def test_chunk_stream_matches_vllm_omnis_own_path_across_eviction(env: Any) -> N
         theirs = M.lingbot_block(model, host, host_cross, inputs, index)
         torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
         held.append(cache.pool.num_total - cache.pool.num_free)
-        assert dkv.committed_tokens("positive") == (index + 1) * SHAPE.frames_per_block * SHAPE.tokens_per_frame
+        assert (
+            dkv.committed_tokens("positive") == (index + 1) * SHAPE.frames_per_block * SHAPE.tokens_per_frame
+        )
     # after a commit only what the next block sees stays: the sink block (2 frames, one page per
     # frame) and the one earlier block its window keeps; flat from the second block on (the
     # host keeps 6 pages resident: it evicts at its next allocation)

@@ -116,9 +116,7 @@ class CrossAttentionStore:
 
     def _known(self, name: str) -> int:
         if name not in self.lengths:
-            raise ValidationError(
-                f"unknown cross-attention cache {name!r}; declared: {sorted(self.lengths)}"
-            )
+            raise ValidationError(f"unknown cross-attention cache {name!r}; declared: {sorted(self.lengths)}")
         return self.lengths[name]
 
     def populated(self, session_id: str, name: str, branch: str) -> bool:
@@ -200,20 +198,35 @@ class DiffusionKVARCache:
         rows = max_sessions * len(self.kv_branches)
         self.worker = PagedWorker(
             platform or CpuPlatform(),
-            RunnerConfig(max_model_len, 1, rows, max(max_model_len, self.chunk_tokens * rows), device="cpu", backend=backend),
+            RunnerConfig(
+                max_model_len,
+                1,
+                rows,
+                max(max_model_len, self.chunk_tokens * rows),
+                device=torch.device("cpu"),
+                backend=backend,
+            ),
         )
         mask = self.policy.mask
-        spec = PagedLayerSpec(geometry.num_kv_heads, geometry.num_kv_heads, geometry.head_size, geometry.dtype, mode=mask)
+        spec = PagedLayerSpec(
+            geometry.num_kv_heads, geometry.num_kv_heads, geometry.head_size, geometry.dtype, mode=mask
+        )
         self.worker.register_kv_cache_layers({_layer_name(i): spec for i in range(geometry.num_layers)})
         if num_blocks is None:  # every resident row's sink + window + chunk (SessionCache.kv_blocks_bound)
             p = self.policy
             window = p.window_chunks if p.window_chunks is not None else 0
-            per_row = cdiv(p.sink_chunks * p.chunk_tokens, block) + cdiv((window + 1) * p.chunk_tokens, block) + 1
+            per_row = (
+                cdiv(p.sink_chunks * p.chunk_tokens, block) + cdiv((window + 1) * p.chunk_tokens, block) + 1
+            )
             num_blocks = per_row * rows
         self.worker.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
         self.pool = FreeListPool(num_blocks)
         self.allocator = DiffusionKVAllocator(
-            block_size=block, max_model_len=max_model_len, max_rows_per_request=1, worker_rows=rows, pool=self.pool
+            block_size=block,
+            max_model_len=max_model_len,
+            max_rows_per_request=1,
+            worker_rows=rows,
+            pool=self.pool,
         )
         self.sessions = SessionCache(self.worker, self.allocator, self.policy)
         self.cross = CrossAttentionStore(cross_attention_lengths or {}, geometry.num_layers, geometry.dtype)
@@ -264,7 +277,9 @@ class DiffusionKVARForward:
                 "video K/V: not served by diffusion-kv sessions yet"
             )
         if query_len != self.seq_len:
-            raise ValidationError(f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len}")
+            raise ValidationError(
+                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len}"
+            )
         if torch.device(device).type != "cpu":
             raise UnsupportedFeatureError(f"DiffusionKVARCache serves CPU forwards; got device {device}")
         self.cache.active = self
@@ -310,9 +325,7 @@ class DiffusionKVARForward:
             runtime = self._stack.enter_context(self.cache.worker.stepper())
             runtime.ensure_rows(self.chunk.rows())
         dtype = self.cache.geometry.dtype
-        out = self.cache.worker.forward(
-            _layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype)
-        )
+        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
         self._written.add(layer)
         if len(self._written) == self.cache.geometry.num_layers:
             self.finish()
@@ -369,7 +382,9 @@ class DiffusionKVARState:
 
     # -- self-attention ------------------------------------------------------------------------
 
-    def get_kv_caches(self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False) -> list[Any]:
+    def get_kv_caches(
+        self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
+    ) -> list[Any]:
         """Per-layer contexts for one KV branch forward (vLLM-Omni's layer contexts, over a
         :class:`DiffusionKVARForward`); the branch's chunk is reserved at its first forward."""
         session = self._session(kv_branch)
@@ -400,7 +415,10 @@ class DiffusionKVARState:
         forward = DiffusionKVARForward(self, kv_branch, chunk, bool(commit_current))
         self._pending[kv_branch] = forward
         paged = importlib.import_module(_PAGED_ATTENTION)
-        return [paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward) for i in range(self.num_layers)]
+        return [
+            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
+            for i in range(self.num_layers)
+        ]
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's chunk is committed (retention then
@@ -444,7 +462,9 @@ class DiffusionKVARState:
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor | bool]]:
         self._session(kv_branch)
-        return [self.cache.cross.read(self.session_id, cache_name, kv_branch, i) for i in range(self.num_layers)]
+        return [
+            self.cache.cross.read(self.session_id, cache_name, kv_branch, i) for i in range(self.num_layers)
+        ]
 
     def clear_cross_attention(self) -> None:
         if self._closed:
