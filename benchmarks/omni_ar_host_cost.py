@@ -82,7 +82,9 @@ def main() -> None:
             ("diffusion_kv", lambda: M.dkv_cache(layout).state("s0")),
         ):
             results[name] = _run(model, make(), inputs, args.blocks, warm)
-    ratio_wall = results["diffusion_kv"]["block_wall_ms_median"] / results["vllm_omni"]["block_wall_ms_median"]
+    ratio_wall = (
+        results["diffusion_kv"]["block_wall_ms_median"] / results["vllm_omni"]["block_wall_ms_median"]
+    )
     ratio_op = results["diffusion_kv"]["op_ms_per_block"] / results["vllm_omni"]["op_ms_per_block"]
     report = {
         "what": "LingBot-World AR block (4 probes + 1 commit forward), steady state after the window filled",
@@ -102,7 +104,9 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
     for name, r in results.items():
-        print(f"{name:13s} block {r['block_wall_ms_median']:8.2f} ms  op {r['op_ms_per_block']:8.2f} ms/block")
+        print(
+            f"{name:13s} block {r['block_wall_ms_median']:8.2f} ms  op {r['op_ms_per_block']:8.2f} ms/block"
+        )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
