@@ -1,0 +1,570 @@
+"""vLLM-Omni's AR-diffusion engine (``vllm_omni.experimental.ar_diffusion``) on diffusion-kv sessions.
+
+vLLM-Omni 0.30.0's AR-diffusion pipelines (DreamZero's ``CausalWanModel``, LingBot-World's
+``CausalLingBotWorldTransformer3DModel``) reach their KV through two seams, both served here
+without editing vLLM-Omni:
+
+* **the session state** the runner binds to the pipeline (``bind_ar_diffusion_state``). It is
+  duck-typed: pipelines call ``get_kv_caches(kv_branch, seq_len, commit_current)``,
+  ``commit_paged_context``, the cross-attention methods, ``reset(keep_cross_attention=)`` and
+  ``close``, and read ``kv_cache.cross_attention_lengths``. :class:`DiffusionKVARState` answers
+  them from a :class:`DiffusionKVARCache`: one diffusion-kv ``SessionCache`` session per KV branch;
+* **the attention op** every paged layer calls, ``torch.ops.vllm_omni.ar_diffusion_paged_write_attn``
+  (a ``torch.library.custom_op``). :func:`install_cpu_kernel` registers a CPU kernel for it
+  (``torch.library.register_kernel``): a call whose pools are a :class:`DiffusionKVARCache`'s
+  markers is served by diffusion-kv's worker (write the chunk's K/V into the session's pages,
+  attend under the session's chunk-causal + window + sink mask); any other call runs vLLM-Omni's
+  own body (``_paged_write_attn_impl``) unchanged, so both paths share a process.
+
+The mapping. vLLM-Omni pages one latent frame per block and slides by frames: a forward's
+queries (one AR block of ``frames_per_block`` frames) see the sink frames and the last
+``window_frames`` frames of history + block. diffusion-kv's session chunk is that AR block, so the
+policy is ``SessionPolicy(chunk_tokens=F * tokens_per_frame, window_chunks=W / F - 1,
+sink_chunks=S / F)`` (window and sink must be whole AR blocks). A forward with
+``commit_current=False`` (a denoise probe; upstream writes scratch blocks) writes the open chunk's
+positions; the ``commit_current=True`` forward writes them again and ``commit_paged_context``
+commits the chunk (upstream's commit after success); a failure aborts the chunk
+(:meth:`DiffusionKVARState.abort_pending`), so the session is exactly as before it. ``reset``
+ends the branch sessions and begins fresh ones (DreamZero's window reset), ``close`` ends them.
+
+Not served yet: DreamZero's action/state tokens (scratch K/V beside the video K/V: a call with
+``k_act`` raises :class:`UnsupportedFeatureError`), AR blocks of another length than the
+policy's chunk (DreamZero's one-frame first block), CFG-parallel ranks. Cross-attention pools are
+dense and write-once per session (:class:`CrossAttentionStore`), released with the session, until
+the core's context pools land.
+
+Importing this module imports neither vLLM nor vLLM-Omni; :func:`install_cpu_kernel` and
+:meth:`DiffusionKVARForward.layer_inputs` import vLLM-Omni lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, FreeListPool
+from diffusion_kv.core.errors import (
+    StateError,
+    UnsupportedFeatureError,
+    ValidationError,
+)
+from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
+from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
+
+OP_NAME = "vllm_omni::ar_diffusion_paged_write_attn"
+_PAGED_ATTENTION = "vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention"
+
+_MARKERS: dict[int, tuple[DiffusionKVARCache, int]] = {}
+"""Marker tensor data pointer -> (cache, layer index): how the op's kernel recognises our layers."""
+
+_INSTALLED = False
+
+
+def _layer_name(index: int) -> str:
+    return f"layer{index}"
+
+
+@dataclass(frozen=True)
+class ARGeometry:
+    """An AR-diffusion model's KV geometry (vLLM-Omni's ``ARDiffusionKVCacheSpec`` plus the
+    deployment's window and sink, in frames)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tokens_per_frame: int
+    frames_per_block: int
+    window_frames: int
+    sink_frames: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def policy(self) -> SessionPolicy:
+        """The session policy: one AR block per chunk; window and sink in whole blocks."""
+        f = self.frames_per_block
+        for what, frames in (("window_frames", self.window_frames), ("sink_frames", self.sink_frames)):
+            if frames % f:
+                raise UnsupportedFeatureError(
+                    f"AR-diffusion {what}={frames} is not a multiple of frames_per_block={f}: "
+                    "diffusion-kv sessions slide by whole AR blocks"
+                )
+        if self.window_frames < f:
+            raise ValidationError(
+                f"AR-diffusion window_frames={self.window_frames} must cover one AR block ({f} frames)"
+            )
+        return SessionPolicy(
+            chunk_tokens=f * self.tokens_per_frame,
+            window_chunks=self.window_frames // f - 1,
+            sink_chunks=self.sink_frames // f,
+        )
+
+
+class CrossAttentionStore:
+    """Named cross-attention K/V per session and KV branch: dense, write-once, published only
+    when every layer is copied, released with the session (until the core's context pools)."""
+
+    def __init__(self, lengths: Mapping[str, int], num_layers: int, dtype: torch.dtype) -> None:
+        self.lengths = dict(lengths)
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self._pools: dict[str, dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+
+    def _known(self, name: str) -> int:
+        if name not in self.lengths:
+            raise ValidationError(f"unknown cross-attention cache {name!r}; declared: {sorted(self.lengths)}")
+        return self.lengths[name]
+
+    def populated(self, session_id: str, name: str, branch: str) -> bool:
+        self._known(name)
+        return branch in self._pools.get(session_id, {}).get(name, {})
+
+    def populate(
+        self, session_id: str, name: str, branch: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        length = self._known(name)
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, (k, v) in enumerate(layer_kv):
+            if index >= self.num_layers:
+                raise ValidationError(
+                    f"cross-attention cache {name!r}: more than {self.num_layers} layers given"
+                )
+            if k.dim() != 4 or k.shape[:2] != (1, length) or v.shape != k.shape:
+                raise ValidationError(
+                    f"cross-attention cache {name!r} layer {index}: k/v shape {tuple(k.shape)}/{tuple(v.shape)}, "
+                    f"expected (1, {length}, heads, head_size)"
+                )
+            layers.append((k[0].to(self.dtype).clone(), v[0].to(self.dtype).clone()))
+        if len(layers) != self.num_layers:
+            raise ValidationError(
+                f"cross-attention cache {name!r}: {len(layers)} layers given, expected {self.num_layers}"
+            )
+        self._pools.setdefault(session_id, {}).setdefault(name, {})[branch] = layers
+
+    def read(self, session_id: str, name: str, branch: str, layer: int) -> dict[str, torch.Tensor | bool]:
+        if not self.populated(session_id, name, branch):
+            raise StateError(
+                f"cross-attention cache {name!r} of session {session_id!r} branch {branch!r} read before it was populated"
+            )
+        k, v = self._pools[session_id][name][branch][layer]
+        return {"is_init": True, "k": k.unsqueeze(0), "v": v.unsqueeze(0)}
+
+    def retain(self, session_id: str, names: Collection[str]) -> None:
+        session = self._pools.get(session_id, {})
+        for name in [n for n in session if n not in set(names)]:
+            del session[name]
+        if not session:
+            self._pools.pop(session_id, None)
+
+    def release(self, session_id: str) -> None:
+        self._pools.pop(session_id, None)
+
+    def sessions(self) -> tuple[str, ...]:
+        return tuple(self._pools)
+
+
+class DiffusionKVARCache:
+    """One model's AR-diffusion KV on diffusion-kv: a worker whose layers attend under the
+    session mask, its allocator and a :class:`SessionCache` (vLLM-Omni's ``ARDiffusionKVCache``'s
+    place)."""
+
+    def __init__(
+        self,
+        geometry: ARGeometry,
+        *,
+        kv_branches: tuple[str, ...] = ("positive",),
+        cross_attention_lengths: Mapping[str, int] | None = None,
+        num_blocks: int | None = None,
+        max_sessions: int = 1,
+        max_frames: int = 4096,
+        block_size: int | None = None,
+        platform: Any = None,
+        backend: str | None = None,
+    ) -> None:
+        from diffusion_kv.platforms.cpu import CpuPlatform
+
+        if not kv_branches or len(set(kv_branches)) != len(kv_branches):
+            raise ValidationError(f"kv_branches must be distinct names; got {kv_branches!r}")
+        self.geometry = geometry
+        self.policy = geometry.policy()
+        self.kv_branches = tuple(kv_branches)
+        self.chunk_tokens = self.policy.chunk_tokens
+        block = block_size or geometry.tokens_per_frame
+        max_model_len = max_frames * geometry.tokens_per_frame
+        rows = max_sessions * len(self.kv_branches)
+        self.worker = PagedWorker(
+            platform or CpuPlatform(),
+            RunnerConfig(
+                max_model_len,
+                1,
+                rows,
+                max(max_model_len, self.chunk_tokens * rows),
+                device=torch.device("cpu"),
+                backend=backend,
+            ),
+        )
+        mask = self.policy.mask
+        spec = PagedLayerSpec(
+            geometry.num_kv_heads, geometry.num_kv_heads, geometry.head_size, geometry.dtype, mode=mask
+        )
+        self.worker.register_kv_cache_layers({_layer_name(i): spec for i in range(geometry.num_layers)})
+        if num_blocks is None:  # every resident row's sink + window + chunk (SessionCache.kv_blocks_bound)
+            p = self.policy
+            window = p.window_chunks if p.window_chunks is not None else 0
+            per_row = (
+                cdiv(p.sink_chunks * p.chunk_tokens, block) + cdiv((window + 1) * p.chunk_tokens, block) + 1
+            )
+            num_blocks = per_row * rows
+        self.worker.initialize_kv_cache(num_blocks=num_blocks, block_size=block)
+        self.pool = FreeListPool(num_blocks)
+        self.allocator = DiffusionKVAllocator(
+            block_size=block,
+            max_model_len=max_model_len,
+            max_rows_per_request=1,
+            worker_rows=rows,
+            pool=self.pool,
+        )
+        self.sessions = SessionCache(self.worker, self.allocator, self.policy)
+        self.cross = CrossAttentionStore(cross_attention_lengths or {}, geometry.num_layers, geometry.dtype)
+        self.cross_attention_lengths = dict(self.cross.lengths)
+        self.block_size = block
+        self._markers = [torch.zeros(1) for _ in range(geometry.num_layers)]
+        for index, marker in enumerate(self._markers):
+            _MARKERS[marker.data_ptr()] = (self, index)
+        self.active: DiffusionKVARForward | None = None
+
+    def state(self, session_id: str) -> DiffusionKVARState:
+        """A fresh session (one diffusion-kv session per KV branch)."""
+        return DiffusionKVARState(self, session_id)
+
+    def marker(self, layer: int) -> torch.Tensor:
+        return self._markers[layer]
+
+    def close(self) -> None:
+        """Forget the layer markers (the op kernel stops recognising this cache)."""
+        for marker in self._markers:
+            _MARKERS.pop(marker.data_ptr(), None)
+
+
+class DiffusionKVARForward:
+    """One KV branch forward (vLLM-Omni's ``ARDiffusionPagedForwardContext`` place): the
+    branch's open chunk and the worker stepper its layers run under."""
+
+    def __init__(self, state: DiffusionKVARState, branch: str, chunk: Chunk, commit_current: bool) -> None:
+        self.state = state
+        self.cache = state.cache
+        self.kv_branch = branch
+        self.chunk = chunk
+        self.seq_len = chunk.tokens
+        self.commit_current = commit_current
+        self._prepared = False
+        self._written: set[int] = set()
+        self._stack: contextlib.ExitStack | None = None
+        self._inputs: list[Any] = []
+
+    def prepare(self, device: torch.device, action_len: int, query_len: int) -> None:
+        """Once per forward, before the layers (as upstream's): refuse what is not served, make
+        this the cache's active forward, build the per-layer op inputs."""
+        if self._prepared:
+            return
+        if action_len:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion action/state tokens ({action_len} per forward) are scratch K/V beside the "
+                "video K/V: not served by diffusion-kv sessions yet"
+            )
+        if query_len != self.seq_len:
+            raise ValidationError(
+                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len}"
+            )
+        if torch.device(device).type != "cpu":
+            raise UnsupportedFeatureError(f"DiffusionKVARCache serves CPU forwards; got device {device}")
+        self.cache.active = self
+        paged = importlib.import_module(_PAGED_ATTENTION)
+        empty = torch.empty(0, dtype=torch.long)
+        meta = torch.zeros(1, dtype=torch.int32)
+        self._inputs = [
+            paged.ARDiffusionPagedLayerInputs(
+                layer_idx=paged._layer_idx_tensor(i),
+                key_pool=self.cache.marker(i),
+                value_pool=self.cache.marker(i),
+                block_size=int(self.cache.block_size),
+                seq_len=int(self.seq_len),
+                video_slots=empty,
+                action_slots=empty,
+                block_table=meta,
+                query_start_loc=meta,
+                seq_lens=meta,
+                max_query_len=int(query_len),
+                max_seq_len=int(self.chunk.end),
+            )
+            for i in range(self.cache.geometry.num_layers)
+        ]
+        self._prepared = True
+
+    def layer_inputs(self, layer_idx: int) -> Any:
+        if not self._prepared:
+            raise StateError("DiffusionKVARForward.layer_inputs() before prepare()")
+        return self._inputs[layer_idx]
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One layer: write the chunk's K/V into the session's pages and attend (the worker)."""
+        if self.cache.active is not self:
+            raise StateError(
+                f"AR-diffusion layer {layer} of session {self.chunk.session_id!r} called outside its forward"
+            )
+        if query.shape[0] != self.seq_len or key.shape[0] != self.seq_len:
+            raise ValidationError(
+                f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys, chunk holds {self.seq_len}"
+            )
+        if self._stack is None:
+            self._stack = contextlib.ExitStack()
+            runtime = self._stack.enter_context(self.cache.worker.stepper())
+            runtime.ensure_rows(self.chunk.rows())
+        dtype = self.cache.geometry.dtype
+        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+        self._written.add(layer)
+        if len(self._written) == self.cache.geometry.num_layers:
+            self.finish()
+        return out.to(query.dtype)
+
+    @property
+    def complete(self) -> bool:
+        """Every layer wrote the chunk."""
+        return len(self._written) == self.cache.geometry.num_layers
+
+    def finish(self) -> None:
+        """Close the worker stepper (after the last layer, or when the forward is dropped)."""
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+        if self.cache.active is self:
+            self.cache.active = None
+
+
+class DiffusionKVARState:
+    """vLLM-Omni's ``ARDiffusionKVState`` on diffusion-kv sessions (module docstring)."""
+
+    def __init__(self, cache: DiffusionKVARCache, session_id: str) -> None:
+        self.cache = cache
+        self.kv_cache = cache  # pipelines read kv_cache.cross_attention_lengths
+        self.session_id = session_id
+        self.num_layers = cache.geometry.num_layers
+        self._sessions: dict[str, Session] = {}
+        self._chunks: dict[str, Chunk | None] = {}
+        self._pending: dict[str, DiffusionKVARForward | None] = {}
+        self._closed = False
+        self._begin()
+
+    def _begin(self) -> None:
+        for branch in self.cache.kv_branches:
+            self._sessions[branch] = self.cache.sessions.begin_session(f"{self.session_id}/{branch}")
+            self._chunks[branch] = None
+            self._pending[branch] = None
+
+    @property
+    def kv_branch_names(self) -> tuple[str, ...]:
+        return self.cache.kv_branches
+
+    def _session(self, branch: str) -> Session:
+        if self._closed:
+            raise StateError(f"AR-diffusion session {self.session_id!r} is closed")
+        found = self._sessions.get(branch)
+        if found is None:
+            raise ValidationError(f"unknown KV branch {branch!r}; expected {self.cache.kv_branches}")
+        return found
+
+    def committed_tokens(self, branch: str) -> int:
+        return self._session(branch).committed_tokens
+
+    # -- self-attention ------------------------------------------------------------------------
+
+    def get_kv_caches(
+        self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
+    ) -> list[Any]:
+        """Per-layer contexts for one KV branch forward (vLLM-Omni's layer contexts, over a
+        :class:`DiffusionKVARForward`); the branch's chunk is reserved at its first forward."""
+        session = self._session(kv_branch)
+        if seq_len is None:
+            raise ValidationError("AR-diffusion paged self-attention needs seq_len in get_kv_caches()")
+        if int(seq_len) != self.cache.chunk_tokens:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion forward of {seq_len} tokens in session {self.session_id!r}: diffusion-kv sessions "
+                f"take AR blocks of {self.cache.chunk_tokens} tokens (variable-length blocks are not served yet)"
+            )
+        previous = self._pending.get(kv_branch)
+        if previous is not None:
+            if previous.commit_current and previous.complete:
+                raise StateError(
+                    f"session {self.session_id!r} branch {kv_branch!r}: a committing forward ran and was not "
+                    "committed (commit_paged_context) before the next one"
+                )
+            previous.finish()
+        chunk = self._chunks[kv_branch]
+        if chunk is None:
+            chunk = self.cache.sessions.append_chunk(session)
+            if chunk is None:
+                raise AdmissionError(
+                    f"session {self.session_id!r} branch {kv_branch!r}: {self.cache.chunk_tokens} tokens do not fit "
+                    f"the pool ({self.cache.pool.num_free} of {self.cache.pool.num_total} blocks free)"
+                )
+            self._chunks[kv_branch] = chunk
+        forward = DiffusionKVARForward(self, kv_branch, chunk, bool(commit_current))
+        self._pending[kv_branch] = forward
+        paged = importlib.import_module(_PAGED_ATTENTION)
+        return [
+            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
+            for i in range(self.num_layers)
+        ]
+
+    def commit_paged_context(self, kv_branch: str) -> None:
+        """After a successful forward: a committing forward's chunk is committed (retention then
+        releases what slid out of the window); a probe forward commits nothing."""
+        self._session(kv_branch)
+        forward = self._pending.get(kv_branch)
+        if forward is None:
+            return
+        forward.finish()
+        self._pending[kv_branch] = None
+        if forward.commit_current and forward.complete:
+            chunk = self._chunks[kv_branch]
+            assert chunk is forward.chunk
+            self.cache.sessions.commit(chunk)
+            self._chunks[kv_branch] = None
+
+    def abort_pending(self) -> None:
+        """After a failed forward: every branch's open chunk is aborted (its session exactly as
+        before the chunk was reserved)."""
+        for branch in self.cache.kv_branches:
+            forward = self._pending.get(branch)
+            if forward is not None:
+                forward.finish()
+            self._pending[branch] = None
+            chunk = self._chunks.get(branch)
+            if chunk is not None:
+                self.cache.sessions.abort(chunk)
+                self._chunks[branch] = None
+
+    # -- cross-attention -----------------------------------------------------------------------
+
+    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
+        self._session(kv_branch)
+        return self.cache.cross.populated(self.session_id, cache_name, kv_branch)
+
+    def populate_cross_attention(
+        self, kv_branch: str, cache_name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self._session(kv_branch)
+        self.cache.cross.populate(self.session_id, cache_name, kv_branch, layer_kv)
+
+    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor | bool]]:
+        self._session(kv_branch)
+        return [
+            self.cache.cross.read(self.session_id, cache_name, kv_branch, i) for i in range(self.num_layers)
+        ]
+
+    def clear_cross_attention(self) -> None:
+        if self._closed:
+            raise StateError(f"AR-diffusion session {self.session_id!r} is closed")
+        self.cache.cross.release(self.session_id)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def _end(self) -> None:
+        self.abort_pending()
+        for session in self._sessions.values():
+            self.cache.sessions.end_session(session)
+        self._sessions.clear()
+
+    def close(self) -> None:
+        """End every branch session (all blocks back to the pool) and release cross-attention."""
+        if self._closed:
+            return
+        self._end()
+        self.cache.cross.release(self.session_id)
+        self._closed = True
+
+    def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
+        """Drop the self-attention history (fresh branch sessions at position 0), keeping the
+        named cross-attention caches (DreamZero's window reset keeps ``text``)."""
+        unknown = set(keep_cross_attention) - set(self.cache.cross_attention_lengths)
+        if unknown:
+            raise ValidationError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
+        if self._closed:
+            self._closed = False
+        else:
+            self._end()
+        self.cache.cross.retain(self.session_id, keep_cross_attention)
+        self._begin()
+
+
+def _kernel(
+    query: torch.Tensor,
+    k_curr: torch.Tensor,
+    v_curr: torch.Tensor,
+    k_act: torch.Tensor | None,
+    v_act: torch.Tensor | None,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_size: int,
+    video_slots: torch.Tensor,
+    action_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    softmax_scale: float,
+    stage_key: torch.Tensor | None = None,
+    stage_value: torch.Tensor | None = None,
+    reuse_history: bool = False,
+    stage_first_block: int = 0,
+) -> torch.Tensor:
+    """The op's CPU kernel: diffusion-kv's layers by their markers, upstream's body otherwise."""
+    found = _MARKERS.get(key_pool.data_ptr())
+    if found is None:
+        upstream = importlib.import_module(_PAGED_ATTENTION)._paged_write_attn_impl
+        result: torch.Tensor = upstream(
+            query, k_curr, v_curr, k_act, v_act, key_pool, value_pool, block_size, video_slots, action_slots,
+            block_table, query_start_loc, seq_lens, max_query_len, max_seq_len, softmax_scale,
+            stage_key, stage_value, reuse_history, stage_first_block,
+        )  # fmt: skip
+        return result
+    cache, layer = found
+    forward = cache.active
+    if forward is None:
+        raise StateError(f"AR-diffusion layer {layer} called with no prepared diffusion-kv forward")
+    if k_act is not None and k_act.shape[0] > 0:
+        raise UnsupportedFeatureError(
+            f"AR-diffusion action/state K/V ({k_act.shape[0]} tokens) in layer {layer}: not served by "
+            "diffusion-kv sessions yet"
+        )
+    expected = forward.cache.geometry.head_size**-0.5
+    if abs(softmax_scale - expected) > 1e-12 * expected:
+        raise UnsupportedFeatureError(
+            f"AR-diffusion layer {layer} softmax_scale {softmax_scale} differs from head_size**-0.5 = {expected}"
+        )
+    return forward.attend(layer, query, k_curr, v_curr)
+
+
+def install_cpu_kernel() -> None:
+    """Register :func:`_kernel` as the CPU kernel of vLLM-Omni's AR-diffusion paged op (once)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    importlib.import_module(_PAGED_ATTENTION)  # defines the op
+    torch.library.register_kernel(OP_NAME, "cpu", _kernel)
+    _INSTALLED = True
+
+
+__all__ = [
+    "ARGeometry",
+    "CrossAttentionStore",
+    "DiffusionKVARCache",
+    "DiffusionKVARForward",
+    "DiffusionKVARState",
+    "install_cpu_kernel",
+]

@@ -1,0 +1,81 @@
+"""DreamZero's causal Wan model (vLLM-Omni 0.30.0, tiny random t2v config, two CFG branches)
+generating AR block after AR block with its self-attention KV served by diffusion-kv sessions and
+its text cross-attention K/V in the adapter's write-once store, against vLLM-Omni's own
+AR-diffusion KV on the same weights and inputs: across window eviction (window 3 blocks), the
+model's window reset (text K/V kept) and session close."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm_omni")
+
+import torch
+
+from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
+from tests.vllm_omni import ar_models as M
+
+TOLERANCE = 1e-5  # fp32, the kit's fp32 bound
+SHAPE = M.DreamZeroShape()
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Any]:
+    with M.environment() as od:
+        yield od
+
+
+@torch.no_grad()
+def test_cfg_stream_matches_vllm_omnis_own_path_across_eviction_and_reset(env: Any) -> None:
+    model = M.dreamzero(SHAPE, seed=0)
+    layout = M.dreamzero_layout(SHAPE)
+    host, dkv = M.host_state(layout), M.dkv_cache(layout).state("s0")
+    inputs = M.DreamZeroInputs(SHAPE, seed=1)
+    cache = dkv.cache
+    observed: torch.Tensor | None = None
+    frame, held = 0, []
+    for index in range(7):
+        if index == 4:  # DreamZero's window reset: history dropped, the prompt's text K/V kept
+            text = dkv.get_cross_attention_kv("positive", "text")[0]["k"].clone()
+            host.reset(keep_cross_attention=("text",))
+            dkv.reset(keep_cross_attention=("text",))
+            assert dkv.committed_tokens("positive") == 0 == dkv.committed_tokens("negative")
+            assert torch.equal(dkv.get_cross_attention_kv("positive", "text")[0]["k"], text)
+            observed, frame = None, 0
+        ours = M.dreamzero_block(model, dkv, inputs, index, frame, observed)
+        theirs = M.dreamzero_block(model, host, inputs, index, frame, observed)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        held.append(cache.pool.num_total - cache.pool.num_free)
+        observed, frame = theirs, frame + SHAPE.frames_per_block
+    # per branch: the open block plus committed blocks, at most the window (3 blocks of 2 pages)
+    # once it slides; the reset at block 4 starts again from one open block
+    assert held == [4, 8, 12, 12, 4, 8, 12]
+    dkv.close()
+    assert cache.pool.num_free == cache.pool.num_total and cache.sessions.sessions == ()
+    assert cache.cross.sessions() == ()
+
+
+@torch.no_grad()
+def test_what_is_not_served_is_refused_with_the_reason(env: Any) -> None:
+    layout = M.dreamzero_layout(SHAPE)
+    dkv = M.dkv_cache(layout).state("s1")
+    free = dkv.cache.pool.num_free
+    with pytest.raises(StateError, match="read before it was populated"):
+        dkv.get_cross_attention_kv("positive", "text")
+    with pytest.raises(ValidationError, match="unknown cross-attention cache 'image'"):
+        dkv.is_cross_attention_populated("positive", "image")
+    with pytest.raises(ValidationError, match="unknown KV branch 'middle'"):
+        dkv.get_kv_caches("middle", seq_len=8)
+    contexts = dkv.get_kv_caches("positive", seq_len=8, commit_current=True)
+    with pytest.raises(UnsupportedFeatureError, match="action/state tokens \\(33 per forward\\)"):
+        contexts[0].forward_ctx.prepare(device=torch.device("cpu"), action_len=33, query_len=41)
+    dkv.abort_pending()
+    assert dkv.cache.pool.num_free == free and dkv.committed_tokens("positive") == 0
+    with pytest.raises(
+        UnsupportedFeatureError, match="window_frames=5 is not a multiple of frames_per_block=2"
+    ):
+        M.dkv_cache(M.KVLayout(2, 2, 16, 4, 2, window_frames=5, sink_frames=0))
+    dkv.close()
