@@ -1123,8 +1123,15 @@ def test_chunk_causal_window_sink_stream(dkv_platform: Platform, dkv_backend: Ba
         sink=spec.sink,
         chunk=spec.chunk,
     )
-    h = harness(dkv_platform, dkv_backend, mode=spec, block_size=bs, layer_names=("layer.0",))
     chunks = 5
+    h = harness(
+        dkv_platform,
+        dkv_backend,
+        mode=spec,
+        block_size=bs,
+        layer_names=("layer.0",),
+        max_model_len=max(256, chunks * bs),
+    )
     data = make_rows(h, [chunks * bs], seed=11)[0]
     blocks: list[int] = []
     generation = 0
@@ -1296,12 +1303,35 @@ SESSION_LAYOUTS = {
     "no-window": (1.0, None, 0),
 }
 BOUNDARY = "sink-chunk-boundary-inside-a-block"
+ALIGNED = (1.0, 1, 1)
+"""The layout the session cases fall back to where chunk boundaries inside a page are refused
+(a backend serving chunks as whole pages): a chunk per block, a window of one chunk, a sink."""
 
 
-def session_policy(platform: Platform, backend: Backend, layout: str) -> SessionPolicy:
-    blocks, window, sink = SESSION_LAYOUTS[layout]
+def session_policy(
+    platform: Platform, backend: Backend, layout: str | tuple[float, int | None, int]
+) -> SessionPolicy:
+    blocks, window, sink = SESSION_LAYOUTS[layout] if isinstance(layout, str) else layout
     chunk = max(1, int(pick_block_size(platform, backend) * blocks))
     return SessionPolicy(chunk_tokens=chunk, window_chunks=window, sink_chunks=sink)
+
+
+def served_session_policy(platform: Platform, backend: Backend) -> SessionPolicy:
+    """Chunk boundaries inside blocks (:data:`BOUNDARY`) where the backend serves them, else
+    :data:`ALIGNED` (skipped with the backend's reasons when it serves neither)."""
+    for layout in (BOUNDARY, ALIGNED):
+        policy = session_policy(platform, backend, layout)
+        mask = policy.mask
+        if not reasons_against(
+            platform,
+            backend,
+            attention_modes=mask.required_modes,
+            window=mask.window,
+            sink=mask.sink,
+            chunk=mask.chunk,
+        ):
+            return policy
+    return policy  # refused: the harness skips with the reasons
 
 
 @pytest.mark.parametrize("layout", sorted(SESSION_LAYOUTS))
@@ -1332,7 +1362,7 @@ def test_session_commit_keeps_the_last_denoise_step(dkv_platform: Platform, dkv_
     """Three denoise steps write different K/V at the chunk's positions; the committed chunk is
     the last step's: the next chunk equals dense attention over those, not over the first
     step's (which would give another output)."""
-    policy = session_policy(dkv_platform, dkv_backend, BOUNDARY)
+    policy = served_session_policy(dkv_platform, dkv_backend)
     kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=4)
     session = kit.begin("s")
     kit.run([session])
@@ -1351,7 +1381,7 @@ def test_session_abort_leaves_the_session_as_before(dkv_platform: Platform, dkv_
     """A chunk written by a denoise step, then aborted: the session's snapshot and the pool are
     exactly as before it, and the chunks after it equal dense attention over the committed
     history only (the aborted K/V never read; freed blocks NaN-filled)."""
-    policy = session_policy(dkv_platform, dkv_backend, BOUNDARY)
+    policy = served_session_policy(dkv_platform, dkv_backend)
     kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=5)
     session = kit.begin("s", branches=2)
     for _ in range(3):
@@ -1374,7 +1404,7 @@ def test_session_evicted_keys_are_never_read(dkv_platform: Platform, dkv_backend
     """Once the window slid, the released blocks are back in the pool filled with NaN, and
     another session takes them; the first session's later chunks still equal dense attention
     (a backend reading a released place, or its null entry, returns NaN)."""
-    policy = session_policy(dkv_platform, dkv_backend, BOUNDARY)
+    policy = served_session_policy(dkv_platform, dkv_backend)
     kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=6)
     first = kit.begin("a")
     for _ in range(4):
@@ -1393,7 +1423,7 @@ def test_session_many_sessions_and_branches_in_one_batch(
     """Sessions at different window fills (two CFG branches with blocks released, one at its
     second chunk, one just begun) in one batch per denoise step: each row equals dense attention
     over its own history."""
-    policy = session_policy(dkv_platform, dkv_backend, BOUNDARY)
+    policy = served_session_policy(dkv_platform, dkv_backend)
     kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=5)
     old = kit.begin("old", branches=2)
     for _ in range(3):
