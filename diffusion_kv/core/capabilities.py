@@ -254,6 +254,10 @@ class Requirements:
     """A sliding window the mask has (tokens; ``MaskSpec.window``), None: none."""
     sink: int = 0
     """Sink tokens the mask has (``MaskSpec.sink``)."""
+    chunk: int | None = None
+    """Tokens per chunk of a CHUNK_CAUSAL mask (``MaskSpec.chunk``), None: none. Capabilities
+    have no field for it; a backend whose kernel needs chunk boundaries on its pages checks it
+    in ``not_supported_reasons``."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
@@ -286,6 +290,8 @@ class Requirements:
             raise ValidationError(f"Requirements.window must be a positive int or None; got {self.window!r}")
         if type(self.sink) is not int or self.sink < 0:
             raise ValidationError(f"Requirements.sink must be an int >= 0; got {self.sink!r}")
+        if self.chunk is not None and (type(self.chunk) is not int or self.chunk <= 0):
+            raise ValidationError(f"Requirements.chunk must be a positive int or None; got {self.chunk!r}")
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``dtype=float16, head_size=128``."""

@@ -482,6 +482,7 @@ class PagedWorker:
             attention_modes=layer.mask.required_modes,
             window=layer.mask.window,
             sink=layer.mask.sink,
+            chunk=layer.mask.chunk,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
             graph_capture=self.config.graph_capture,

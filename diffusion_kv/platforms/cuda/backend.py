@@ -34,6 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
@@ -157,19 +158,25 @@ CAPABILITIES = Capabilities(
     head_sizes=frozenset({64, 128}),
     kernel_block_sizes=(MultipleOf(16),),
     slot_mapping_dtypes=frozenset({torch.int64}),
-    attention_modes=BASE_MODES,
+    attention_modes=BASE_MODES | {AttentionMode.CHUNK_CAUSAL},
     supports_gqa=True,
     supports_ulysses=True,
     supports_dcp=True,
     supports_graph_capture=True,
     kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+    max_window=None,
+    max_sink=None,
 )
 """Per layer the backends only launch work (plans, row groups, DCP masks and device indices are
 fixed in ``build``): a denoise step can be captured as a CUDA graph and replayed. Ulysses: the
 backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`. e4m3 pages
 (``kv_cache_dtypes``): written and read by the Triton kernels only (quantised in the write,
 converted in registers in the attention), so ``paged`` takes the Triton way for them and the
-``sdpa`` backend, which would need a dequantised copy, does not declare them."""
+``sdpa`` backend, which would need a dequantised copy, does not declare them. Chunk-causal,
+windowed and sink masks (``attention_modes``, ``max_window``, ``max_sink``): the Triton kernel
+computes each query's bounds from its position in-kernel and loads only the key tiles of the
+sink and the window; the gather + SDPA way gathers only the block plan's live blocks (both fixed
+at ``build``, no host work per layer); not with DCP (refused with that reason)."""
 
 
 class CudaPagedBackend(TorchSdpaBackend):
@@ -304,7 +311,9 @@ class CudaPagedBackend(TorchSdpaBackend):
             return self._build_dcp(batch, qsl, seq, device)
         plan = self._plan(qsl, seq, device)
         extra = plan.extra
-        if plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
+        if plan.way is not KernelWay.TRITON and batch.block_plan is not None:  # live blocks only
+            extra = dict(sdpa_groups=self._planned_groups(batch, qsl, seq, device))
+        elif plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
             g = self.group
             ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
             extra = dict(
@@ -406,6 +415,7 @@ class CudaPagedBackend(TorchSdpaBackend):
 
         k_cache, v_cache = key_value_caches(kv_cache)
         assert md.tile_row is not None and md.tile_q0 is not None
+        mask = self.group.mask
         kernels.paged_attention(
             query,
             k_cache,
@@ -429,6 +439,9 @@ class CudaPagedBackend(TorchSdpaBackend):
             cp_interleave=md.cp_interleave,
             k_scale=layer.kv_scales.k_scale if layer.kv_scales is not None else None,
             v_scale=layer.kv_scales.v_scale if layer.kv_scales is not None else None,
+            chunk=mask.chunk,
+            window=mask.window,
+            sink=mask.sink,
         )
 
 
@@ -457,5 +470,7 @@ class SdpaPagedBackend(CudaPagedBackend):
         supports_ulysses=True,
         supports_dcp=True,
         supports_graph_capture=True,
+        max_window=None,
+        max_sink=None,
     )
     way: ClassVar[KernelWay | None] = KernelWay.SDPA

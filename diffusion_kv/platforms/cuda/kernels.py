@@ -201,6 +201,11 @@ def _paged_attention_kernel(
     INTERLEAVE: tl.constexpr,
     KV_SCALED: tl.constexpr,
     FP8_VIA_F16: tl.constexpr,
+    PLANNED: tl.constexpr = False,
+    PLAN_CHUNK: tl.constexpr = 0,
+    PLAN_CAUSAL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    SINK: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -240,6 +245,43 @@ def _paged_attention_kernel(
             kv_end = tl.minimum(kv_end, n_keys)
     else:
         kv_end = n_keys
+    # A planned mask (chunk, window, sink; mask.py): query q sees key k < hi(q) with k >= lo(q)
+    # or k < SINK. The tile reads two runs of key tiles, the sink's [0, sink_span) and the
+    # window's [win_start, tile_hi), as one virtual range [0, kv_end): virtual key v is key v
+    # below sink_span, else v + gap. Key tiles between the runs (released ones) are never loaded.
+    sink_span = 0
+    gap = 0
+    tile_lo = 0
+    tile_hi = kv_end
+    if PLANNED:
+        t_first = sl - ql + q0
+        t_last = sl - ql + tl.minimum(q0 + Q_PER_TILE, ql) - 1
+        if PLAN_CHUNK > 0:
+            raw_first = (t_first // PLAN_CHUNK + 1) * PLAN_CHUNK
+            raw_last = (t_last // PLAN_CHUNK + 1) * PLAN_CHUNK
+        elif PLAN_CAUSAL:
+            raw_first = t_first + 1
+            raw_last = t_last + 1
+        else:
+            raw_first = sl
+            raw_last = sl
+        tile_hi = tl.minimum(raw_last, sl)
+        if WINDOW > 0:
+            tile_lo = tl.maximum(raw_first - WINDOW, 0)
+        sink_span = tl.cdiv(tl.minimum(SINK, tile_hi), BLOCK_N) * BLOCK_N
+        win_start = tl.maximum((tile_lo // BLOCK_N) * BLOCK_N, sink_span)
+        gap = win_start - sink_span
+        kv_end = sink_span + tl.maximum(tile_hi - win_start, 0)
+        if PLAN_CHUNK > 0:
+            q_raw = (qpos // PLAN_CHUNK + 1) * PLAN_CHUNK
+        elif PLAN_CAUSAL:
+            q_raw = qpos + 1
+        else:
+            q_raw = qpos * 0 + sl
+        q_hi = tl.minimum(q_raw, sl)
+        q_lo = q_raw * 0
+        if WINDOW > 0:
+            q_lo = tl.maximum(q_raw - WINDOW, 0)
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_end)
@@ -249,9 +291,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     n_offs = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + row.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
+    for v0 in range(start, end, BLOCK_N):
+        n0 = v0
+        kmask = v0 + n_offs < end
+        if PLANNED:
+            n0 = v0 + tl.where(v0 >= sink_span, gap, 0)
         kidx = n0 + n_offs
-        kmask = kidx < end
+        if PLANNED:  # keys no query of the tile sees are never loaded
+            kmask = kmask & (kidx < tile_hi) & ((kidx >= tile_lo) | (kidx < SINK))
         if PAGE % BLOCK_N == 0:
             # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
             # page, found with one scalar load, and its rows are evenly strided.
@@ -270,6 +317,10 @@ def _paged_attention_kernel(
                 kidx if CP == 1 else (kidx // INTERLEAVE) * ROUND + CP_RANK * INTERLEAVE + kidx % INTERLEAVE
             )
             allowed = allowed & (kpos[None, :] <= qpos[:, None])
+        if PLANNED:
+            allowed = allowed & (kidx[None, :] < q_hi[:, None])
+            if WINDOW > 0:
+                allowed = allowed & ((kidx[None, :] >= q_lo[:, None]) | (kidx[None, :] < SINK))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -366,6 +417,9 @@ def paged_attention(
     cp_interleave: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    chunk: int | None = None,
+    window: int | None = None,
+    sink: int = 0,
 ) -> torch.Tensor:
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
     take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``).
@@ -381,6 +435,13 @@ def paged_attention(
     them per row, and local key ``j`` sits at page index ``j``. ``seq_lens`` stays the rows' full
     lengths: the causal mask compares each local key's absolute position with the query's
     bottom-right aligned one. The result is this rank's partial attention.
+
+    A planned mask (``MaskSpec``'s ``chunk``, ``window``, ``sink``; ``causal`` then says whether
+    a non-chunk mask is causal or full): query ``q`` (bottom-right aligned) sees key ``k`` when
+    ``k < min(raw(q), seq_len)`` and (no window, or ``k >= raw(q) - window``, or ``k < sink``),
+    ``raw(q)`` the end of ``q``'s chunk, ``q + 1`` or ``seq_len``. Each query tile reads only the
+    key tiles of the sink and of its window (the block plan's SKIP blocks, released ones
+    included, are never loaded). Not with DCP.
     """
     T, H, D = query.shape
     _, page, hkv, _ = key_cache.shape
@@ -390,6 +451,9 @@ def paged_attention(
         return out
     if cp_size > 1 and local_seq_lens is None:
         raise ValueError("paged_attention: cp_size > 1 needs local_seq_lens")
+    planned = chunk is not None or window is not None or sink > 0
+    if planned and cp_size > 1:
+        raise ValueError("paged_attention: a chunk, window or sink mask is not served with cp_size > 1")
     if num_splits > 1:
         part_out = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((num_splits, T, H), dtype=torch.float32, device=query.device)
@@ -432,7 +496,7 @@ def paged_attention(
         part_out.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0) if num_splits > 1 else 0,
         part_lse.stride(1) if num_splits > 1 else 0,
-        CAUSAL=causal,
+        CAUSAL=causal and not planned,
         GROUP=group,
         HEAD_D=D,
         PAGE=page,
@@ -445,6 +509,11 @@ def paged_attention(
         INTERLEAVE=cp_interleave if cp_size > 1 else 1,
         KV_SCALED=scaled,
         FP8_VIA_F16=FP8_VIA_F16,
+        PLANNED=planned,
+        PLAN_CHUNK=chunk or 0,
+        PLAN_CAUSAL=causal,
+        WINDOW=window or 0,
+        SINK=sink,
         num_warps=num_warps,
         num_stages=num_stages,
     )
