@@ -155,6 +155,24 @@ def write_kv(
 # Paged attention (split-KV, pages read in place)
 # --------------------------------------------------------------------------------------------
 
+# How the attention kernel multiplies e4m3 pages (``qk_mode`` for Q.K^T, ``pv_mode`` for P.V):
+FP8_WIDEN = 0
+"""Widen each e4m3 tile to the query dtype in registers, a 16-bit MMA (any GPU, the interpreter)."""
+FP8_F16 = 1
+"""Widen to float16 (one native conversion on SM89+) and multiply in float16; the queries are
+scaled per row into [-1, 1] (Q.K^T), the weights are already in [0, 1] (P.V)."""
+FP8_MMA = 2
+"""fp8 tensor cores: e4m3 tiles straight into the MMAs. The queries are quantised per row with a
+descale (Q.K^T), the weights times 2**8 (P.V), each as two e4m3 terms (``x ~ hi + lo / 16``, two
+MMAs): one term alone costs 3-4e-4 of cosine similarity on random data, which the 0.999 bound
+for e4m3 pages cannot spare; two give the widened path's accuracy."""
+FP8_MODES = (FP8_WIDEN, FP8_F16, FP8_MMA)
+_FP8_F16: tl.constexpr = tl.constexpr(FP8_F16)
+_FP8_MMA: tl.constexpr = tl.constexpr(FP8_MMA)
+_FP8_WIDEN: tl.constexpr = tl.constexpr(FP8_WIDEN)
+_P_FP8_SCALE: tl.constexpr = tl.constexpr(256.0)
+_FP8_LO: tl.constexpr = tl.constexpr(16.0)
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -201,6 +219,10 @@ def _paged_attention_kernel(
     INTERLEAVE: tl.constexpr,
     KV_SCALED: tl.constexpr,
     FP8_VIA_F16: tl.constexpr,
+    QK_MODE: tl.constexpr,
+    PV_MODE: tl.constexpr,
+    EXACT_FP8_CAST: tl.constexpr,
+    PREFETCH_PAGE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -228,6 +250,24 @@ def _paged_attention_kernel(
     s_scale = scale_log2
     if KV_SCALED:  # e4m3 pages: this program's KV head's key scale joins the softmax scale
         s_scale = scale_log2 * tl.load(k_scale_ptr + kvh)
+    q_mma = q
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * s_scale
+    if KV_SCALED and QK_MODE != _FP8_WIDEN:
+        # Each query row (one token of one head) is scaled by its own largest magnitude, once
+        # per program: into e4m3 (+-448) for fp8 MMAs, into [-1, 1] for float16 ones. Its
+        # descale joins the row's softmax scale.
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        amax = tl.where(amax == 0.0, 1.0, amax)
+        if QK_MODE == _FP8_MMA:  # two e4m3 terms: q ~ hi + lo / 16 (one alone costs accuracy)
+            q448 = qf * (448.0 / amax)[:, None]
+            q_hi = _round_e4m3(q448)
+            q_mma = q_hi.to(tl.float8e4nv)
+            q_lo = _round_e4m3((q448 - q_hi) * _FP8_LO).to(tl.float8e4nv)
+            row_scale = (amax * (1.0 / 448.0)) * s_scale
+        else:
+            q_mma = (qf * (1.0 / amax)[:, None]).to(tl.float16)
+            row_scale = amax * s_scale
 
     if CAUSAL:
         last_tok = tl.minimum(q0 + Q_PER_TILE, ql) - 1
@@ -249,21 +289,37 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     n_offs = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + row.to(tl.int64) * stride_bt
+    next_page = 0
+    if PREFETCH_PAGE and PAGE % BLOCK_N == 0:
+        next_page = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         kidx = n0 + n_offs
         kmask = kidx < end
         if PAGE % BLOCK_N == 0:
             # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
-            # page, found with one scalar load, and its rows are evenly strided.
-            page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            # page, found with one scalar load, and its rows are evenly strided. PREFETCH_PAGE
+            # loads the next tile's page id one iteration ahead, so the K/V loads do not wait
+            # for the block table.
+            if PREFETCH_PAGE:
+                page_s = next_page
+                nxt = n0 + BLOCK_N
+                next_page = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0).to(tl.int64)
+            else:
+                page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
             kv_off = page_s * stride_cb + (n0 % PAGE + n_offs) * stride_cs + kvh * stride_ch
         else:
             page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
             kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED:
-            k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * s_scale
+        if KV_SCALED and QK_MODE == _FP8_MMA:  # e4m3 keys straight into the MMAs
+            kt = tl.trans(k)
+            s = (tl.dot(q_mma, kt) + tl.dot(q_lo, kt) * (1.0 / _FP8_LO)) * row_scale[:, None]
+        elif KV_SCALED and QK_MODE == _FP8_F16:  # one native widening, a float16 MMA
+            s = tl.dot(q_mma, tl.trans(k.to(tl.float16))) * row_scale[:, None]
+        else:
+            if KV_SCALED:
+                k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * s_scale
         allowed = kmask[None, :]
         if CAUSAL:
             kpos = (
@@ -277,13 +333,30 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED:
-            v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_SCALED and PV_MODE == _FP8_MMA:
+            # p in [0, 1] times 2**8 (exact) keeps small weights out of e4m3's flush to zero (the
+            # factor leaves with the row sum below); two e4m3 terms, p ~ hi + lo / 16
+            p8 = p * _P_FP8_SCALE
+            # (EXACT_FP8_CAST: round once to nearest first; the interpreter's own cast does not)
+            p_hi = _round_e4m3(p8).to(tl.float8e4nv) if EXACT_FP8_CAST else p8.to(tl.float8e4nv)
+            p_rest = (p8 - p_hi.to(tl.float32)) * _FP8_LO
+            if EXACT_FP8_CAST:
+                p_rest = _round_e4m3(p_rest)
+            pv = tl.dot(p_hi, v) + tl.dot(p_rest.to(tl.float8e4nv), v) * (1.0 / _FP8_LO)
+        elif KV_SCALED and PV_MODE == _FP8_F16:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            if KV_SCALED:
+                v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    if KV_SCALED and PV_MODE == _FP8_MMA:
+        out = acc / (l_safe * _P_FP8_SCALE)[:, None]
+    else:
+        out = acc / l_safe[:, None]
     if KV_SCALED:  # the value scale, once per output
         out = out * tl.load(v_scale_ptr + kvh)
     t_glob = (qs + tok).to(tl.int64)
@@ -340,6 +413,20 @@ def _combine_kernel(
 
 LOG2E = 1.4426950408889634
 
+SM90_FP8_MODES = (FP8_WIDEN, FP8_WIDEN)
+"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later (Hopper's fp8 tensor cores)."""
+PREFETCH_PAGES = False
+"""Load the next key tile's page id one iteration ahead (tiles inside one page)."""
+
+
+def fp8_modes(device: torch.device) -> tuple[int, int]:
+    """How :func:`paged_attention` multiplies e4m3 pages on ``device`` by default: fp8 tensor
+    cores from SM90 on (:data:`SM90_FP8_MODES`); elsewhere (older GPUs, the interpreter on CPU)
+    widened tiles and 16-bit MMAs."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return SM90_FP8_MODES
+    return FP8_WIDEN, FP8_WIDEN
+
 
 def paged_attention(
     query: torch.Tensor,
@@ -366,9 +453,14 @@ def paged_attention(
     cp_interleave: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    qk_mode: int | None = None,
+    pv_mode: int | None = None,
+    prefetch_pages: bool | None = None,
 ) -> torch.Tensor:
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
-    take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``).
+    take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``), and
+    ``qk_mode``/``pv_mode`` (one of :data:`FP8_MODES`; None: :func:`fp8_modes` of the device)
+    say how their tiles are multiplied. ``prefetch_pages`` (None: :data:`PREFETCH_PAGES`).
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
@@ -401,6 +493,11 @@ def paged_attention(
     scaled = key_cache.dtype == torch.float8_e4m3fn
     if scaled and (k_scale is None or v_scale is None):
         raise ValueError("paged_attention over float8_e4m3fn pages needs k_scale and v_scale")
+    default_qk, default_pv = fp8_modes(query.device) if scaled else (FP8_WIDEN, FP8_WIDEN)
+    qk = default_qk if qk_mode is None else qk_mode
+    pv = default_pv if pv_mode is None else pv_mode
+    if qk not in FP8_MODES or pv not in FP8_MODES:
+        raise ValueError(f"paged_attention: qk_mode {qk} / pv_mode {pv}, expected one of {FP8_MODES}")
     _paged_attention_kernel[(n_tiles, hkv, num_splits)](
         query,
         key_cache,
@@ -445,6 +542,10 @@ def paged_attention(
         INTERLEAVE=cp_interleave if cp_size > 1 else 1,
         KV_SCALED=scaled,
         FP8_VIA_F16=FP8_VIA_F16,
+        QK_MODE=qk if scaled else FP8_WIDEN,
+        PV_MODE=pv if scaled else FP8_WIDEN,
+        EXACT_FP8_CAST=query.device.type != "cuda",
+        PREFETCH_PAGE=PREFETCH_PAGES if prefetch_pages is None else prefetch_pages,
         num_warps=num_warps,
         num_stages=num_stages,
     )
