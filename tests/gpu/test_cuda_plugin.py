@@ -120,11 +120,11 @@ def test_triton_paged_kernel_matches_sdpa(
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (r, float((got - ref).abs().max()))
 
 
-@pytest.mark.parametrize("modes", [(0, 0), (1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("modes", [(0, 0), (1, 1), (2, 1), (2, 0)])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_triton_kernel_fp8_modes_match_dequantised_pages(modes: tuple[int, int], prefetch: bool) -> None:
     """e4m3 pages, every way of multiplying them (widened, float16 MMAs, fp8 MMAs with the
-    two-term queries and weights), GQA 4:1 packing, split KV and a ragged causal batch: the
+    two-term queries), GQA 4:1 packing, split KV and a ragged causal batch: the
     output matches attention over the dequantised pages (cosine >= 0.99995), and the default
     modes on this GPU give the same bytes as naming them."""
     from torch.nn.attention.bias import causal_lower_right

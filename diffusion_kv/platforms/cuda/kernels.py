@@ -7,9 +7,11 @@
   copy): packed varlen queries, per-row KV lengths, bottom-right causal or full masks, GQA by
   packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
   over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
-  e4m3 pages are read in place and converted in registers: the key scale folds into the
-  softmax scale and the value scale into the output (one scale per KV head, which is what a
-  program serves), so no dequantised copy of the cache is made.
+  e4m3 pages are read in place: on SM90 and later the key tiles go straight into fp8 MMAs
+  (the queries quantised per row, as two e4m3 terms, with a descale) and the value tiles are
+  widened to float16; elsewhere both are widened in registers (``FP8_MODES``). The key scale
+  folds into the softmax scale and the value scale into the output (one scale per KV head,
+  which is what a program serves), so no dequantised copy of the cache is made.
   Optionally it also writes each query's natural-log log-sum-exp, and in its decode context
   parallelism (DCP) mode it attends over one rank's interleaved keys only (see
   :func:`paged_attention`).
@@ -162,15 +164,16 @@ FP8_F16 = 1
 """Widen to float16 (one native conversion on SM89+) and multiply in float16; the queries are
 scaled per row into [-1, 1] (Q.K^T), the weights are already in [0, 1] (P.V)."""
 FP8_MMA = 2
-"""fp8 tensor cores: e4m3 tiles straight into the MMAs. The queries are quantised per row with a
-descale (Q.K^T), the weights times 2**8 (P.V), each as two e4m3 terms (``x ~ hi + lo / 16``, two
-MMAs): one term alone costs 3-4e-4 of cosine similarity on random data, which the 0.999 bound
-for e4m3 pages cannot spare; two give the widened path's accuracy."""
+"""fp8 tensor cores (Q.K^T only): e4m3 key tiles straight into the MMAs, the queries quantised per
+row with a descale, as two e4m3 terms (``q ~ hi + lo / 16``, two MMAs): one term alone costs
+3-4e-4 of cosine similarity on random data, which the 0.999 bound for e4m3 pages cannot spare;
+two give the widened path's accuracy. (P.V in fp8, the weights as two e4m3 terms, measured
+slower than float16 on an H100 with Triton 3.6 and gave NaNs there: left out.)"""
 FP8_MODES = (FP8_WIDEN, FP8_F16, FP8_MMA)
+PV_MODES = (FP8_WIDEN, FP8_F16)
 _FP8_F16: tl.constexpr = tl.constexpr(FP8_F16)
 _FP8_MMA: tl.constexpr = tl.constexpr(FP8_MMA)
 _FP8_WIDEN: tl.constexpr = tl.constexpr(FP8_WIDEN)
-_P_FP8_SCALE: tl.constexpr = tl.constexpr(256.0)
 _FP8_LO: tl.constexpr = tl.constexpr(16.0)
 
 
@@ -221,7 +224,6 @@ def _paged_attention_kernel(
     FP8_VIA_F16: tl.constexpr,
     QK_MODE: tl.constexpr,
     PV_MODE: tl.constexpr,
-    EXACT_FP8_CAST: tl.constexpr,
     PREFETCH_PAGE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -333,17 +335,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED and PV_MODE == _FP8_MMA:
-            # p in [0, 1] times 2**8 (exact) keeps small weights out of e4m3's flush to zero (the
-            # factor leaves with the row sum below); two e4m3 terms, p ~ hi + lo / 16
-            p8 = p * _P_FP8_SCALE
-            # (EXACT_FP8_CAST: round once to nearest first; the interpreter's own cast does not)
-            p_hi = _round_e4m3(p8).to(tl.float8e4nv) if EXACT_FP8_CAST else p8.to(tl.float8e4nv)
-            p_rest = (p8 - p_hi.to(tl.float32)) * _FP8_LO
-            if EXACT_FP8_CAST:
-                p_rest = _round_e4m3(p_rest)
-            pv = tl.dot(p_hi, v) + tl.dot(p_rest.to(tl.float8e4nv), v) * (1.0 / _FP8_LO)
-        elif KV_SCALED and PV_MODE == _FP8_F16:
+        if KV_SCALED and PV_MODE == _FP8_F16:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         else:
             if KV_SCALED:
@@ -353,10 +345,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    if KV_SCALED and PV_MODE == _FP8_MMA:
-        out = acc / (l_safe * _P_FP8_SCALE)[:, None]
-    else:
-        out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None]
     if KV_SCALED:  # the value scale, once per output
         out = out * tl.load(v_scale_ptr + kvh)
     t_glob = (qs + tok).to(tl.int64)
@@ -413,10 +402,9 @@ def _combine_kernel(
 
 LOG2E = 1.4426950408889634
 
-SM90_FP8_MODES = (FP8_WIDEN, FP8_WIDEN)
-"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later (Hopper's fp8 tensor cores)."""
-PREFETCH_PAGES = False
-"""Load the next key tile's page id one iteration ahead (tiles inside one page)."""
+SM90_FP8_MODES = (FP8_MMA, FP8_F16)
+"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later: fp8 tensor cores for Q.K^T, float16
+for P.V (the fastest pair of the H100 sweep, ``benchmarks/sweep_gqa_fp8.py``)."""
 
 
 def fp8_modes(device: torch.device) -> tuple[int, int]:
@@ -460,7 +448,9 @@ def paged_attention(
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
     take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``), and
     ``qk_mode``/``pv_mode`` (one of :data:`FP8_MODES`; None: :func:`fp8_modes` of the device)
-    say how their tiles are multiplied. ``prefetch_pages`` (None: :data:`PREFETCH_PAGES`).
+    say how their tiles are multiplied (``pv_mode`` one of :data:`PV_MODES`). ``prefetch_pages``
+    loads each key tile's page id one iteration ahead (None: with ``num_stages >= 3``, where it
+    pays; at 2 stages it measured slower).
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
@@ -496,8 +486,10 @@ def paged_attention(
     default_qk, default_pv = fp8_modes(query.device) if scaled else (FP8_WIDEN, FP8_WIDEN)
     qk = default_qk if qk_mode is None else qk_mode
     pv = default_pv if pv_mode is None else pv_mode
-    if qk not in FP8_MODES or pv not in FP8_MODES:
-        raise ValueError(f"paged_attention: qk_mode {qk} / pv_mode {pv}, expected one of {FP8_MODES}")
+    if qk not in FP8_MODES or pv not in PV_MODES:
+        raise ValueError(
+            f"paged_attention: qk_mode {qk} (one of {FP8_MODES}) / pv_mode {pv} (one of {PV_MODES})"
+        )
     _paged_attention_kernel[(n_tiles, hkv, num_splits)](
         query,
         key_cache,
@@ -544,8 +536,7 @@ def paged_attention(
         FP8_VIA_F16=FP8_VIA_F16,
         QK_MODE=qk if scaled else FP8_WIDEN,
         PV_MODE=pv if scaled else FP8_WIDEN,
-        EXACT_FP8_CAST=query.device.type != "cuda",
-        PREFETCH_PAGE=PREFETCH_PAGES if prefetch_pages is None else prefetch_pages,
+        PREFETCH_PAGE=num_stages >= 3 if prefetch_pages is None else prefetch_pages,
         num_warps=num_warps,
         num_stages=num_stages,
     )
