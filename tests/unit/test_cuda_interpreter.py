@@ -263,7 +263,7 @@ def test_fp8_mode_defaults_and_refusals() -> None:
     before anything is launched, with the output untouched."""
     from diffusion_kv.platforms.cuda import kernels
 
-    assert kernels.fp8_modes(torch.device("cpu")) == (kernels.FP8_WIDEN, kernels.FP8_WIDEN)
+    assert kernels.fp8_modes(torch.device("cpu"), 128) == (kernels.FP8_WIDEN, kernels.FP8_WIDEN)
     kc = torch.zeros(2, 16, 1, 32).to(torch.float8_e4m3fn)
     q = torch.randn(1, 1, 32)
     out = torch.full_like(q, 7.0)

@@ -407,11 +407,13 @@ SM90_FP8_MODES = (FP8_MMA, FP8_F16)
 for P.V (the fastest pair of the H100 sweep, ``benchmarks/sweep_gqa_fp8.py``)."""
 
 
-def fp8_modes(device: torch.device) -> tuple[int, int]:
+def fp8_modes(device: torch.device, block_m: int = 128) -> tuple[int, int]:
     """How :func:`paged_attention` multiplies e4m3 pages on ``device`` by default: fp8 tensor
-    cores from SM90 on (:data:`SM90_FP8_MODES`); elsewhere (older GPUs, the interpreter on CPU)
-    widened tiles and 16-bit MMAs."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+    cores from SM90 on (:data:`SM90_FP8_MODES`) for query tiles of at least 128 rows (GQA heads
+    packed, or long queries); elsewhere (smaller tiles, where the two fp8 MMAs measured 12%
+    slower than widening on an H100, older GPUs, the interpreter on CPU) widened tiles and
+    16-bit MMAs."""
+    if block_m >= 128 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
         return SM90_FP8_MODES
     return FP8_WIDEN, FP8_WIDEN
 
@@ -447,10 +449,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
     take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``), and
-    ``qk_mode``/``pv_mode`` (one of :data:`FP8_MODES`; None: :func:`fp8_modes` of the device)
-    say how their tiles are multiplied (``pv_mode`` one of :data:`PV_MODES`). ``prefetch_pages``
-    loads each key tile's page id one iteration ahead (None: with ``num_stages >= 3``, where it
-    pays; at 2 stages it measured slower).
+    ``qk_mode`` (one of :data:`FP8_MODES`) / ``pv_mode`` (one of :data:`PV_MODES`) say how their
+    tiles are multiplied (None: :func:`fp8_modes` of the device and ``block_m``).
+    ``prefetch_pages`` loads each key tile's page id one iteration ahead (None: with
+    ``num_stages >= 3``, where it pays; at 2 stages it measured slower).
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
@@ -483,7 +485,7 @@ def paged_attention(
     scaled = key_cache.dtype == torch.float8_e4m3fn
     if scaled and (k_scale is None or v_scale is None):
         raise ValueError("paged_attention over float8_e4m3fn pages needs k_scale and v_scale")
-    default_qk, default_pv = fp8_modes(query.device) if scaled else (FP8_WIDEN, FP8_WIDEN)
+    default_qk, default_pv = fp8_modes(query.device, block_m) if scaled else (FP8_WIDEN, FP8_WIDEN)
     qk = default_qk if qk_mode is None else qk_mode
     pv = default_pv if pv_mode is None else pv_mode
     if qk not in FP8_MODES or pv not in PV_MODES:
