@@ -313,6 +313,7 @@ class CudaPagedMetadata:
     block_n: int = 64
     num_splits: int = 1
     num_warps: int = 4
+    num_stages: int = 2
     sdpa_groups: tuple[SdpaRowGroup, ...] = ()
     local_seq_lens: torch.Tensor | None = None
     """Under DCP, ``[num_reqs]`` keys of each row on this rank (device); None without DCP."""

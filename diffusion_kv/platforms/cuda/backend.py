@@ -88,7 +88,8 @@ __all__ = [
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
-"""Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128)."""
+"""Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128, 2
+stages); 128-row tiles at 3-4 stages fit once."""
 DEFAULT_NUM_SMS = 132
 PLAN_CACHE_SIZE = 64
 """Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
@@ -250,15 +251,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         if way is KernelWay.TRITON:
-            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, seq, device)
-            extra: dict[str, Any] = dict(
-                tile_row=tile_row,
-                tile_q0=tile_q0,
-                block_m=block_m,
-                block_n=block_n,
-                num_splits=splits,
-                num_warps=8 if block_m >= 128 else 4,
-            )
+            extra: dict[str, Any] = self._make_schedule(qsl, seq, device)
             plan = _BatchPlan(way, reason, extra, ())
         else:
             plan = _BatchPlan(way, reason, {}, row_shapes(qsl, seq, device))
@@ -269,9 +262,9 @@ class CudaPagedBackend(TorchSdpaBackend):
 
     def _make_schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-        """Query tiles and the split count; ``seq`` are the keys each row reads (this rank's
-        under DCP)."""
+    ) -> dict[str, Any]:
+        """Query tiles and launch settings (CudaPagedMetadata fields); ``seq`` are the keys each
+        row reads (this rank's under DCP)."""
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
         block_m = min(
@@ -288,10 +281,21 @@ class CudaPagedBackend(TorchSdpaBackend):
         programs = len(rows) * self.kv_heads
         max_keys = max(seq)
         block_n = 64 if self.head_size > 64 or block_m >= 128 else 128
+        stages = 2
+        resident = RESIDENT_PROGRAMS.get(block_m, 2)
+        if block_m >= 128 and self.quantized:
+            # e4m3 pages: a 128-key tile is the bytes of a 64-key 16-bit one; 3 stages, the
+            # next page id fetched ahead (H100 sweep, benchmarks/sweep_gqa_fp8.py)
+            block_n, stages, resident = 128, 3, 1
+        elif block_m >= 128 and programs < resident * self.num_sms:
+            # few 128-row tiles (GQA heads packed over a few query tokens, regime B): deeper
+            # pipelining of the page loads, one program per SM
+            stages, resident = 4, 1
         # Split the keys until the launch roughly fills every SM with as many programs as fit
-        # at once (fewer fit as the query tile grows); tuned on an H200 with
-        # benchmarks/tune_cuda_paged.py (docs/benchmarks.md).
-        target = int(0.9 * self.num_sms * RESIDENT_PROGRAMS.get(block_m, 2))
+        # at once (fewer fit as the query tile grows or the pipeline deepens); tuned on an H200
+        # with benchmarks/tune_cuda_paged.py and on an H100 with benchmarks/sweep_gqa_fp8.py
+        # (docs/benchmarks.md).
+        target = int(0.9 * self.num_sms * resident)
         splits = 1
         for s in SPLIT_CHOICES:
             splits = s
@@ -301,7 +305,15 @@ class CudaPagedBackend(TorchSdpaBackend):
         if device.type == "cuda":  # pinned: the copy does not block the host
             sched = sched.pin_memory()
         sched = sched.to(device, non_blocking=True)
-        return sched[0], sched[1], block_m, block_n, splits
+        return dict(
+            tile_row=sched[0],
+            tile_q0=sched[1],
+            block_m=block_m,
+            block_n=block_n,
+            num_splits=splits,
+            num_warps=8 if block_m >= 128 else 4,
+            num_stages=stages,
+        )
 
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         qsl = tuple(batch.query_start_loc_cpu.tolist())
@@ -338,15 +350,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         extra: dict[str, Any]
         if way is KernelWay.TRITON:
-            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, local, device)
-            extra = dict(
-                tile_row=tile_row,
-                tile_q0=tile_q0,
-                block_m=block_m,
-                block_n=block_n,
-                num_splits=splits,
-                num_warps=8 if block_m >= 128 else 4,
-            )
+            extra = self._make_schedule(qsl, local, device)
         else:
             groups = self._dcp_sdpa_groups(batch, qsl, seq, local, device)
             extra = dict(sdpa_groups=groups)
@@ -432,6 +436,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             block_n=md.block_n,
             num_splits=md.num_splits,
             num_warps=md.num_warps,
+            num_stages=md.num_stages,
             lse=lse,
             local_seq_lens=md.local_seq_lens,
             cp_size=md.cp_size,
