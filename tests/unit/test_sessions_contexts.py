@@ -10,6 +10,7 @@ from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
 from diffusion_kv.conformance.reference import dense_attention
 from diffusion_kv.core.allocation import NULL_BLOCK
 from diffusion_kv.core.attention import AttentionMode
+from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.registry import RowTransition
 from diffusion_kv.core.runner import PagedWorker, RunnerConfig
@@ -409,3 +410,72 @@ def test_a_plan_with_live_from_is_exact_against_the_dense_mask() -> None:
         22,
         23,
     ]
+
+
+def _context_worker(backend: str, blocks: int = 12) -> tuple[PagedWorker, DiffusionKVAllocator, FreeListPool]:
+    """A context worker on ``cpu:<backend>`` (head size 16, blocks of 16: what ``sdpa`` takes)."""
+    cw = PagedWorker(CpuPlatform(), RunnerConfig(64, 4, 4, 64, device=torch.device("cpu"), backend=backend))
+    cw.register_kv_cache_layers(
+        {f"x{i}": PagedLayerSpec(4, 2, 16, torch.float32, mode=AttentionMode.FULL) for i in range(2)}
+    )
+    cw.initialize_kv_cache(num_blocks=blocks, block_size=16)
+    pool = FreeListPool(blocks)
+    alloc = DiffusionKVAllocator(
+        block_size=16, max_model_len=64, max_rows_per_request=2, worker_rows=4, pool=pool
+    )
+    return cw, alloc, pool
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_paged_cross_attention_reads_the_context_pages_in_place_and_equals_dense(backend: str) -> None:
+    cw, calloc, cpool = _context_worker(backend)
+    assert cw.backends[0].name == backend
+    contexts = SessionContexts(cw, calloc)
+    gen = torch.Generator().manual_seed(30)
+    written: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for sid, tokens, branches in (("a", 20, 2), ("b", 7, 1)):
+        ctx = contexts.set(sid, "text", tokens, branches)
+        assert ctx is not None
+        k, v = (
+            torch.randn(tokens * branches, 2, 16, generator=gen),
+            torch.randn(tokens * branches, 2, 16, generator=gen),
+        )
+        with cw.stepper() as runtime:
+            runtime.ensure_rows(ctx.rows())
+            for name in cw.layers:
+                cw.forward(name, torch.randn(tokens * branches, 4, 16, generator=gen), k, v)
+        written[sid, "text"] = [
+            (k[b * tokens : (b + 1) * tokens], v[b * tokens : (b + 1) * tokens]) for b in range(branches)
+        ]
+    caches_before = [t.clone() for name in cw.layers for t in key_value_caches(cw.kv_caches[name])]
+    lq = 9
+    q = torch.randn(2 * lq, 4, 16, generator=gen)
+    for name in cw.layers:
+        out = contexts.attend("a", "text", name, q)
+        for b in range(2):
+            k, v = written["a", "text"][b]
+            ref = dense_attention(
+                q[b * lq : (b + 1) * lq], k, v, torch.ones(lq, 20, dtype=torch.bool), 16**-0.5
+            )
+            torch.testing.assert_close(out[b * lq : (b + 1) * lq].double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(contexts._readers) == 1  # built once, reused by every layer
+    # one call over two sessions' contexts (three rows)
+    reader = contexts.reader([("a", "text"), ("b", "text")], lq)
+    q3 = torch.randn(3 * lq, 4, 16, generator=gen)
+    out = reader.attend("x1", q3)
+    for r, (sid, b) in enumerate((("a", 0), ("a", 1), ("b", 0))):
+        k, v = written[sid, "text"][b]
+        ref = dense_attention(
+            q3[r * lq : (r + 1) * lq], k, v, torch.ones(lq, len(k), dtype=torch.bool), 16**-0.5
+        )
+        torch.testing.assert_close(out[r * lq : (r + 1) * lq].double(), ref, atol=1e-5, rtol=1e-5)
+    # nothing was written: the pages are as before
+    after = [t for name in cw.layers for t in key_value_caches(cw.kv_caches[name])]
+    assert all(torch.equal(a, b) for a, b in zip(caches_before, after, strict=True))
+    with pytest.raises(ValidationError, match=r"q must be \[27, 4, 16\] torch.float32; got \[18, 4, 16\]"):
+        reader.attend("x0", q)
+    contexts.release("b", "text")
+    with pytest.raises(StateError, match="context 'text' of session 'b' was released or replaced"):
+        reader.attend("x0", q3)
+    contexts.release_session("a")
+    assert contexts._readers == {} and cpool.num_free == cpool.num_total

@@ -47,7 +47,7 @@ from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import missing_spans
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker
-from diffusion_kv.core.sessions.contexts import SessionContexts
+from diffusion_kv.core.sessions.contexts import ContextReader, SessionContexts
 
 
 @dataclass(frozen=True)
@@ -355,6 +355,25 @@ class SessionCache:
         pages (:meth:`SessionContexts.kv`)."""
         self._own(session)
         return self._contexts().kv(session.session_id, name, layer, branch)
+
+    def context_attend(self, session: Session, name: str, layer: str, q: torch.Tensor) -> torch.Tensor:
+        """A denoise step's cross-attention of ``q`` (``[branches * Lq, heads, head_size]``,
+        branch-major) over the written context's pages of one cross-attention layer, every
+        branch in one call of the context worker's backend, nothing copied out per step
+        (:meth:`SessionContexts.attend`)."""
+        self._own(session)
+        self._contexts().written(session.session_id, name)
+        return self._contexts().attend(session.session_id, name, layer, q)
+
+    def context_reader(self, contexts: Iterable[tuple[Session, str]], query_tokens: int) -> ContextReader:
+        """One reader over several sessions' contexts (each branch a row of ``query_tokens``
+        queries): ``reader.attend(layer, q)`` is one backend call per layer for all of them
+        (:meth:`SessionContexts.reader`)."""
+        pairs = []
+        for session, name in contexts:
+            self._own(session)
+            pairs.append((session.session_id, name))
+        return self._contexts().reader(pairs, query_tokens)
 
     def release_context(self, session: Session, name: str) -> None:
         """Release a context now (its blocks back to the pool); ``set_context`` may write it again."""
