@@ -515,6 +515,12 @@ def test_sessions_from_the_same_first_chunk_share_its_blocks() -> None:
         host.keys[("follow", 0, layer)] = (k[:4], v[:4])
     write(follower, "prefix")  # same content, same inputs for [4, 6)
     starts.commit(follower)
+    free = cache.allocator.pool.num_free
+    with pytest.raises(
+        NotImplementedError, match=r"re-cache of session 'follow', whose first tokens \(4\) are shared"
+    ):
+        cache.begin_recache(follower.session)
+    assert cache.allocator.pool.num_free == free and follower.session.recache is None
     for layer in LAYERS:
         hk, hv = host.history("follow", 0, layer)
         sk, sv = host.pending.pop(("follow", 0, layer))

@@ -405,6 +405,12 @@ class SessionCache:
                 raise ValidationError(
                     f"session {sid!r} re-cache: no contexts {unknown} to replace (has {list(known)})"
                 )
+        snapshot = self.worker.registry.snapshot_of(sid) if self.worker.registry is not None else None
+        if snapshot is not None and any(s.cached_prefix_len for s in snapshot.sequences):
+            raise NotImplementedError(
+                f"re-cache of session {sid!r}, whose first tokens ({snapshot.sequences[0].cached_prefix_len}) are shared "
+                "through the prefix cache: the REPLACE would have to drop the shared references and seal nothing"
+            )
         live = self.live_spans(session)
         if live != ((0, session.committed_tokens),):
             self._check_live_from_served()
