@@ -642,7 +642,9 @@ class RowRegistry:
             narrowed = ()
             for a0, b0 in readable:
                 if type(a0) is not int or type(b0) is not int or not 0 <= a0 < b0:
-                    raise ValidationError(f"adopt of request {rid!r}: readable spans must be (start < end); got {readable!r}")
+                    raise ValidationError(
+                        f"adopt of request {rid!r}: readable spans must be (start < end); got {readable!r}"
+                    )
                 narrowed = add_span(narrowed, a0, b0)
         if (
             old.contexts
