@@ -190,8 +190,19 @@ def planned_row_groups(
         shapes = row_shapes(qsl, seq, device)
     page = plan.block_size
     offsets = torch.arange(page, dtype=torch.long)
-    groups = []
+    split: list[tuple[int, int, tuple[int, ...], torch.Tensor | None]] = []
     for ql, sl, rows, index in shapes:
+        # rows of one shape share a plan unless their live_from differs (a re-cache's window
+        # forward beside other rows): each live_from is a group of its own
+        starts = {plan.row_live_from(r) for r in rows}
+        if len(starts) == 1:
+            split.append((ql, sl, rows, index))
+            continue
+        for start in sorted(starts):
+            part = tuple(r for r in rows if plan.row_live_from(r) == start)
+            split.append((ql, sl, part, torch.tensor(part, dtype=torch.long).to(device, non_blocking=True)))
+    groups = []
+    for ql, sl, rows, index in split:
         live = plan.live_blocks(rows[0])
         for r in rows[1:]:
             if not torch.equal(plan.live_blocks(r), live):  # same shape, same plan: a broken invariant
@@ -203,7 +214,7 @@ def planned_row_groups(
         key_pos = key_pos[key_pos < sl]  # ascending: only the last live block may pass seq_len
         if key_pos.numel() == 0:
             continue
-        visible = plan.mask.row_mask(sl - ql, ql, sl)[:, key_pos]
+        visible = plan.row_mask(rows[0], sl - ql, ql, sl)[:, key_pos]
         key_mask = None if bool(visible.all()) else to_device(visible, device)
         groups.append(
             SdpaRowGroup(
@@ -359,7 +370,7 @@ class TorchSdpaBackend(PagedBackend):
         self._cudnn_answers: dict[tuple[Any, ...], bool] = {}
         self._shapes: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], RowShapes] = {}
         self._planned: dict[
-            tuple[tuple[int, ...], tuple[int, ...], torch.device], tuple[SdpaRowGroup, ...]
+            tuple[tuple[int, ...], tuple[int, ...], torch.device, tuple[int, ...]], tuple[SdpaRowGroup, ...]
         ] = {}
 
     @classmethod
@@ -429,7 +440,7 @@ class TorchSdpaBackend(PagedBackend):
         self, batch: PagedBatch, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
     ) -> tuple[SdpaRowGroup, ...]:
         """:func:`planned_row_groups` of one batch shape, made once (the plan is a function of
-        the group's mask and the rows' lengths; released blocks are never read, so the
+        the group's mask, the rows' lengths and their live_from; released blocks are never read, so the
         placement does not enter)."""
         if self.cp_size > 1:
             raise UnsupportedFeatureError(
@@ -437,7 +448,7 @@ class TorchSdpaBackend(PagedBackend):
                 f"planned mask {self.group.mask.describe()} is not implemented"
             )
         assert batch.block_plan is not None
-        key = (qsl, seq, device)
+        key = (qsl, seq, device, batch.block_plan.live_from)
         groups = self._planned.get(key)
         if groups is None:
             groups = planned_row_groups(

@@ -479,3 +479,65 @@ def test_paged_cross_attention_reads_the_context_pages_in_place_and_equals_dense
         reader.attend("x0", q3)
     contexts.release_session("a")
     assert contexts._readers == {} and cpool.num_free == cpool.num_total
+
+
+def _sdpa_or_reference(backend: str, policy: SessionPolicy) -> SessionCache:
+    """A session cache on ``cpu:<backend>`` at block size 16 (what ``sdpa`` takes)."""
+    worker = PagedWorker(
+        CpuPlatform(), RunnerConfig(128, 2, 4, 128, device=torch.device("cpu"), backend=backend)
+    )
+    worker.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 16, torch.float32, mode=policy.mask)})
+    worker.initialize_kv_cache(num_blocks=24, block_size=16)
+    alloc = DiffusionKVAllocator(
+        block_size=16, max_model_len=128, max_rows_per_request=2, worker_rows=4, pool=FreeListPool(24)
+    )
+    return SessionCache(worker, alloc, policy)
+
+
+def test_a_recache_after_the_window_slid_on_sdpa_equals_the_reference() -> None:
+    """``cpu:sdpa`` serves the window forward's ``live_from`` (keys in [sink, live_from) skipped):
+    every forward of a stream, its slid re-cache and the chunks after it equal the reference
+    backend's on the same inputs, with chunks straddling blocks."""
+    policy = SessionPolicy(chunk_tokens=12, window_chunks=1, sink_chunks=1)
+    caches = {b: _sdpa_or_reference(b, policy) for b in ("reference", "sdpa")}
+    assert caches["sdpa"].worker.backends[0].name == "sdpa"
+    sessions = {b: c.begin_session("s") for b, c in caches.items()}
+    gen = torch.Generator().manual_seed(3)
+
+    def forward(rows_of: dict[str, tuple]) -> None:  # type: ignore[type-arg]
+        T = sum(r.query_len for r in next(iter(rows_of.values())))
+        q, k, v = (torch.randn(T, 2, 16, generator=gen) for _ in range(3))
+        outs = {}
+        for b, rows in rows_of.items():
+            worker = caches[b].worker
+            with worker.stepper() as runtime:
+                runtime.ensure_rows(rows)
+                outs[b] = worker.forward("l0", q, k, v)
+        torch.testing.assert_close(outs["sdpa"], outs["reference"], atol=1e-5, rtol=1e-5)
+
+    def chunk() -> None:
+        chunks = {b: caches[b].append_chunk(s) for b, s in sessions.items()}
+        for _ in range(2):  # two denoise steps
+            forward({b: c.rows() for b, c in chunks.items() if c is not None})
+        for b, c in chunks.items():
+            assert c is not None
+            caches[b].commit(c)
+
+    for _ in range(5):
+        chunk()
+    passes = {b: caches[b].begin_recache(s) for b, s in sessions.items()}
+    assert all(p is not None for p in passes.values())
+    spans = {b: p.spans for b, p in passes.items() if p is not None}
+    assert spans["sdpa"] == spans["reference"] == ((0, 12), (48, 60))
+    forwards = {b: p.forwards() for b, p in passes.items() if p is not None}
+    assert forwards["sdpa"][1][0].live_from == 48
+    for i in range(2):
+        forward({b: f[i] for b, f in forwards.items()})
+    for b, p in passes.items():
+        assert p is not None
+        caches[b].commit_recache(p)
+    for _ in range(2):
+        chunk()
+    for b, s in sessions.items():
+        caches[b].end_session(s)
+        assert caches[b].allocator.pool.num_free == 24

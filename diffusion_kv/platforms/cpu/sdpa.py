@@ -51,10 +51,12 @@ class CpuSdpaBackend(TorchSdpaBackend):
         supports_graph_capture=False,
         max_window=None,
         max_sink=None,
+        supports_live_from=True,
     )
     """Chunk-causal, windowed and sink masks: only the block plan's live blocks are gathered, one
-    SDPA per row shape with the exact mask where a block is PARTIAL (``planned_row_groups``); not
-    with decode context parallelism (refused with that reason)."""
+    SDPA per row shape (and ``live_from``: a re-cache's window forward) with the exact mask where
+    a block is PARTIAL (``planned_row_groups``); not with decode context parallelism (refused
+    with that reason)."""
 
     @classmethod
     def is_available(cls) -> Availability:
