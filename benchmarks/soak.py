@@ -470,7 +470,8 @@ def summarize(
                 "heap_mib": at[-1]["heap_mib"] if at else math.nan,
             }
         )
-    half = [x for x in samples if x["served"] >= warmup + measured / 2]
+    # a sample taken while the last ones drain (nothing new admitted: fewer open) is not a slope's
+    half = [x for x in samples if x["served"] >= warmup + measured / 2 and not x.get("draining")]
     xs = [x["measured"] / 1000 for x in half]
     tenth = measured / 10
     first = [t for s, t in measured_steps if s <= tenth]
@@ -683,6 +684,7 @@ def session_soak(args: argparse.Namespace, log: Any) -> Soak:
                 "rss_mib": rss_bytes() / 2**20,
                 "heap_mib": heap / 2**20,
                 "elapsed_s": time.perf_counter() - t_start,
+                "draining": int(started >= total and served < total),
                 **session_maps(cache, runner, allocator, host),
             }
         )
