@@ -684,7 +684,7 @@ def session_soak(args: argparse.Namespace, log: Any) -> Soak:
                 "rss_mib": rss_bytes() / 2**20,
                 "heap_mib": heap / 2**20,
                 "elapsed_s": time.perf_counter() - t_start,
-                "draining": int(started >= total and served < total),
+                "draining": int(started >= total),
                 **session_maps(cache, runner, allocator, host),
             }
         )
