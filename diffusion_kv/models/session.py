@@ -46,6 +46,10 @@ from diffusion_kv.models.tiny_dit import TinyDiTConfig
 from diffusion_kv.platforms.interface import Platform
 
 MODES = ("paged", "recompute", "concat")
+ALL_MODES = (*MODES, "contiguous")
+"""``contiguous``: the best dense rolling cache -- one preallocated buffer per layer holding sink,
+window and chunk contiguously, the chunk's K/V written in place each step, the window shifted down
+one chunk at commit (the GPU shape's FlashAttention baseline)."""
 KIT_TOLERANCE = {
     torch.float64: (1e-9, 1e-9),
     torch.float32: (2e-5, 2e-5),
@@ -83,6 +87,9 @@ class SessionConfig:
     session must be exactly as before."""
     failing_session: bool = False
     """After the stream, a second session runs two chunks and fails in its third's denoise step."""
+    modes: tuple[str, ...] = MODES
+    """The ways timed besides the oracle: ``paged`` and any of ``recompute``, ``concat``,
+    ``contiguous``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -109,6 +116,10 @@ class SessionConfig:
             raise ValidationError(
                 f"hidden {self.hidden} must divide by heads {self.heads} into an even head size, and heads by "
                 f"kv_heads {self.kv_heads}"
+            )
+        if "paged" not in self.modes or any(m not in ALL_MODES for m in self.modes):
+            raise ValidationError(
+                f"session modes must include paged and come from {ALL_MODES}; got {self.modes}"
             )
         if self.abort_chunk is not None and not 0 <= self.abort_chunk < self.chunks:
             raise ValidationError(f"abort_chunk {self.abort_chunk} is not a chunk index below {self.chunks}")
@@ -148,8 +159,8 @@ class SessionResult:
     max_abs_diff: float
     """Paged chunk outputs against the dense oracle over the same mask, over every chunk."""
     tolerance: dict[str, float]
-    concat_max_abs_diff: float
-    """torch.cat rolling-cache chunk outputs against the paged ones."""
+    baseline_max_abs_diff: dict[str, float]
+    """Dense rolling caches (``concat``, ``contiguous``): their chunk outputs against the paged ones."""
     chunk_kv_bytes: int
     """One chunk's own K/V over every layer and branch, in the cache's dtype."""
     bytes_copied_per_chunk: int
@@ -158,10 +169,11 @@ class SessionResult:
     bytes_written_per_step: int
     """Paged: bytes one denoise step writes into the cache (the chunk's K/V, in place), the
     largest over every step."""
-    concat_bytes_copied_per_chunk: int
-    """torch.cat: bytes the commit's rebuild copies (sink + window + the chunk, every layer)."""
-    concat_bytes_copied_per_step: int
-    """torch.cat: bytes one step's concatenation copies (the cache and the chunk, every layer)."""
+    baseline_bytes_copied: dict[str, dict[str, int]]
+    """Dense rolling caches: bytes copied at a commit (``per_chunk``; torch.cat: the rebuild of
+    sink + window + chunk, read and written; contiguous: the window shifted down) and by one
+    denoise step (``per_step``; torch.cat: cache and chunk concatenated; contiguous: the chunk
+    written in place), every layer, the largest seen."""
     kv_bytes_peak: int
     kv_bytes_bound: int
     pool_full_after: bool
@@ -184,9 +196,16 @@ class SessionResult:
         times = [self.chunk_ms[mode][i] for i in chunks]
         return statistics.median(times) if times else float("nan")
 
+    def _ratio(self, mode: str) -> float | None:
+        """Median paged chunk time over ``mode``'s after the window filled (None: not run)."""
+        if mode not in self.chunk_ms:
+            return None
+        return self._median("paged", self.steady) / self._median(mode, self.steady)
+
     @property
-    def speedup_vs_recompute(self) -> float:
-        return self._median("recompute", self.steady) / self._median("paged", self.steady)
+    def speedup_vs_recompute(self) -> float | None:
+        ratio = self._ratio("recompute")
+        return None if ratio is None else 1.0 / ratio
 
     @property
     def ideal_vs_recompute(self) -> float:
@@ -195,8 +214,12 @@ class SessionResult:
         return float(s["sink_chunks"] + s["window_chunks"] + 1)
 
     @property
-    def time_vs_concat(self) -> float:
-        return self._median("paged", self.steady) / self._median("concat", self.steady)
+    def time_vs_concat(self) -> float | None:
+        return self._ratio("concat")
+
+    @property
+    def time_vs_contiguous(self) -> float | None:
+        return self._ratio("contiguous")
 
     @property
     def flatness(self) -> float:
@@ -215,6 +238,7 @@ class SessionResult:
             speedup_vs_recompute=self.speedup_vs_recompute,
             ideal_vs_recompute=self.ideal_vs_recompute,
             time_vs_concat=self.time_vs_concat,
+            time_vs_contiguous=self.time_vs_contiguous,
             flatness=self.flatness,
             median_chunk_ms={m: self._median(m, self.steady) for m in self.chunk_ms},
         )
@@ -477,26 +501,26 @@ class ConcatStream(_Base):
         self.copied_step = max(self.copied_step, copied[0])
         held = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pending.values())
-        # commit: the cache becomes sink + window + the chunk, rebuilt with torch.cat
+        # commit: the cache becomes sink + window + the chunk, rebuilt with one torch.cat
+        old = len(self.chunks_held)
         self.chunks_held.append(index)
         keep = set(cfg.visible_chunks(index + 1))
         c = cfg.chunk_tokens
-        runs: list[tuple[int, int]] = []  # token ranges of the concatenated (cache + chunk) to keep
-        for slot, chunk in enumerate(self.chunks_held):
+        runs: list[tuple[int, int]] = []  # cache slots to keep, merged into runs
+        for slot, chunk in enumerate(self.chunks_held[:old]):
             if chunk in keep:
-                if runs and runs[-1][1] == slot * c:
-                    runs[-1] = (runs[-1][0], (slot + 1) * c)
+                if runs and runs[-1][1] == slot:
+                    runs[-1] = (runs[-1][0], slot + 1)
                 else:
-                    runs.append((slot * c, (slot + 1) * c))
+                    runs.append((slot, slot + 1))
         copied_commit = 0
         for name, (k, v) in pending.items():
-            fk = torch.cat([self.keys[name], k], dim=1) if name in self.keys else k
-            fv = torch.cat([self.values[name], v], dim=1) if name in self.values else v
-            self.keys[name] = torch.cat([fk[:, a:b] for a, b in runs], dim=1)
-            self.values[name] = torch.cat([fv[:, a:b] for a, b in runs], dim=1)
-            copied_commit += sum(
-                t.numel() * t.element_size() for t in (fk, fv, self.keys[name], self.values[name])
-            )
+            for store, new in ((self.keys, k), (self.values, v)):
+                pieces = [store[name][:, a * c : b * c] for a, b in runs] if name in store else []
+                if index in keep:
+                    pieces.append(new)
+                store[name] = torch.cat(pieces, dim=1) if pieces else new[:, :0]
+                copied_commit += store[name].numel() * store[name].element_size()
         self.chunks_held = [i for i in self.chunks_held if i in keep]
         self.copied_commit = max(self.copied_commit, copied_commit)
         return latent, held
@@ -576,6 +600,58 @@ class OracleStream(_Base):
         return latent
 
 
+class ContiguousStream(_Base):
+    """The best dense rolling cache: per layer one preallocated ``[B, sink + window + chunk, Hkv,
+    D]`` buffer; each step writes the chunk's K/V in place and attends over the filled prefix (a
+    view, nothing concatenated); commit shifts the window down one chunk once it is full."""
+
+    def __init__(
+        self, model: SessionDiT, cfg: SessionConfig, cross: CrossContext, device: torch.device
+    ) -> None:
+        super().__init__(model, cfg, cross, device)
+        c = cfg.chunk_tokens
+        shape = (cfg.branches, (cfg.sink_chunks + cfg.window_chunks + 1) * c, cfg.kv_heads, cfg.head_size)
+        self.keys = {n: torch.empty(shape, dtype=cfg.dtype, device=device) for n in model.layer_names}
+        self.values = {n: torch.empty(shape, dtype=cfg.dtype, device=device) for n in model.layer_names}
+        self.filled = 0
+        """Context tokens in the buffers (sink, then window)."""
+        self.copied_step = 0
+        self.copied_commit = 0
+
+    def run(self, index: int, noise: torch.Tensor) -> tuple[torch.Tensor, int]:
+        cfg = self.cfg
+        c, n = cfg.chunk_tokens, self.filled
+        positions = self.positions(index)
+        copied = [0]
+
+        def attention(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kb, vb = self.keys[name], self.values[name]
+            kb[:, n : n + c].copy_(k)
+            vb[:, n : n + c].copy_(v)
+            copied[0] += k.numel() * k.element_size() + v.numel() * v.element_size()
+            return _sdpa(q, kb[:, : n + c], vb[:, : n + c])
+
+        def step(_s: int, x: torch.Tensor) -> torch.Tensor:
+            copied[0] = 0
+            return self.model.run(x, positions, attention, self.cross, c)
+
+        latent = self.denoise(index, noise, step)
+        self.copied_step = max(self.copied_step, copied[0])
+        held = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        full = (cfg.sink_chunks + cfg.window_chunks) * c
+        if n + c <= full:
+            self.filled = n + c
+        elif cfg.window_chunks:  # drop the window's oldest chunk: shift the rest down one chunk
+            s0 = cfg.sink_chunks * c
+            moved = 0
+            for buf in (*self.keys.values(), *self.values.values()):
+                tail = buf[:, s0 + c : full + c].clone()
+                buf[:, s0:full].copy_(tail)
+                moved += 2 * tail.numel() * tail.element_size()
+            self.copied_commit = max(self.copied_commit, moved)
+        return latent, held
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -619,63 +695,70 @@ def run_session(
     model = build_session_model(cfg, device)
     text, noise = session_inputs(cfg, device)
     cross = cross_attention_context(model, text)
-    times: dict[str, list[list[float]]] = {m: [] for m in MODES}
-    kv: dict[str, list[int]] = {m: [] for m in MODES}
-    outputs: list[torch.Tensor] = []
-    concat_outputs: list[torch.Tensor] = []
+    modes = cfg.modes
+    times: dict[str, list[list[float]]] = {m: [] for m in modes}
+    kv: dict[str, list[int]] = {m: [] for m in modes}
+    outputs: dict[str, list[torch.Tensor]] = {m: [] for m in modes}
     step_writes: list[int] = []
     commit_writes: list[int] = []
     abort: dict[str, Any] | None = None
     checks: dict[str, bool] = {}
     failing: dict[str, Any] | None = None
+    copied: dict[str, dict[str, int]] = {}
     paged: PagedStream | None = None
-    concat: ConcatStream | None = None
     total = cfg.repeats * cfg.chunks
+    kinds: dict[str, type[RecomputeStream | ConcatStream | ContiguousStream]] = {
+        "recompute": RecomputeStream,
+        "concat": ConcatStream,
+        "contiguous": ContiguousStream,
+    }
     with torch.no_grad():
         for rep in range(cfg.repeats):
             paged = PagedStream(model, cfg, cross, device, platform)
-            concat = ConcatStream(model, cfg, cross, device)
-            recompute = RecomputeStream(model, cfg, cross, device)
-            for name in MODES:
+            dense = {m: kinds[m](model, cfg, cross, device) for m in modes if m != "paged"}
+            for name in modes:
                 times[name].append([])
             for i in range(cfg.chunks):
                 if rep == 0 and cfg.abort_chunk == i:
                     abort = paged.abort_trial(i, noise[i])
-                for k in range(len(MODES)):  # rotate who goes first
-                    name = MODES[(i + k) % len(MODES)]
+                for k in range(len(modes)):  # rotate who goes first
+                    name = modes[(i + k) % len(modes)]
                     t0 = time.perf_counter()
                     if name == "paged":
                         out, held, per_step, committed = paged.run(i, noise[i])
-                    elif name == "concat":
-                        out, held = concat.run(i, noise[i])
                     else:
-                        out, held = recompute.run(i, noise[i])
+                        out, held = dense[name].run(i, noise[i])
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     times[name][rep].append((time.perf_counter() - t0) * 1e3)
                     if rep:
                         continue
                     kv[name].append(held)
+                    outputs[name].append(out)
                     if name == "paged":
-                        outputs.append(out)
                         step_writes.extend(per_step)
                         commit_writes.append(committed)
-                    elif name == "concat":
-                        concat_outputs.append(out)
                 say("chunks", rep * cfg.chunks + i + 1, total)
             checks[f"session ended (run {rep + 1})"] = paged.end()
-        assert paged is not None and concat is not None
+            if rep == 0:
+                copied = {
+                    m: {"per_chunk": s.copied_commit, "per_step": s.copied_step}
+                    for m, s in dense.items()
+                    if isinstance(s, (ConcatStream, ContiguousStream))
+                }
+        assert paged is not None
         if cfg.failing_session:
             failing = paged.failing(noise[0])
             checks["failing session ended"] = bool(failing["pool_full"])
         oracle = OracleStream(model, cfg, cross, device)
         oracle_outputs = [oracle.run(i, noise[i]) for i in range(cfg.chunks)]
     atol, rtol = KIT_TOLERANCE.get(cfg.dtype, KIT_TOLERANCE[torch.bfloat16])
-    tol = {"atol": atol, "rtol": rtol}
+    mine = outputs["paged"]
     agrees = all(
-        bool(torch.isclose(p.double(), o.double(), atol=tol["atol"], rtol=tol["rtol"]).all())
-        for p, o in zip(outputs, oracle_outputs, strict=True)
-    ) and all(bool(torch.isfinite(p).all()) for p in outputs)
+        bool(torch.isfinite(p).all())
+        and bool(torch.isclose(p.double(), o.double(), atol=atol, rtol=rtol).all())
+        for p, o in zip(mine, oracle_outputs, strict=True)
+    )
     el = torch.empty((), dtype=cfg.dtype).element_size()
     per_token = 2 * cfg.kv_heads * cfg.head_size * el * cfg.layers
     return SessionResult(
@@ -700,17 +783,18 @@ def run_session(
             "window_filled_at": cfg.window_filled_at,
         },
         block_size=paged.block,
-        chunk_ms={m: [min(r[i] for r in times[m]) for i in range(cfg.chunks)] for m in MODES},
+        chunk_ms={m: [min(r[i] for r in times[m]) for i in range(cfg.chunks)] for m in modes},
         kv_bytes=kv,
         agrees=agrees,
-        max_abs_diff=max(_diff(p, o) for p, o in zip(outputs, oracle_outputs, strict=True)),
-        tolerance=tol,
-        concat_max_abs_diff=max(_diff(c, p) for c, p in zip(concat_outputs, outputs, strict=True)),
+        max_abs_diff=max(_diff(p, o) for p, o in zip(mine, oracle_outputs, strict=True)),
+        tolerance={"atol": atol, "rtol": rtol},
+        baseline_max_abs_diff={
+            m: max(_diff(d, p) for d, p in zip(outputs[m], mine, strict=True)) for m in copied
+        },
         chunk_kv_bytes=cfg.chunk_tokens * cfg.branches * per_token,
         bytes_copied_per_chunk=max(commit_writes),
         bytes_written_per_step=max(step_writes),
-        concat_bytes_copied_per_chunk=concat.copied_commit,
-        concat_bytes_copied_per_step=concat.copied_step,
+        baseline_bytes_copied=copied,
         kv_bytes_peak=max(kv["paged"]),
         kv_bytes_bound=cfg.branches * paged.bound_blocks * paged.bytes_per_block,
         pool_full_after=all(checks.values()) and (abort is None or bool(abort["restored"])),
@@ -724,6 +808,8 @@ def run_session(
 def format_session(r: SessionResult) -> str:
     s = r.shapes
     kib = 1024
+    modes = list(r.chunk_ms)
+    label = {"paged": "paged", "recompute": "recompute", "concat": "torch.cat", "contiguous": "contiguous"}
     lines = [
         f"platform: {r.platform} (device {r.device}, {r.dtype}), paged backend {', '.join(r.backends)}",
         f"session: {s['chunks']} chunks of {s['chunk_tokens']} tokens, sink {s['sink_chunks']} + window "
@@ -731,32 +817,48 @@ def format_session(r: SessionResult) -> str:
         f"{s['hidden']}, heads {s['heads']} (kv {s['kv_heads']}, head size {s['head_size']}), layers {s['layers']}, "
         f"text context {s['text_tokens']} tokens (cross-attention K/V {r.cross_context_bytes / kib:.0f} KiB, once "
         f"per session); block size {r.block_size}",
-        "chunk   paged ms  recompute ms  concat ms   paged KiB  recompute KiB  concat KiB",
+        "chunk "
+        + "".join(f"{label[m] + ' ms':>14}" for m in modes)
+        + "".join(f"{label[m] + ' KiB':>16}" for m in modes),
     ]
     for i in range(len(r.chunk_ms["paged"])):
         lines.append(
-            f"{i:5d} {r.chunk_ms['paged'][i]:10.1f} {r.chunk_ms['recompute'][i]:13.1f} {r.chunk_ms['concat'][i]:10.1f} "
-            f"{r.kv_bytes['paged'][i] / kib:11.0f} {r.kv_bytes['recompute'][i] / kib:14.0f} "
-            f"{r.kv_bytes['concat'][i] / kib:11.0f}"
+            f"{i:5d} "
+            + "".join(f"{r.chunk_ms[m][i]:14.1f}" for m in modes)
+            + "".join(f"{r.kv_bytes[m][i] / kib:16.0f}" for m in modes)
         )
-    med = {m: r._median(m, r.steady) for m in MODES}
+    med = {m: r._median(m, r.steady) for m in modes}
+    parts = [f"paged {med['paged']:.1f} ms"]
+    if r.speedup_vs_recompute is not None:
+        parts.append(
+            f"recompute {med['recompute']:.1f} ms (paged {r.speedup_vs_recompute:.2f}x faster; token-count ideal "
+            f"{r.ideal_vs_recompute:.0f}x)"
+        )
+    for m in ("concat", "contiguous"):
+        ratio = r._ratio(m)
+        if ratio is not None:
+            parts.append(f"{label[m]} {med[m]:.1f} ms (paged / {label[m]} {ratio:.2f})")
+    copies = "; ".join(
+        f"{label[m]} {c['per_chunk']} at commit and {c['per_step']} per step"
+        for m, c in r.baseline_bytes_copied.items()
+    )
+    agree = "; ".join(f"{label[m]} vs paged {d:.3g}" for m, d in r.baseline_max_abs_diff.items())
     lines += [
-        f"after the window filled (chunk {s['window_filled_at']} on), median per chunk: paged {med['paged']:.1f} ms, "
-        f"recompute {med['recompute']:.1f} ms ({r.speedup_vs_recompute:.2f}x; token-count ideal "
-        f"{r.ideal_vs_recompute:.0f}x), torch.cat rolling {med['concat']:.1f} ms (paged / concat "
-        f"{r.time_vs_concat:.2f}); flatness {r.flatness:.2f} (last quarter / first chunks after the window filled)",
+        f"after the window filled (chunk {s['window_filled_at']} on), median per chunk: "
+        + ", ".join(parts)
+        + f"; flatness {r.flatness:.2f} (last quarter / first chunks after the window filled)",
         f"KV memory: paged peak {r.kv_bytes_peak / kib:.0f} KiB (bound {r.kv_bytes_bound / kib:.0f} KiB: sink + window "
-        f"+ one chunk + one block per branch, every layer); bytes copied per chunk: paged {r.bytes_copied_per_chunk} "
-        f"(the chunk's own K/V: {r.chunk_kv_bytes}), torch.cat {r.concat_bytes_copied_per_chunk} at the rebuild and "
-        f"{r.concat_bytes_copied_per_step} per step",
+        f"+ one chunk + one block per branch, every layer)",
+        f"bytes copied: paged {r.bytes_copied_per_chunk} per chunk to commit (the chunk's own K/V: {r.chunk_kv_bytes}; "
+        f"each step writes {r.bytes_written_per_step} in place)" + (f"; {copies}" if copies else ""),
         f"max |paged - dense oracle over the same mask|: {r.max_abs_diff:.3g} (kit tolerance atol "
-        f"{r.tolerance['atol']:g}, rtol {r.tolerance['rtol']:g}) -> {'AGREE' if r.agrees else 'DISAGREE'}; "
-        f"torch.cat vs paged {r.concat_max_abs_diff:.3g}",
+        f"{r.tolerance['atol']:g}, rtol {r.tolerance['rtol']:g}) -> {'AGREE' if r.agrees else 'DISAGREE'}"
+        + (f"; {agree}" if agree else ""),
         "pool whole after every session: "
-        + ("yes" if r.pool_full_after else "NO")
-        + (f" (aborted chunk {r.abort['chunk']}: session restored {r.abort['restored']})" if r.abort else "")
+        + ("yes" if r.pool_full_after else f"NO {r.pool_checks}")
+        + (f"; aborted chunk {r.abort['chunk']}: session restored {r.abort['restored']}" if r.abort else "")
         + (
-            f" (failing session: {r.failing_session['error']!r}, restored {r.failing_session['restored']})"
+            f"; failing session ({r.failing_session['error']}): restored {r.failing_session['restored']}"
             if r.failing_session
             else ""
         ),
