@@ -44,7 +44,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache")
+SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache", "session")
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8")
 """``--kv-cache-dtype`` choices (``diffusion_kv.core.kv_quant``; ``fp8`` is ``fp8_e4m3``)."""
 """``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
@@ -931,6 +931,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             min_ms=args.min_ms,
             kv_cache_dtypes=quantized,
             backend=args.backend,
+            session_shape=args.session_shape,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -960,6 +961,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         disagreements.append("stream (a request disagrees with its dense run)")
     if "prefix-cache" in report and not report["prefix-cache"]["agrees"]:
         disagreements.append("prefix cache (cached and uncached runs differ)")
+    if "session" in report and not report["session"]["agrees"]:
+        disagreements.append("session (a paged chunk differs from the dense oracle over the same mask)")
+    if "session" in report and not report["session"]["pool_full_after"]:
+        report["errors"]["session"] = (
+            f"blocks left held after the sessions: {report['session']['pool_checks']}"
+        )
     if report["errors"]:
         print(f"diffusion-kv: error: bench parts failed: {', '.join(report['errors'])}", file=sys.stderr)
         return EXIT_ERROR
@@ -1162,7 +1169,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         type=_list_of(str, SECTION_NAMES),
         default=SECTION_NAMES,
-        help="comma list of attention, host, e2e, stream, prefix-cache",
+        help="comma list of attention, host, e2e, stream, prefix-cache, session",
+    )
+    b.add_argument(
+        "--session-shape",
+        choices=("small", "wan13b"),
+        default=None,
+        help="the session section's shape (default: wan13b with full sizes, else small; wan13b is a GPU shape: "
+        "30 layers, 12 heads x 128, 1560 tokens per frame, 3-frame chunks, sink 1, window 4)",
     )
     b.add_argument(
         "--regimes",
