@@ -831,8 +831,8 @@ def format_session(r: SessionResult) -> str:
     parts = [f"paged {med['paged']:.1f} ms"]
     if r.speedup_vs_recompute is not None:
         parts.append(
-            f"recompute {med['recompute']:.1f} ms (paged {r.speedup_vs_recompute:.2f}x faster; token-count ideal "
-            f"{r.ideal_vs_recompute:.0f}x)"
+            f"recompute {med['recompute']:.1f} ms (speedup vs recompute {r.speedup_vs_recompute:.2f}x; token-count "
+            f"ideal {r.ideal_vs_recompute:.0f}x)"
         )
     for m in ("concat", "contiguous"):
         ratio = r._ratio(m)
