@@ -190,3 +190,14 @@ def test_demo_session_usage_errors(argv: list[str], message: str, capsys: pytest
         pytest.skip("the sdpa backend serves chunk-causal masks now")
     assert main([*argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_draws_the_session_panels(tmp_path: object) -> None:
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from diffusion_kv.bench.plot import plot_report
+
+    r = run_session(CpuPlatform(), SessionConfig(**{**TINY, "chunks": 5}))  # type: ignore[arg-type]
+    out = plot_report({"platform": "cpu", "session": r.as_dict()}, str(Path(str(tmp_path)) / "s.png"))
+    assert out.exists() and out.stat().st_size > 10_000
