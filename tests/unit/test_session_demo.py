@@ -201,3 +201,20 @@ def test_plot_draws_the_session_panels(tmp_path: object) -> None:
     r = run_session(CpuPlatform(), SessionConfig(**{**TINY, "chunks": 5}))  # type: ignore[arg-type]
     out = plot_report({"platform": "cpu", "session": r.as_dict()}, str(Path(str(tmp_path)) / "s.png"))
     assert out.exists() and out.stat().st_size > 10_000
+
+
+def test_key_mask_is_the_row_mask_at_the_keys_and_a_far_chunks_plan_reads_sink_and_window() -> None:
+    from diffusion_kv.core.attention import BlockKind, build_block_plan
+
+    mask = SessionConfig(**TINY).policy.mask  # type: ignore[arg-type]  # chunk 8, window 24, sink 8
+    keys = torch.tensor([0, 3, 7, 8, 30, 31, 40, 44, 47])
+    assert torch.equal(mask.key_mask(40, 8, 48, keys), mask.row_mask(40, 8, 48)[:, keys])
+    # chunk 1000 of the stream: the plan classifies the sink block and the window's blocks only
+    start = 1000 * 8
+    plan = build_block_plan(mask, [start], [8], [start + 8], 16)
+    kinds = plan.kinds[0]
+    assert kinds.numel() == (start + 8 + 15) // 16
+    assert plan.live_blocks(0).tolist() == [0, 499, 500]  # sink [0, 8); window [7984, 8008)
+    assert (
+        kinds[0] == int(BlockKind.PARTIAL) and int((kinds == int(BlockKind.SKIP)).sum()) == kinds.numel() - 3
+    )
