@@ -724,7 +724,7 @@ def _session_config(args: argparse.Namespace, platform: Platform) -> Any:
         )
     try:
         return SessionConfig(
-            chunks=args.chunks if args.chunks is not None else 24,
+            chunks=args.chunks if args.chunks is not None else 16,
             chunk_tokens=chunk,
             window_chunks=window,
             sink_chunks=sink,
@@ -1132,7 +1132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against a dense oracle over the same mask",
     )
     d.add_argument(
-        "--chunks", type=positive_int, default=None, metavar="N", help="--session: chunks (default 24)"
+        "--chunks", type=positive_int, default=None, metavar="N", help="--session: chunks (default 16)"
     )
     d.add_argument(
         "--chunk-tokens",
