@@ -567,7 +567,8 @@ class RecomputeStream(_Base):
 
 
 class OracleStream(_Base):
-    """Every chunk's K/V kept densely, attention under the session's row mask (untimed)."""
+    """Every chunk's K/V kept densely, attention under the session's row mask (untimed; float64
+    on the CPU, float32 on other devices)."""
 
     def __init__(
         self, model: SessionDiT, cfg: SessionConfig, cross: CrossContext, device: torch.device
@@ -589,7 +590,10 @@ class OracleStream(_Base):
             if name in self.keys:
                 k = torch.cat([self.keys[name], k], dim=1)
                 v = torch.cat([self.values[name], v], dim=1)
-            return _sdpa(q.double(), k.double(), v.double(), mask).to(q.dtype)
+            # float64 on the CPU; float32 elsewhere, where float64 attention would take the math
+            # kernel and materialise every score (the wan13b shape's last chunks: tens of GB)
+            exact = torch.float64 if q.device.type == "cpu" else torch.float32
+            return _sdpa(q.to(exact), k.to(exact), v.to(exact), mask).to(q.dtype)
 
         latent = self.denoise(
             index, noise, lambda _s, x: self.model.run(x, positions, attention, self.cross, c)
