@@ -44,7 +44,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache")
+SECTION_NAMES = ("attention", "host", "e2e", "stream", "prefix-cache", "session")
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8")
 """``--kv-cache-dtype`` choices (``diffusion_kv.core.kv_quant``; ``fp8`` is ``fp8_e4m3``)."""
 """``bench --sections`` choices (``diffusion_kv.bench.SECTIONS``, not imported: it loads torch)."""
@@ -664,10 +664,132 @@ def _cmd_demo_stream(args: argparse.Namespace, cfg: DemoConfig, platform: Platfo
     return EXIT_OK
 
 
+SESSION_ONLY = ("chunks", "chunk_tokens", "window", "sink", "text_tokens")
+
+
+def _session_config(args: argparse.Namespace, platform: Platform) -> Any:
+    """``demo --session``: its configuration, or a UsageError naming every problem."""
+    import torch
+
+    from diffusion_kv.core.sessions import SessionPolicy
+    from diffusion_kv.models.session import SessionConfig
+
+    problems = []
+    if args.stream is not None:
+        problems.append("--session and --stream are two modes; give one")
+    if args.ulysses != 1 or args.cfg_parallel or args.dcp != 1:
+        problems.append("--session runs on one device; drop --ulysses/--cfg-parallel/--dcp")
+    if args.inject_fault:
+        problems.append("--inject-fault applies to the single-request demo only")
+    if args.kv_cache_dtype != "auto":
+        problems.append("--session keeps its pages in the model's dtype; drop --kv-cache-dtype")
+    kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
+    if args.hidden % args.heads or (args.hidden // args.heads) % 2:
+        problems.append(
+            f"--hidden {args.hidden} must divide by --heads {args.heads} into an even head size (RoPE)"
+        )
+    if args.heads % kv_heads:
+        problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
+    if problems:
+        raise UsageError("; ".join(problems))
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else preferred_dtype(platform)
+    chunk = args.chunk_tokens if args.chunk_tokens is not None else 64
+    window = args.window if args.window is not None else 3
+    sink = args.sink if args.sink is not None else 1
+    mask = SessionPolicy(chunk, window, sink).mask
+    block = args.block_size if args.block_size is not None else platform.default_block_size
+    requirements = Requirements(
+        dtype=dtype,
+        head_size=args.hidden // args.heads,
+        num_heads=args.heads,
+        num_kv_heads=kv_heads,
+        block_size=block,
+        attention_modes=mask.required_modes,
+        window=mask.window,
+        sink=mask.sink,
+    )
+    backend = _backend_choice(platform, args.backend)
+    if backend is not None:
+        reasons = platform.backend_reasons(backend, requirements)
+        if reasons:
+            raise UsageError(
+                f"backend {platform.name}:{backend.name} cannot serve the session's {mask.describe()} mask: "
+                + "; ".join(reasons)
+            )
+    reasons = platform.not_supported_reasons(requirements)
+    if reasons:
+        raise UsageError(
+            f"platform {platform.name!r} cannot serve the session's {mask.describe()} mask: "
+            + "; ".join(reasons)
+        )
+    try:
+        return SessionConfig(
+            chunks=args.chunks if args.chunks is not None else 16,
+            chunk_tokens=chunk,
+            window_chunks=window,
+            sink_chunks=sink,
+            steps=args.steps if args.steps is not None else 4,
+            branches=args.cfg if args.cfg is not None else 1,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=kv_heads,
+            layers=args.layers if args.layers is not None else 2,
+            text_tokens=args.text_tokens if args.text_tokens is not None else 16,
+            block_size=args.block_size,
+            dtype=dtype,
+            seed=args.seed,
+            backend=args.backend,
+        )
+    except ValidationError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _cmd_demo_session(args: argparse.Namespace) -> int:
+    """``demo --session``: a stream of chunks through a paged session, against recomputing the
+    visible context and a torch.cat rolling cache."""
+    from diffusion_kv.models.session import format_session, run_session
+    from diffusion_kv.progress import ProgressDisplay, demo_progress
+
+    platform = _select(args.platform, warn=_stderr_warning)
+    cfg = _session_config(args, platform)
+    display = ProgressDisplay(enabled=not args.json and not args.no_progress)
+    display.say(
+        f"diffusion-kv demo --session on platform {platform.name!r}: {cfg.chunks} chunks, paged / recompute / "
+        "torch.cat interleaved, then the dense oracle"
+    )
+    result = run_session(platform, cfg, progress=demo_progress(display) if display.enabled else None)
+    display.close()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(format_session(result))
+    if not result.agrees:
+        print(
+            f"diffusion-kv: error: the paged session disagrees with the dense oracle over the same mask (max abs "
+            f"diff {result.max_abs_diff:.3g} > atol {result.tolerance['atol']:g} + rtol {result.tolerance['rtol']:g})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    if not result.pool_full_after:
+        print(
+            f"diffusion-kv: error: blocks left held after the sessions: {result.pool_checks}", file=sys.stderr
+        )
+        return EXIT_ERROR
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from diffusion_kv.models.demo import format_result, run_demo
     from diffusion_kv.progress import ProgressDisplay, demo_progress
 
+    if args.session:
+        return _cmd_demo_session(args)
+    given = [f"--{n.replace('_', '-')}" for n in SESSION_ONLY if getattr(args, n) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} applies to --session only")
+    args.steps = args.steps if args.steps is not None else 8
+    args.cfg = args.cfg if args.cfg is not None else 2
+    args.layers = args.layers if args.layers is not None else 4
     platform = _select(args.platform, warn=_stderr_warning)
     cfg = _demo_config(args, platform)
     if args.stream is not None:
@@ -809,6 +931,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             min_ms=args.min_ms,
             kv_cache_dtypes=quantized,
             backend=args.backend,
+            session_shape=args.session_shape,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -838,6 +961,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         disagreements.append("stream (a request disagrees with its dense run)")
     if "prefix-cache" in report and not report["prefix-cache"]["agrees"]:
         disagreements.append("prefix cache (cached and uncached runs differ)")
+    if "session" in report and not report["session"]["agrees"]:
+        disagreements.append("session (a paged chunk differs from the dense oracle over the same mask)")
+    if "session" in report and not report["session"]["pool_full_after"]:
+        report["errors"]["session"] = (
+            f"blocks left held after the sessions: {report['session']['pool_checks']}"
+        )
     if report["errors"]:
         print(f"diffusion-kv: error: bench parts failed: {', '.join(report['errors'])}", file=sys.stderr)
         return EXIT_ERROR
@@ -884,14 +1013,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--prefix", type=positive_int, default=1024, help="prefix (condition) tokens")
     d.add_argument("--target", type=positive_int, default=256, help="target (generated) tokens")
-    d.add_argument("--steps", type=positive_int, default=8, help="denoise steps")
-    d.add_argument("--cfg", type=int, default=2, choices=(1, 2), help="CFG rows (2: cond + uncond)")
+    d.add_argument("--steps", type=positive_int, default=None, help="denoise steps (default 8; --session: 4)")
+    d.add_argument(
+        "--cfg",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="CFG rows (2: cond + uncond; default 2, --session: 1)",
+    )
     d.add_argument("--hidden", type=positive_int, default=256)
     d.add_argument("--heads", type=positive_int, default=4)
     d.add_argument(
         "--kv-heads", type=positive_int, default=None, help="KV heads (default: --heads; fewer gives GQA)"
     )
-    d.add_argument("--layers", type=positive_int, default=4)
+    d.add_argument("--layers", type=positive_int, default=None, help="default 4; --session: 2")
     d.add_argument(
         "--block-size", type=positive_int, default=None, help="KV block size (default: the platform's)"
     )
@@ -989,6 +1124,36 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="--stream: cap on the blocks the prefix cache keeps (default: the pool is the only limit)",
     )
+    d.add_argument(
+        "--session",
+        action="store_true",
+        help="a stream of chunks through a paged session (chunk-causal, sink + window, cross-attention to a "
+        "short text), per chunk against recomputing the visible context and a torch.cat rolling cache, checked "
+        "against a dense oracle over the same mask",
+    )
+    d.add_argument(
+        "--chunks", type=positive_int, default=None, metavar="N", help="--session: chunks (default 16)"
+    )
+    d.add_argument(
+        "--chunk-tokens",
+        type=positive_int,
+        default=None,
+        metavar="C",
+        help="--session: tokens per chunk (default 64)",
+    )
+    d.add_argument(
+        "--window",
+        type=non_negative_int,
+        default=None,
+        metavar="W",
+        help="--session: window chunks (default 3)",
+    )
+    d.add_argument(
+        "--sink", type=non_negative_int, default=None, metavar="S", help="--session: sink chunks (default 1)"
+    )
+    d.add_argument(
+        "--text-tokens", type=positive_int, default=None, help="--session: text context tokens (default 16)"
+    )
     d.set_defaults(func=_cmd_demo)
     b = sub.add_parser(
         "bench",
@@ -1004,7 +1169,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         type=_list_of(str, SECTION_NAMES),
         default=SECTION_NAMES,
-        help="comma list of attention, host, e2e, stream, prefix-cache",
+        help="comma list of attention, host, e2e, stream, prefix-cache, session",
+    )
+    b.add_argument(
+        "--session-shape",
+        choices=("small", "wan13b"),
+        default=None,
+        help="the session section's shape (default: wan13b with full sizes, else small; wan13b is a GPU shape: "
+        "30 layers, 12 heads x 128, 1560 tokens per frame, 3-frame chunks, sink 1, window 4)",
     )
     b.add_argument(
         "--regimes",

@@ -1,5 +1,5 @@
 """``diffusion-kv bench``: attention regimes, translation host overhead, tiny-DiT end to end,
-continuous batching (stream), prefix caching (prefix-cache).
+continuous batching (stream), prefix caching (prefix-cache), autoregressive sessions (session).
 
 Sizes: ``full`` (the issue's regime A/B shapes; meant for a GPU) or ``small`` (the same
 structure at sizes a CPU finishes in seconds: CI's smoke run). ``auto`` picks ``full`` on CUDA.
@@ -19,7 +19,7 @@ import torch
 from diffusion_kv.core.translate import resolve_device
 from diffusion_kv.platforms.interface import Platform
 
-SECTIONS = ("attention", "host", "e2e", "stream", "prefix-cache")
+SECTIONS = ("attention", "host", "e2e", "stream", "prefix-cache", "session")
 Progress = Callable[[str], None]
 
 
@@ -40,6 +40,9 @@ class BenchConfig:
     backend: str | None = None
     """Measure this paged backend only (its name): the attention section's only variant, and the
     backend every other section's worker uses (None: every variant; the priority list picks)."""
+    session_shape: str | None = None
+    """The session section's shape: ``small`` or ``wan13b`` (None: ``wan13b`` for full sizes,
+    else ``small``)."""
 
     def __post_init__(self) -> None:
         if self.sizes not in ("auto", "small", "full"):
@@ -74,7 +77,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    from diffusion_kv.bench import attention, e2e, host, prefix, stream
+    from diffusion_kv.bench import attention, e2e, host, prefix, session, stream
 
     say = progress or (lambda _m: None)
     device = resolve_device(platform.device())
@@ -139,6 +142,11 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             "prefix caching: hit vs miss prefill, a shared-prefix stream and a mix without sharing",
             prefix.prefix_cache_bench,
         ),
+        (
+            "session",
+            "sessions: a stream of chunks, paged against recompute and a torch.cat rolling cache",
+            session.session_bench,
+        ),
     )
     for section, title, run in whole_runs:
         if section not in config.sections:
@@ -148,6 +156,8 @@ def run_bench(platform: Platform, config: BenchConfig, progress: Progress | None
             extra: dict[str, Any] = {"backend": config.backend}
             if section in ("e2e", "stream"):
                 extra["kv_cache_dtypes"] = config.kv_cache_dtypes
+            if section == "session":
+                extra["shape"] = config.session_shape
             report[section] = run(platform, device, dtype, sizes, **extra)
         except Exception as exc:  # reported, and the command exits 1
             errors[section] = f"{type(exc).__name__}: {exc}"
@@ -287,6 +297,10 @@ def format_report(report: dict[str, Any]) -> str:
 
         lines.append("")
         lines.extend(format_prefix_cache(report["prefix-cache"]))
+    if "session" in report:
+        from diffusion_kv.bench.session import format_session_section
+
+        lines.extend(format_session_section(report["session"]))
     for where, error in report.get("errors", {}).items():
         lines.append(f"error in {where}: {error}")
     return "\n".join(lines)

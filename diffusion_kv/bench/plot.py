@@ -3,7 +3,10 @@
 One panel per attention regime: per case, our best paged time, the FA3 paged peer's (where the
 run had one) and the memory-bandwidth bound, each as a ratio to the best dense kernel of the same
 run (1.0 = as fast as dense; lower is faster). A last panel shows the tiny-DiT end-to-end step:
-dense recompute, paged eager and paged under CUDA-graph replay, in milliseconds.
+dense recompute, paged eager and paged under CUDA-graph replay, in milliseconds. With a session
+section, two more panels: per-chunk latency and KV memory against chunk index for the paged
+session, recomputing the visible context and the torch.cat rolling cache (and the contiguous
+window, where the run had it).
 
 matplotlib is an optional dependency (``pip install "diffusion-kv[plot]"``); without it the bench
 runs and only the picture is refused, with that fix.
@@ -39,6 +42,38 @@ def _best_paged(case: Mapping[str, Any]) -> tuple[str, float] | None:
     return best
 
 
+SESSION_LABELS = {
+    "paged": "paged session",
+    "recompute": "recompute visible context",
+    "concat": "torch.cat rolling cache",
+    "contiguous": "contiguous rolling window",
+}
+
+
+def _plot_session(latency: Any, memory: Any, session: Mapping[str, Any]) -> None:
+    """Per-chunk latency and KV memory against chunk index, one line per way."""
+    s = session.get("shapes", {})
+    for mode, times in session.get("chunk_ms", {}).items():
+        latency.plot(range(len(times)), times, marker=".", label=SESSION_LABELS.get(mode, mode))
+    for mode, held in session.get("kv_bytes", {}).items():
+        memory.plot(
+            range(len(held)), [b / 2**20 for b in held], marker=".", label=SESSION_LABELS.get(mode, mode)
+        )
+    if session.get("kv_bytes_bound"):
+        memory.axhline(session["kv_bytes_bound"] / 2**20, color="grey", linestyle="--", label="paged bound")
+    shape = (
+        f"{s.get('chunks')} chunks of {s.get('chunk_tokens')} tokens, sink {s.get('sink_chunks')} + window "
+        f"{s.get('window_chunks')}, {s.get('steps')} steps, {s.get('layers')} layers; {session.get('backend', '')}"
+    )
+    latency.set_title(f"session: latency per chunk ({shape})")
+    latency.set_ylabel("ms per chunk")
+    memory.set_title("session: KV memory held while each chunk runs")
+    memory.set_ylabel("MiB")
+    for ax in (latency, memory):
+        ax.set_xlabel("chunk index")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
 def plot_report(report: Mapping[str, Any], path: str) -> Path:
     """Draw ``report`` (the bench's JSON object) into ``path``; returns the path written."""
     out = check_plot_path(path)
@@ -54,9 +89,10 @@ def plot_report(report: Mapping[str, Any], path: str) -> Path:
     cases = list(report.get("attention", []))
     regimes = sorted({c["shape"]["regime"] for c in cases})
     e2e = report.get("e2e")
-    panels = len(regimes) + (1 if e2e else 0)
+    session = report.get("session")
+    panels = len(regimes) + (1 if e2e else 0) + (2 if session else 0)
     if panels == 0:
-        raise ValidationError("--plot: the report has no attention or e2e section to draw")
+        raise ValidationError("--plot: the report has no attention, e2e or session section to draw")
     fig, axes = plt.subplots(panels, 1, figsize=(13, 3.8 * panels), squeeze=False)
     title = f"diffusion-kv bench on {report.get('platform', '?')}"
     env = report.get("environment", {})
@@ -97,8 +133,10 @@ def plot_report(report: Mapping[str, Any], path: str) -> Path:
         ax.set_ylabel("time / best dense")
         ax.set_title(f"regime {regime}: paged attention against the best dense kernel (lower is faster)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if session:
+        _plot_session(axes[-2][0], axes[-1][0], session)
     if e2e:
-        ax = axes[-1][0]
+        ax = axes[len(regimes)][0]
         names = ["dense recompute", "paged eager", "paged CUDA graphs"]
         values = [
             e2e.get("dense_step_ms"),

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from diffusion_kv.bench import BenchConfig, run_bench
+from diffusion_kv.bench import SECTIONS, BenchConfig, run_bench
 from diffusion_kv.bench.attention import AttentionCase, attention_cases, run_case
 from diffusion_kv.cli import main
 from diffusion_kv.platforms.cpu import CpuPlatform
@@ -62,6 +62,7 @@ def test_run_bench_small_all_sections() -> None:
             gqa=(True,),
             min_ms=0.5,
             host_iters=10,
+            sections=tuple(s for s in SECTIONS if s != "session"),  # tests/unit/test_session_demo.py
         ),
     )
     assert report["sizes"] == "small" and report["dtype"] == "float32"
@@ -99,7 +100,7 @@ def test_bench_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(["bench", "--sections", "attention,nope", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
-        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e, stream, prefix-cache\n"
+        "diffusion-kv: error: argument --sections: unknown value(s) nope; choose from attention, host, e2e, stream, prefix-cache, session\n"
     )
     assert main(["bench", "--cfg", "3", "--no-progress"]) == 2
     assert "argument --cfg: unknown value(s) 3; choose from 1, 2" in capsys.readouterr().err

@@ -172,11 +172,33 @@ class MaskSpec:
         """``[query_len, seq_len]`` bool (True: visible) for one row whose queries sit at
         positions ``query_offset ..`` over keys ``0 .. seq_len``: the dense oracle. A row that
         declares ``live_from`` (``PagedRow.live_from``) sees no key in ``[sink, live_from)``."""
+        return self.key_mask(
+            query_offset,
+            query_len,
+            seq_len,
+            torch.arange(seq_len, dtype=torch.long),
+            spans,
+            live_from=live_from,
+        )
+
+    def key_mask(
+        self,
+        query_offset: int,
+        query_len: int,
+        seq_len: int,
+        keys: torch.Tensor,
+        spans: Sequence[tuple[int, int]] = (),
+        *,
+        live_from: int = 0,
+    ) -> torch.Tensor:
+        """``row_mask(...)[:, keys]`` for the key positions ``keys [n]`` (int64) alone: a backend
+        that gathers only the blocks a plan keeps builds its mask over those keys, so its cost
+        follows the keys it reads, not the row's absolute length."""
         if spans and not self.spans:
             raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
         q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
         lo, hi = self.bounds(q, seq_len, spans)
-        k = torch.arange(seq_len, dtype=torch.long)[None, :]
+        k = keys.to(torch.long)[None, :]
         visible = k < hi[:, None]
         if self.window is not None:
             visible &= (k >= lo[:, None]) | (k < self.sink)

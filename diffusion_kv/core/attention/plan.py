@@ -51,7 +51,25 @@ def row_block_kinds(
     if query_len == 0 or n_blocks == 0:
         return torch.zeros(n_blocks, dtype=torch.int8)
     lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans, live_from)
-    starts = torch.arange(n_blocks, dtype=torch.long) * block_size
+    # Only blocks meeting [0, min(sink, max hi)) or [min lo, max hi) can hold a visible key; every
+    # other block is SKIP. Classifying just those keeps a long session's plan as cheap as a short
+    # one's (its released blocks are most of the row).
+    hi_max, lo_min = int(hi.max()), int(lo.min())
+    sink_blocks = range(0, min(n_blocks, -(-min(sink, hi_max) // block_size)))
+    window_blocks = range(min(lo_min // block_size, n_blocks), min(n_blocks, -(-hi_max // block_size)))
+    kinds = torch.zeros(n_blocks, dtype=torch.int8)  # SKIP
+    if window_blocks.start <= sink_blocks.stop:
+        candidates = torch.arange(0, max(sink_blocks.stop, window_blocks.stop), dtype=torch.long)
+    else:
+        candidates = torch.cat(
+            [
+                torch.arange(sink_blocks.start, sink_blocks.stop, dtype=torch.long),
+                torch.arange(window_blocks.start, window_blocks.stop, dtype=torch.long),
+            ]
+        )
+    if candidates.numel() == 0:
+        return kinds
+    starts = candidates * block_size
     ends = torch.clamp(starts + block_size, max=seq_len)
     s, e = starts[None, :], ends[None, :]
     lo_, hi_ = lo[:, None], hi[:, None]
@@ -62,9 +80,10 @@ def row_block_kinds(
         + _overlap(s, e, zero, sink_hi)
         - _overlap(s, e, lo_, torch.minimum(hi_, sink_hi))
     )
-    kinds = torch.full((n_blocks,), int(BlockKind.PARTIAL), dtype=torch.int8)
-    kinds[(seen == 0).all(dim=0)] = int(BlockKind.SKIP)
-    kinds[(seen == (e - s)).all(dim=0)] = int(BlockKind.FULL)
+    picked = torch.full((candidates.numel(),), int(BlockKind.PARTIAL), dtype=torch.int8)
+    picked[(seen == 0).all(dim=0)] = int(BlockKind.SKIP)
+    picked[(seen == (e - s)).all(dim=0)] = int(BlockKind.FULL)
+    kinds[candidates] = picked
     return kinds
 
 

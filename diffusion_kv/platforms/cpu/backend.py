@@ -182,13 +182,13 @@ class CpuReferenceBackend(PagedBackend):
             q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
             scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_keys]
             # the mask over the row's keys, at the global positions of the keys gathered
-            if md.mask is not None and md.plan is not None:
-                full = md.plan.row_mask(r, sl - (q1 - q0), q1 - q0, sl)
-            elif md.mask is not None:
-                full = md.mask.row_mask(sl - (q1 - q0), q1 - q0, sl)
+            if md.mask is not None:  # over the gathered keys alone (their count, not the row's length)
+                live_from = md.plan.row_live_from(r) if md.plan is not None else 0
+                visible = md.mask.key_mask(
+                    sl - (q1 - q0), q1 - q0, sl, key_pos.cpu(), live_from=live_from
+                ).to(device)
             else:
-                full = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl)
-            visible = full.to(device)[:, key_pos]
+                visible = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl).to(device)[:, key_pos]
             scores = scores.masked_fill(~visible, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where no local key is visible
             finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))

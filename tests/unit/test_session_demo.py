@@ -1,0 +1,220 @@
+"""``demo --session`` and ``bench --sections session`` at tiny sizes on the cpu plugin: the
+paged session against the dense oracle, its memory bound, the bytes it copies, the pool after
+every session (structure and checkable values, not timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffusion_kv.bench import BenchConfig, run_bench
+from diffusion_kv.bench.session import session_bench
+from diffusion_kv.cli import main
+from diffusion_kv.conformance.reference import tolerance
+from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.models.session import KIT_TOLERANCE, SessionConfig, run_session
+from diffusion_kv.platforms.cpu import CpuPlatform
+
+TINY = dict(chunks=7, chunk_tokens=8, window_chunks=2, sink_chunks=1, steps=2, hidden=32, heads=2, kv_heads=2)
+# 8-token chunks in 16-token blocks: a chunk boundary inside a block (the straddled block)
+
+
+def chunk_kv_bytes(cfg: SessionConfig) -> int:
+    return cfg.chunk_tokens * cfg.branches * cfg.layers * 2 * cfg.kv_heads * cfg.head_size * 4  # float32
+
+
+@pytest.mark.parametrize("branches", [1, 2])
+def test_a_session_run_agrees_holds_its_bound_and_copies_only_the_chunk(branches: int) -> None:
+    cfg = SessionConfig(
+        **TINY,  # type: ignore[arg-type]
+        branches=branches,
+        abort_chunk=4,
+        failing_session=True,
+        modes=("paged", "recompute", "concat", "contiguous"),
+    )
+    r = run_session(CpuPlatform(), cfg)
+    assert r.agrees and r.max_abs_diff <= 2e-5
+    assert r.backends == ("cpu:reference",) and r.block_size == 16
+    # the dense rolling caches compute the same attention as the paged session
+    assert set(r.baseline_max_abs_diff) == {"concat", "contiguous"}
+    assert all(d <= 2e-5 for d in r.baseline_max_abs_diff.values())
+    assert r.chunk_kv_bytes == chunk_kv_bytes(cfg) == branches * 8 * 2 * 2 * 2 * 16 * 4
+    assert r.bytes_copied_per_chunk == r.chunk_kv_bytes and r.bytes_written_per_step == r.chunk_kv_bytes
+    # torch.cat copies the cache at every step: (sink 1 + window 2) chunks + the chunk, every layer
+    assert r.baseline_bytes_copied["concat"]["per_step"] == 4 * r.chunk_kv_bytes
+    assert r.baseline_bytes_copied["contiguous"]["per_step"] == r.chunk_kv_bytes
+    # bound: sink 8 tokens -> 1 block, window + chunk 24 tokens -> 2 blocks, + 1 straddled; per branch
+    per_block = 16 * 2 * 2 * 2 * 16 * 4
+    assert r.kv_bytes_bound == branches * 4 * per_block
+    assert r.kv_bytes_peak <= r.kv_bytes_bound
+    # blocks held while each chunk runs: 8, 16, 24, 32 tokens, then flat once the window slides
+    assert [b // (branches * per_block) for b in r.kv_bytes["paged"]] == [1, 1, 2, 2, 3, 3, 3]
+    assert r.pool_full_after and all(r.pool_checks.values()) and len(r.pool_checks) == 2
+    assert r.abort == {"chunk": 4, "restored": True}
+    assert r.failing_session is not None and r.failing_session["restored"]
+    assert r.failing_session["error"] == "the model failed in a denoise step"
+    d = r.as_dict()
+    assert d["ideal_vs_recompute"] == 4.0 and d["speedup_vs_recompute"] > 0
+    assert len(d["chunk_ms"]["paged"]) == len(d["kv_bytes"]["recompute"]) == 7
+    json.dumps(d)
+
+
+def test_session_figures_come_from_the_chunks_after_the_window_filled() -> None:
+    r = run_session(CpuPlatform(), SessionConfig(**TINY, modes=("paged", "concat")))  # type: ignore[arg-type]
+    r.chunk_ms = {"paged": [9.0, 9.0, 9.0, 2.0, 2.0, 3.0, 4.0], "concat": [1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 4.0]}
+    assert list(r.steady) == [3, 4, 5, 6]
+    assert r.time_vs_concat == 2.5 / 4.0
+    assert r.flatness == 4.0 / 2.0  # q = 7 // 4 = 1: chunk 6 over chunk 3
+    assert r.speedup_vs_recompute is None and r.time_vs_contiguous is None
+
+
+def test_the_kit_tolerance_is_the_conformance_kits() -> None:
+    for dtype, (atol, rtol) in KIT_TOLERANCE.items():
+        assert tolerance(dtype) == {"atol": atol, "rtol": rtol}
+
+
+def test_bad_session_configs_are_refused() -> None:
+    with pytest.raises(ValidationError, match="session chunks must be a positive integer; got 0"):
+        SessionConfig(chunks=0)
+    with pytest.raises(ValidationError, match="session modes must include paged"):
+        SessionConfig(modes=("concat",))
+    with pytest.raises(ValidationError, match="abort_chunk 9 is not a chunk index below 7"):
+        SessionConfig(**TINY, abort_chunk=9)  # type: ignore[arg-type]
+
+
+def test_session_bench_section_records_refused_backends_and_checks() -> None:
+    s = session_bench(
+        CpuPlatform(),
+        torch.device("cpu"),
+        torch.float32,
+        "small",
+        overrides={**TINY, "repeats": 1, "layers": 1},
+    )
+    assert s["backend"] == "reference" and s["shape_name"] == "small"
+    assert s["agrees"] and s["pool_full_after"]
+    assert s["kv_bytes_peak"] <= s["kv_bytes_bound"]
+    assert s["bytes_copied_per_chunk"] == s["chunk_kv_bytes"] == 8 * 1 * 2 * 2 * 16 * 4
+    assert s["abort"] == {"chunk": 4, "restored": True}  # the chunk after the window filled
+    assert s["failing_session"]["restored"]
+    assert s["meets_targets"]["kv_bytes_peak"] and s["meets_targets"]["bytes_copied_per_chunk"]
+    by = s["by_backend"]
+    if "refused" in by["sdpa"]:  # until the sdpa backend serves chunk-causal masks
+        assert "chunk_causal" in by["sdpa"]["refused"]
+    else:
+        assert by["sdpa"]["agrees"] and by["sdpa"]["pool_full_after"]
+    for key in (
+        "speedup_vs_recompute",
+        "ideal_vs_recompute",
+        "flatness",
+        "time_vs_concat",
+        "chunk_ms",
+        "kv_bytes",
+    ):
+        assert key in s
+    assert s["dtype"] == "float32" and s["device"] == "cpu" and s["shapes"]["chunk_tokens"] == 8
+
+
+def test_session_bench_wan_shape_smoke_with_reduced_sizes() -> None:
+    """The GPU shape's code path (contiguous and torch.cat baselines, no recompute) at a size a
+    CPU runs in a moment."""
+    s = session_bench(
+        CpuPlatform(),
+        torch.device("cpu"),
+        torch.float32,
+        "small",
+        backend="reference",
+        shape="wan13b",
+        overrides=dict(
+            chunks=7, chunk_tokens=12, hidden=32, heads=2, kv_heads=2, layers=1, text_tokens=4, steps=2
+        ),
+    )
+    assert s["shape_name"] == "wan13b" and set(s["chunk_ms"]) == {"paged", "contiguous", "concat"}
+    assert s["shapes"]["window_chunks"] == 4 and s["shapes"]["sink_chunks"] == 1
+    assert s["speedup_vs_recompute"] is None and s["time_vs_contiguous"] is not None
+    assert s["agrees"] and s["pool_full_after"] and list(s["by_backend"]) == ["reference"]
+
+
+def test_bench_cli_runs_the_session_section(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffusion_kv.bench import session
+
+    monkeypatch.setitem(session.SHAPES, "small", {**session.SMALL, **TINY, "repeats": 1})
+    report = run_bench(CpuPlatform(), BenchConfig(sizes="small", sections=("session",)))
+    assert report["errors"] == {} and report["session"]["agrees"]
+    assert main(["bench", "--sections", "session", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"session", "errors"} and out["session"]["pool_full_after"] is True
+    assert main(["bench", "--sections", "session", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "session (small: 7 chunks of 8 tokens, sink 1 + window 2 chunks" in text
+    assert "reference: paged" in text
+
+
+def test_demo_session_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--session", "--chunks", "5", "--chunk-tokens", "8", "--window", "2", "--sink", "1"]
+    argv += ["--steps", "2", "--hidden", "32", "--heads", "2", "--no-progress"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (
+        out["agrees"] and out["pool_full_after"] and set(out["chunk_ms"]) == {"paged", "recompute", "concat"}
+    )
+    assert out["shapes"]["layers"] == 2 and out["shapes"]["branches"] == 1 and out["shapes"]["steps"] == 2
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "session: 5 chunks of 8 tokens, sink 1 + window 2 chunks, 2 denoise steps per chunk" in text
+    assert "-> AGREE" in text and "pool whole after every session: yes" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--chunks", "3"], "--chunks applies to --session only"),
+        (["demo", "--session", "--stream", "2"], "--session and --stream are two modes; give one"),
+        (
+            ["demo", "--session", "--backend", "sdpa"],
+            "backend cpu:sdpa cannot serve the session's chunk_causal(",
+        ),
+        (
+            ["demo", "--session", "--hidden", "30", "--heads", "4"],
+            "must divide by --heads 4 into an even head size",
+        ),
+    ],
+)
+def test_demo_session_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
+
+    if "sdpa" in argv and "chunk_causal" in {m.value for m in CpuSdpaBackend.capabilities.attention_modes}:
+        pytest.skip("the sdpa backend serves chunk-causal masks now")
+    assert main([*argv, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_draws_the_session_panels(tmp_path: object) -> None:
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from diffusion_kv.bench.plot import plot_report
+
+    r = run_session(CpuPlatform(), SessionConfig(**{**TINY, "chunks": 5}))  # type: ignore[arg-type]
+    out = plot_report({"platform": "cpu", "session": r.as_dict()}, str(Path(str(tmp_path)) / "s.png"))
+    assert out.exists() and out.stat().st_size > 10_000
+
+
+def test_key_mask_is_the_row_mask_at_the_keys_and_a_far_chunks_plan_reads_sink_and_window() -> None:
+    from diffusion_kv.core.attention import BlockKind, build_block_plan
+
+    mask = SessionConfig(**TINY).policy.mask  # type: ignore[arg-type]  # chunk 8, window 24, sink 8
+    keys = torch.tensor([0, 3, 7, 8, 30, 31, 40, 44, 47])
+    assert torch.equal(mask.key_mask(40, 8, 48, keys), mask.row_mask(40, 8, 48)[:, keys])
+    # chunk 1000 of the stream: the plan classifies the sink block and the window's blocks only
+    start = 1000 * 8
+    plan = build_block_plan(mask, [start], [8], [start + 8], 16)
+    kinds = plan.kinds[0]
+    assert kinds.numel() == (start + 8 + 15) // 16
+    assert plan.live_blocks(0).tolist() == [0, 499, 500]  # sink [0, 8); window [7984, 8008)
+    assert (
+        kinds[0] == int(BlockKind.PARTIAL) and int((kinds == int(BlockKind.SKIP)).sum()) == kinds.numel() - 3
+    )
