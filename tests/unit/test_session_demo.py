@@ -36,7 +36,7 @@ def test_a_session_run_agrees_holds_its_bound_and_copies_only_the_chunk(branches
     )
     r = run_session(CpuPlatform(), cfg)
     assert r.agrees and r.max_abs_diff <= 2e-5
-    assert r.backends == ("cpu:reference",) and r.block_size == 16
+    assert r.backends == ("cpu:sdpa",) and r.block_size == 16  # the priority list's pick for the mask
     # the dense rolling caches compute the same attention as the paged session
     assert set(r.baseline_max_abs_diff) == {"concat", "contiguous"}
     assert all(d <= 2e-5 for d in r.baseline_max_abs_diff.values())
@@ -92,7 +92,7 @@ def test_session_bench_section_records_refused_backends_and_checks() -> None:
         "small",
         overrides={**TINY, "repeats": 1, "layers": 1},
     )
-    assert s["backend"] == "reference" and s["shape_name"] == "small"
+    assert s["backend"] == "sdpa" and s["shape_name"] == "small"
     assert s["agrees"] and s["pool_full_after"]
     assert s["kv_bytes_peak"] <= s["kv_bytes_bound"]
     assert s["bytes_copied_per_chunk"] == s["chunk_kv_bytes"] == 8 * 1 * 2 * 2 * 16 * 4
@@ -100,10 +100,9 @@ def test_session_bench_section_records_refused_backends_and_checks() -> None:
     assert s["failing_session"]["restored"]
     assert s["meets_targets"]["kv_bytes_peak"] and s["meets_targets"]["bytes_copied_per_chunk"]
     by = s["by_backend"]
-    if "refused" in by["sdpa"]:  # until the sdpa backend serves chunk-causal masks
-        assert "chunk_causal" in by["sdpa"]["refused"]
-    else:
-        assert by["sdpa"]["agrees"] and by["sdpa"]["pool_full_after"]
+    for name in ("sdpa", "reference"):  # both serve the session mask
+        assert by[name]["agrees"] and by[name]["pool_full_after"], name
+    assert "vllm-cpu-attn" not in by or "refused" in by["vllm-cpu-attn"]
     for key in (
         "speedup_vs_recompute",
         "ideal_vs_recompute",
@@ -174,8 +173,8 @@ def test_demo_session_cli(capsys: pytest.CaptureFixture[str]) -> None:
         (["demo", "--chunks", "3"], "--chunks applies to --session only"),
         (["demo", "--session", "--stream", "2"], "--session and --stream are two modes; give one"),
         (
-            ["demo", "--session", "--backend", "sdpa"],
-            "backend cpu:sdpa cannot serve the session's chunk_causal(",
+            ["demo", "--session", "--backend", "vllm-cpu-attn"],
+            "backend cpu:vllm-cpu-attn cannot serve the session's chunk_causal(",
         ),
         (
             ["demo", "--session", "--hidden", "30", "--heads", "4"],
@@ -184,10 +183,6 @@ def test_demo_session_cli(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_demo_session_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from diffusion_kv.platforms.cpu.sdpa import CpuSdpaBackend
-
-    if "sdpa" in argv and "chunk_causal" in {m.value for m in CpuSdpaBackend.capabilities.attention_modes}:
-        pytest.skip("the sdpa backend serves chunk-causal masks now")
     assert main([*argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
 
