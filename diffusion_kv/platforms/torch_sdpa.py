@@ -214,7 +214,9 @@ def planned_row_groups(
         key_pos = key_pos[key_pos < sl]  # ascending: only the last live block may pass seq_len
         if key_pos.numel() == 0:
             continue
-        visible = plan.row_mask(rows[0], sl - ql, ql, sl)[:, key_pos]
+        # over the gathered keys alone: a dense [query_len, seq_len] mask would grow with the
+        # row's absolute length (a long session's released keys are most of it)
+        visible = plan.mask.key_mask(sl - ql, ql, sl, key_pos, live_from=plan.row_live_from(rows[0]))
         key_mask = None if bool(visible.all()) else to_device(visible, device)
         groups.append(
             SdpaRowGroup(

@@ -12,6 +12,7 @@ stay available for direct callers (one launch each per group)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -122,8 +123,19 @@ def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUD
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        launch()
+    # The garbage collector stays off while the capture runs: a collection there destroys
+    # whatever unreachable objects hold (a pinned host tensor's free queries CUDA events, an
+    # earlier graph's destruction), which a capture forbids, and the capture is lost ("operation
+    # not permitted when stream is capturing"; seen on an H100 under load). Unlike the step
+    # capture (core.graphs) nothing is collected first: this capture is small and frequent.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            launch()
+    finally:
+        if was_enabled:
+            gc.enable()
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph
 
