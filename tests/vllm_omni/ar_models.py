@@ -251,6 +251,7 @@ class KVLayout:
     kv_branches: tuple[str, ...] = ("positive",)
     cross_attention: tuple[tuple[str, int], ...] = ()
     dtype: torch.dtype = torch.float32
+    scratch_tokens: int = 0  # action/state tokens per forward (the pipeline's max_scratch_tokens_per_branch)
 
 
 def host_state(layout: KVLayout, session_id: str = "s0") -> Any:
@@ -279,6 +280,7 @@ def host_state(layout: KVLayout, session_id: str = "s0") -> Any:
         cross_attention_lengths=dict(layout.cross_attention),
         device=torch.device("cpu"),
         frames_per_block=layout.frames_per_block,
+        max_scratch_tokens_per_branch=layout.scratch_tokens,
     )
     adapters = {b: cache.begin_request(f"ar::{session_id}::{b}") for b in layout.kv_branches}
     return ARDiffusionKVState(cache, session_id, adapters, num_layers=layout.num_layers)
@@ -334,6 +336,10 @@ class DreamZeroShape:
     text_tokens: int = 6
     text_dim: int = 16
     channels: int = 4
+    actions: int = 4  # action tokens per forward (num_action_per_block)
+    states: int = 1  # state tokens per forward (num_state_per_block)
+    action_dim: int = 6
+    state_dim: int = 8
 
     @property
     def tokens_per_frame(self) -> int:
@@ -358,6 +364,10 @@ def dreamzero(shape: DreamZeroShape, seed: int = 0) -> torch.nn.Module:
         num_layers=shape.layers,
         num_frame_per_block=shape.frames_per_block,
         hidden_size=32,
+        action_dim=shape.action_dim,
+        max_state_dim=shape.state_dim,
+        num_action_per_block=shape.actions,
+        num_state_per_block=shape.states,
     ).eval()
     _randomise(model, seed)
     _finish_linear_layers(model)
@@ -375,6 +385,7 @@ def dreamzero_layout(shape: DreamZeroShape) -> KVLayout:
         sink_frames=0,
         kv_branches=("positive", "negative"),
         cross_attention=(("text", shape.text_tokens),),
+        scratch_tokens=shape.actions + shape.states,
     )
 
 
@@ -391,6 +402,15 @@ class DreamZeroInputs:
     def context(self, negative: bool) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 7 + int(negative))
         return torch.randn(1, self.shape.text_tokens, self.shape.text_dim, generator=gen)
+
+    def action(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's noisy actions ``[1, actions, action_dim]`` and robot state ``[1, states, state_dim]``."""
+        s = self.shape
+        gen = torch.Generator().manual_seed(self.seed * 1000 + 500 + index)
+        return (
+            torch.randn(1, s.actions, s.action_dim, generator=gen),
+            torch.randn(1, s.states, s.state_dim, generator=gen),
+        )
 
 
 def dreamzero_populate_cross(model: torch.nn.Module, state: Any, inputs: DreamZeroInputs) -> None:
@@ -421,18 +441,27 @@ def dreamzero_block(
     observed: torch.Tensor | None,
     steps: tuple[float, ...] = DREAMZERO_STEPS,
     guidance: float = 2.0,
-) -> torch.Tensor:
+    actions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One DreamZero AR block as its pipeline runs it, both CFG branches: the commit forward
     over the previous block's observed latents (``observed``, at ``start_frame - F``), then a
-    denoise forward per step over the new block (``commit_current`` False)."""
+    denoise forward per step over the new block (``commit_current`` False); with ``actions``
+    the denoise forwards carry the block's action and state tokens, as the real pipeline's
+    ``diffuse`` always does. Returns the block's latents and its actions (or None)."""
     s = inputs.shape
     f = s.frames_per_block
     seq_len = f * s.tokens_per_frame
     dreamzero_populate_cross(model, state, inputs)
+    noisy_action, robot_state = inputs.action(index)
 
-    def call(x: torch.Tensor, t: float, negative: bool, frame: int, commit: bool) -> torch.Tensor:
+    def call(
+        x: torch.Tensor, t: float, negative: bool, frame: int, commit: bool, act: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         branch = "negative" if negative else "positive"
-        out, _, _ = model(
+        extra: dict[str, Any] = {}
+        if act is not None:
+            extra = {"action": act, "timestep_action": torch.full((1, s.actions), t), "state": robot_state}
+        out, action_out, _ = model(
             x=x,
             timestep=torch.full((1, f), t),
             context=inputs.context(negative),
@@ -440,17 +469,22 @@ def dreamzero_block(
             kv_cache=state.get_kv_caches(branch, seq_len=seq_len, commit_current=commit),
             crossattn_cache=state.get_cross_attention_kv(branch, "text"),
             current_start_frame=frame,
+            **extra,
         )
         if commit:
             state.commit_paged_context(branch)
-        return out  # type: ignore[no-any-return]
+        return out, action_out
 
     if observed is not None:
         for negative in (False, True):
             call(observed, 0.0, negative, start_frame - f, True)
     latents = inputs.latents(index)
+    act = noisy_action if actions else None
     for t in steps:
-        cond = call(latents, t, False, start_frame, False)
-        uncond = call(latents, t, True, start_frame, False)
+        cond, cond_a = call(latents, t, False, start_frame, False, act)
+        uncond, uncond_a = call(latents, t, True, start_frame, False, act)
         latents = latents - (t / 1000.0) * (uncond + guidance * (cond - uncond))
-    return latents
+        if act is not None:
+            assert cond_a is not None and uncond_a is not None
+            act = act - (t / 1000.0) * (uncond_a + guidance * (cond_a - uncond_a))
+    return latents, act

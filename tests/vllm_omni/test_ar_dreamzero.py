@@ -45,8 +45,8 @@ def test_cfg_stream_matches_vllm_omnis_own_path_across_eviction_and_reset(env: A
             assert dkv.committed_tokens("positive") == 0 == dkv.committed_tokens("negative")
             assert torch.equal(dkv.get_cross_attention_kv("positive", "text")[0]["k"], text)
             observed, frame = None, 0
-        ours = M.dreamzero_block(model, dkv, inputs, index, frame, observed)
-        theirs = M.dreamzero_block(model, host, inputs, index, frame, observed)
+        ours, _ = M.dreamzero_block(model, dkv, inputs, index, frame, observed)
+        theirs, _ = M.dreamzero_block(model, host, inputs, index, frame, observed)
         torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
         held.append(cache.pool.num_total - cache.pool.num_free)
         observed, frame = theirs, frame + SHAPE.frames_per_block
@@ -70,8 +70,10 @@ def test_what_is_not_served_is_refused_with_the_reason(env: Any) -> None:
     with pytest.raises(ValidationError, match="unknown KV branch 'middle'"):
         dkv.get_kv_caches("middle", seq_len=8)
     contexts = dkv.get_kv_caches("positive", seq_len=8, commit_current=True)
-    with pytest.raises(UnsupportedFeatureError, match="action/state tokens \\(33 per forward\\)"):
-        contexts[0].forward_ctx.prepare(device=torch.device("cpu"), action_len=33, query_len=41)
+    with pytest.raises(
+        ValidationError, match="40 queries; its chunk holds 8 video tokens and 33 action/state"
+    ):
+        contexts[0].forward_ctx.prepare(device=torch.device("cpu"), action_len=33, query_len=40)
     dkv.abort_pending()
     assert dkv.cache.pool.num_free == free and dkv.committed_tokens("positive") == 0
     with pytest.raises(
@@ -79,3 +81,32 @@ def test_what_is_not_served_is_refused_with_the_reason(env: Any) -> None:
     ):
         M.dkv_cache(M.KVLayout(2, 2, 16, 4, 2, window_frames=5, sink_frames=0))
     dkv.close()
+
+
+@torch.no_grad()
+def test_action_and_state_tokens_are_served_beside_the_video_kv(env: Any) -> None:
+    """The real pipeline's denoise forwards carry action + state tokens: their K/V are scratch
+    (seen by that forward only, never committed), every query (video and action) sees the
+    session's visible video keys plus them; diffusion-kv merges the paged partial attention
+    with the scratch partial by log-sum-exp."""
+    model = M.dreamzero(SHAPE, seed=3)
+    layout = M.dreamzero_layout(SHAPE)
+    host, dkv = M.host_state(layout), M.dkv_cache(layout).state("s2")
+    inputs = M.DreamZeroInputs(SHAPE, seed=4)
+    cache = dkv.cache
+    observed: torch.Tensor | None = None
+    frame, held = 0, []
+    for index in range(5):  # window 3 blocks: slides from block 3 on
+        ours, our_act = M.dreamzero_block(model, dkv, inputs, index, frame, observed, actions=True)
+        theirs, their_act = M.dreamzero_block(model, host, inputs, index, frame, observed, actions=True)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        assert our_act is not None and their_act is not None
+        torch.testing.assert_close(our_act, their_act, atol=TOLERANCE, rtol=TOLERANCE)
+        assert not torch.equal(our_act, M.DreamZeroInputs(SHAPE, seed=4).action(index)[0])
+        held.append(cache.pool.num_total - cache.pool.num_free)
+        observed, frame = theirs, frame + SHAPE.frames_per_block
+    # the action tokens take no pages: the same blocks as a stream without them
+    assert held == [4, 8, 12, 12, 12]
+    assert dkv.committed_tokens("positive") == 4 * SHAPE.frames_per_block * SHAPE.tokens_per_frame
+    dkv.close()
+    assert cache.pool.num_free == cache.pool.num_total

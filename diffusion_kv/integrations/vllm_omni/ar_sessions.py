@@ -27,9 +27,16 @@ commits the chunk (upstream's commit after success); a failure aborts the chunk
 (:meth:`DiffusionKVARState.abort_pending`), so the session is exactly as before it. ``reset``
 ends the branch sessions and begins fresh ones (DreamZero's window reset), ``close`` ends them.
 
-Not served yet: DreamZero's action/state tokens (scratch K/V beside the video K/V: a call with
-``k_act`` raises :class:`UnsupportedFeatureError`), AR blocks of another length than the
-policy's chunk (DreamZero's one-frame first block), CFG-parallel ranks. Cross-attention pools are
+DreamZero's action/state tokens (every denoise forward of its pipeline carries them) are scratch
+K/V: the op gets them beside the video K/V, they are seen by that forward only and never reach
+the pages. Every query (video and action) sees the chunk's visible session keys plus them, so
+:meth:`DiffusionKVARForward.attend_with_scratch` writes the chunk and runs the worker's backend
+as partial attention with its log-sum-exp (``forward_partial``; the action queries as the
+chunk's own, which see the same keys under the chunk-causal mask), attends the few scratch keys
+densely, and merges the two (``merge_partial_attention``).
+
+Not served yet: AR blocks of another length than the policy's chunk (DreamZero's one-frame
+first block), CFG-parallel ranks. Cross-attention pools are
 dense and write-once per session (:class:`CrossAttentionStore`), released with the session, until
 the core's context pools land.
 
@@ -54,6 +61,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.parallel import merge_partial_attention
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
 
@@ -265,21 +273,26 @@ class DiffusionKVARForward:
         self._written: set[int] = set()
         self._stack: contextlib.ExitStack | None = None
         self._inputs: list[Any] = []
+        self.action_len = 0
 
     def prepare(self, device: torch.device, action_len: int, query_len: int) -> None:
         """Once per forward, before the layers (as upstream's): refuse what is not served, make
         this the cache's active forward, build the per-layer op inputs."""
         if self._prepared:
             return
-        if action_len:
-            raise UnsupportedFeatureError(
-                f"AR-diffusion action/state tokens ({action_len} per forward) are scratch K/V beside the "
-                "video K/V: not served by diffusion-kv sessions yet"
-            )
-        if query_len != self.seq_len:
+        if action_len < 0 or query_len != self.seq_len + action_len:
             raise ValidationError(
-                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len}"
+                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len} video tokens "
+                f"and {action_len} action/state tokens"
             )
+        if action_len:
+            missing = [b.name for b in self.cache.worker.backends if not b.capabilities.supports_dcp]
+            if missing:
+                raise UnsupportedFeatureError(
+                    f"AR-diffusion action/state tokens ({action_len} per forward) need partial attention with "
+                    f"its log-sum-exp (forward_partial); backend(s) {missing} do not declare it"
+                )
+        self.action_len = int(action_len)
         if torch.device(device).type != "cpu":
             raise UnsupportedFeatureError(f"DiffusionKVARCache serves CPU forwards; got device {device}")
         self.cache.active = self
@@ -320,16 +333,63 @@ class DiffusionKVARForward:
             raise ValidationError(
                 f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys, chunk holds {self.seq_len}"
             )
+        self._step()
+        dtype = self.cache.geometry.dtype
+        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+        self._wrote(layer)
+        return out.to(query.dtype)
+
+    def attend_with_scratch(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scratch_key: torch.Tensor,
+        scratch_value: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer of a forward with action/state tokens (DreamZero): ``query`` is the chunk's
+        video queries followed by ``A`` action/state queries; ``scratch_key``/``scratch_value``
+        (``[A, Hkv, D]``) are their K/V, seen by this forward only and never written to the
+        pages (vLLM-Omni's scratch blocks). Every query sees the session's keys the chunk sees
+        plus the scratch keys (non-causal, as the host's block table of visible video blocks +
+        scratch blocks): the chunk's K/V are written and attended through the worker's backend
+        as partial attention with its log-sum-exp, the scratch keys densely, and the two merged."""
+        if self.cache.active is not self:
+            raise StateError(
+                f"AR-diffusion layer {layer} of session {self.chunk.session_id!r} called outside its forward"
+            )
+        t, a = self.seq_len, self.action_len
+        if query.shape[0] != t + a or key.shape[0] != t or scratch_key.shape[0] != a:
+            raise ValidationError(
+                f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys / "
+                f"{scratch_key.shape[0]} scratch keys; the forward holds {t} video + {a} action/state tokens"
+            )
+        self._step()
+        dtype = self.cache.geometry.dtype
+        name = _layer_name(layer)
+        q = query.to(dtype)
+        session_out, session_lse = _session_partial(
+            self.cache.worker, name, q, key.to(dtype), value.to(dtype), t
+        )
+        geometry = self.cache.worker.layers[name]
+        scratch_out, scratch_lse = _dense_partial(
+            q, scratch_key.to(dtype), scratch_value.to(dtype), geometry.scale
+        )
+        out = merge_partial_attention([session_out, scratch_out], [session_lse, scratch_lse])
+        self._wrote(layer)
+        return out.to(query.dtype)
+
+    def _step(self) -> None:
         if self._stack is None:
             self._stack = contextlib.ExitStack()
             runtime = self._stack.enter_context(self.cache.worker.stepper())
             runtime.ensure_rows(self.chunk.rows())
-        dtype = self.cache.geometry.dtype
-        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+
+    def _wrote(self, layer: int) -> None:
         self._written.add(layer)
         if len(self._written) == self.cache.geometry.num_layers:
             self.finish()
-        return out.to(query.dtype)
 
     @property
     def complete(self) -> bool:
@@ -501,6 +561,66 @@ class DiffusionKVARState:
         self._begin()
 
 
+def _session_partial(
+    worker: PagedWorker,
+    layer_name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the open chunk's K/V (``tokens`` of them) and attend every query in ``query``
+    over what the chunk sees, through the worker's backend: ``(out [Q, H, D], lse [Q, H])``.
+
+    The first ``tokens`` queries are the chunk's own; any after them attend as the chunk's
+    queries do -- under a chunk-causal mask every query of a chunk sees the same keys -- in
+    pieces of ``tokens`` rows over the same prepared metadata (the last piece zero-padded)."""
+    executor = worker.executor
+    if executor is None:
+        raise StateError("the AR-diffusion worker's paged KV cache is not initialised")
+    ctx = executor.context(layer_name, query[:tokens], key, value)
+    if ctx.plan is not None:
+        raise UnsupportedFeatureError(
+            f"AR-diffusion layer {layer_name!r}: piecewise spans are not served here"
+        )
+    backend = executor.backends[layer_name]
+    kv_cache = executor.kv_caches[layer_name]
+    if ctx.slots_valid:
+        backend.write_kv_valid(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    else:
+        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    md = ctx.native_metadata
+    outs, lses = [], []
+    out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, md)
+    outs.append(out)
+    lses.append(lse)
+    extra = query[tokens:]
+    for start in range(0, extra.shape[0], tokens):
+        piece = extra[start : start + tokens]
+        n = piece.shape[0]
+        if n < tokens:
+            piece = torch.cat((piece, piece.new_zeros((tokens - n, *piece.shape[1:]))))
+        out, lse = backend.forward_partial(ctx.layer, piece.contiguous(), kv_cache, md)
+        outs.append(out[:n])
+        lses.append(lse[:n])
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _dense_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query over every one of a few keys (no mask), fp32: ``(out [Q, H, D], lse [Q, H])``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    k, v = key.float(), value.float()
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
+    return out.to(query.dtype), lse.transpose(0, 1).contiguous()
+
+
 def _kernel(
     query: torch.Tensor,
     k_curr: torch.Tensor,
@@ -537,16 +657,13 @@ def _kernel(
     forward = cache.active
     if forward is None:
         raise StateError(f"AR-diffusion layer {layer} called with no prepared diffusion-kv forward")
-    if k_act is not None and k_act.shape[0] > 0:
-        raise UnsupportedFeatureError(
-            f"AR-diffusion action/state K/V ({k_act.shape[0]} tokens) in layer {layer}: not served by "
-            "diffusion-kv sessions yet"
-        )
     expected = forward.cache.geometry.head_size**-0.5
     if abs(softmax_scale - expected) > 1e-12 * expected:
         raise UnsupportedFeatureError(
             f"AR-diffusion layer {layer} softmax_scale {softmax_scale} differs from head_size**-0.5 = {expected}"
         )
+    if k_act is not None and v_act is not None and k_act.shape[0] > 0:
+        return forward.attend_with_scratch(layer, query, k_curr, v_curr, k_act, v_act)
     return forward.attend(layer, query, k_curr, v_curr)
 
 
