@@ -40,6 +40,8 @@ def test_cfg_stream_matches_vllm_omnis_own_path_across_eviction_and_reset(env: A
     for index in range(7):
         if index == 4:  # DreamZero's window reset: history dropped, the prompt's text K/V kept
             text = dkv.get_cross_attention_kv("positive", "text")[0]["k"].clone()
+            with pytest.raises(StateError, match="populated already \\(write-once"):
+                dkv.populate_cross_attention("positive", "text", [])
             host.reset(keep_cross_attention=("text",))
             dkv.reset(keep_cross_attention=("text",))
             assert dkv.committed_tokens("positive") == 0 == dkv.committed_tokens("negative")
@@ -53,9 +55,13 @@ def test_cfg_stream_matches_vllm_omnis_own_path_across_eviction_and_reset(env: A
     # per branch: the open block plus committed blocks, at most the window (3 blocks of 2 pages)
     # once it slides; the reset at block 4 starts again from one open block
     assert held == [4, 8, 12, 12, 4, 8, 12]
+    contexts = cache.sessions.contexts
+    assert contexts is not None
+    ctx_pool = contexts.allocator.pool
+    assert ctx_pool.num_total - ctx_pool.num_free == 2  # the text context: one 16-token block per branch
     dkv.close()
     assert cache.pool.num_free == cache.pool.num_total and cache.sessions.sessions == ()
-    assert cache.cross.sessions() == ()
+    assert ctx_pool.num_free == ctx_pool.num_total
 
 
 @torch.no_grad()
@@ -69,6 +75,15 @@ def test_what_is_not_served_is_refused_with_the_reason(env: Any) -> None:
         dkv.is_cross_attention_populated("positive", "image")
     with pytest.raises(ValidationError, match="unknown KV branch 'middle'"):
         dkv.get_kv_caches("middle", seq_len=8)
+    heads, size = SHAPE.heads, SHAPE.dim // SHAPE.heads
+    good = torch.ones(1, SHAPE.text_tokens, heads, size)
+    with pytest.raises(ValidationError, match="text' layer 1: k/v shape \\(1, 5, 2, 16\\)/"):
+        dkv.populate_cross_attention("positive", "text", [(good, good), (good[:, :5], good[:, :5])])
+    with pytest.raises(ValidationError, match="1 layers given, expected 2"):
+        dkv.populate_cross_attention("positive", "text", [(good, good)])
+    ctx_pool = dkv.cache.sessions.contexts.allocator.pool  # type: ignore[union-attr]
+    assert not dkv.is_cross_attention_populated("positive", "text")
+    assert ctx_pool.num_free == ctx_pool.num_total  # nothing reserved by a refused populate
     contexts = dkv.get_kv_caches("positive", seq_len=8, commit_current=True)
     with pytest.raises(
         ValidationError, match="40 queries; its chunk holds 8 video tokens and 33 action/state"

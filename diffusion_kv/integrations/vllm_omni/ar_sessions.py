@@ -36,9 +36,14 @@ chunk's own, which see the same keys under the chunk-causal mask), attends the f
 densely, and merges the two (``merge_partial_attention``).
 
 Not served yet: AR blocks of another length than the policy's chunk (DreamZero's one-frame
-first block), CFG-parallel ranks. Cross-attention pools are
-dense and write-once per session (:class:`CrossAttentionStore`), released with the session, until
-the core's context pools land.
+first block), CFG-parallel ranks.
+
+Cross-attention pools (DreamZero's ``text``) are the core's session contexts
+(``SessionContexts``, :class:`CrossAttentionStore`): paged on a FULL worker of their own, one
+context per name and KV-branch session, written once by one forward of every layer's K/V,
+released with the session; ``reset(keep_cross_attention=...)`` keeps the named ones
+(``SessionCache.reset(keep_contexts=)``). They are read through :func:`read_context` (today the
+core's gather, ``SessionCache.context_kv``).
 
 Importing this module imports neither vLLM nor vLLM-Omni; :func:`install_cpu_kernel` and
 :meth:`DiffusionKVARForward.layer_inputs` import vLLM-Omni lazily.
@@ -55,6 +60,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, FreeListPool
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.errors import (
     StateError,
     UnsupportedFeatureError,
@@ -63,7 +69,7 @@ from diffusion_kv.core.errors import (
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import merge_partial_attention
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
-from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
+from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionContexts, SessionPolicy
 
 OP_NAME = "vllm_omni::ar_diffusion_paged_write_attn"
 _PAGED_ATTENTION = "vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention"
@@ -112,67 +118,140 @@ class ARGeometry:
         )
 
 
-class CrossAttentionStore:
-    """Named cross-attention K/V per session and KV branch: dense, write-once, published only
-    when every layer is copied, released with the session (until the core's context pools)."""
+def read_context(
+    sessions: SessionCache, session: Session, name: str, layer: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One written context's keys and values ``[tokens, Hkv, D]`` for one cross-attention layer
+    (the one place this adapter reads contexts: the core's gather, ``SessionCache.context_kv``)."""
+    return sessions.context_kv(session, name, layer)
 
-    def __init__(self, lengths: Mapping[str, int], num_layers: int, dtype: torch.dtype) -> None:
+
+class CrossAttentionStore:
+    """Named cross-attention K/V (vLLM-Omni's cross-attention pools) as diffusion-kv session
+    contexts (``SessionContexts``): one context per name and KV-branch session, paged on a FULL
+    worker whose layers are the model's cross-attention layers, written once (one forward of
+    every layer's K/V), released with the session; a reset keeps the ones the host keeps."""
+
+    def __init__(self, sessions: SessionCache, lengths: Mapping[str, int], geometry: ARGeometry) -> None:
+        self.sessions = sessions
         self.lengths = dict(lengths)
-        self.num_layers = num_layers
-        self.dtype = dtype
-        self._pools: dict[str, dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        self.num_layers = geometry.num_layers
+        self.geometry = geometry
+        contexts = sessions.contexts
+        assert contexts is not None or not self.lengths
+        self.contexts = contexts
 
     def _known(self, name: str) -> int:
         if name not in self.lengths:
             raise ValidationError(f"unknown cross-attention cache {name!r}; declared: {sorted(self.lengths)}")
         return self.lengths[name]
 
-    def populated(self, session_id: str, name: str, branch: str) -> bool:
+    def populated(self, session: Session, name: str) -> bool:
         self._known(name)
-        return branch in self._pools.get(session_id, {}).get(name, {})
+        assert self.contexts is not None
+        if name not in self.contexts.names(session.session_id):
+            return False
+        return not self.contexts.unwritten(self.contexts.get(session.session_id, name))
 
     def populate(
-        self, session_id: str, name: str, branch: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
+        self, session: Session, name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
+        """Check every layer's K/V, reserve the context and write it in one forward per layer;
+        a refusal or failure leaves no context behind."""
         length = self._known(name)
+        g = self.geometry
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, (k, v) in enumerate(layer_kv):
             if index >= self.num_layers:
                 raise ValidationError(
                     f"cross-attention cache {name!r}: more than {self.num_layers} layers given"
                 )
-            if k.dim() != 4 or k.shape[:2] != (1, length) or v.shape != k.shape:
+            expected = (1, length, g.num_kv_heads, g.head_size)
+            if tuple(k.shape) != expected or v.shape != k.shape:
                 raise ValidationError(
                     f"cross-attention cache {name!r} layer {index}: k/v shape {tuple(k.shape)}/{tuple(v.shape)}, "
-                    f"expected (1, {length}, heads, head_size)"
+                    f"expected {expected}"
                 )
-            layers.append((k[0].to(self.dtype).clone(), v[0].to(self.dtype).clone()))
+            layers.append((k[0].to(g.dtype), v[0].to(g.dtype)))
         if len(layers) != self.num_layers:
             raise ValidationError(
                 f"cross-attention cache {name!r}: {len(layers)} layers given, expected {self.num_layers}"
             )
-        self._pools.setdefault(session_id, {}).setdefault(name, {})[branch] = layers
-
-    def read(self, session_id: str, name: str, branch: str, layer: int) -> dict[str, torch.Tensor | bool]:
-        if not self.populated(session_id, name, branch):
-            raise StateError(
-                f"cross-attention cache {name!r} of session {session_id!r} branch {branch!r} read before it was populated"
+        assert self.contexts is not None
+        if name in self.contexts.names(session.session_id):  # a half-written one (a failed populate)
+            self.sessions.release_context(session, name)
+        rows = self.sessions.set_context(session, name, length)
+        if rows is None:
+            raise AdmissionError(
+                f"cross-attention cache {name!r} of session {session.session_id!r}: {length} tokens do not fit "
+                f"the context pool ({self.contexts.allocator.pool.num_free} blocks free)"
             )
-        k, v = self._pools[session_id][name][branch][layer]
+        worker = self.contexts.worker
+        try:
+            with worker.stepper() as runtime:
+                runtime.ensure_rows(rows)
+                for index, (k, v) in enumerate(layers):
+                    worker.forward(_layer_name(index), k, k, v)  # the write is what counts
+        except BaseException:
+            self.sessions.release_context(session, name)
+            raise
+
+    def read(self, session: Session, name: str, layer: int) -> dict[str, torch.Tensor | bool]:
+        if not self.populated(session, name):
+            raise StateError(
+                f"cross-attention cache {name!r} of session {session.session_id!r} read before it was populated"
+            )
+        k, v = read_context(self.sessions, session, name, _layer_name(layer))
         return {"is_init": True, "k": k.unsqueeze(0), "v": v.unsqueeze(0)}
 
-    def retain(self, session_id: str, names: Collection[str]) -> None:
-        session = self._pools.get(session_id, {})
-        for name in [n for n in session if n not in set(names)]:
-            del session[name]
-        if not session:
-            self._pools.pop(session_id, None)
+    def names(self, session: Session) -> tuple[str, ...]:
+        return self.contexts.names(session.session_id) if self.contexts is not None else ()
 
-    def release(self, session_id: str) -> None:
-        self._pools.pop(session_id, None)
+    def release(self, session: Session) -> None:
+        for name in self.names(session):
+            self.sessions.release_context(session, name)
 
-    def sessions(self) -> tuple[str, ...]:
-        return tuple(self._pools)
+
+def _context_store(
+    geometry: ARGeometry,
+    lengths: Mapping[str, int],
+    session_rows: int,
+    *,
+    platform: Any,
+    backend: str | None,
+    block_size: int,
+) -> SessionContexts:
+    """The contexts' own worker (one FULL layer per cross-attention layer) and pool: room for
+    every name of every resident KV-branch session."""
+    from diffusion_kv.platforms.cpu import CpuPlatform
+
+    rows = session_rows * len(lengths)
+    longest = max(lengths.values())
+    max_len = cdiv(longest, block_size) * block_size
+    worker = PagedWorker(
+        platform or CpuPlatform(),
+        RunnerConfig(
+            max_len, 1, rows, max(max_len, rows * max_len), device=torch.device("cpu"), backend=backend
+        ),
+    )
+    spec = PagedLayerSpec(
+        geometry.num_kv_heads,
+        geometry.num_kv_heads,
+        geometry.head_size,
+        geometry.dtype,
+        mode=AttentionMode.FULL,
+    )
+    worker.register_kv_cache_layers({_layer_name(i): spec for i in range(geometry.num_layers)})
+    num_blocks = session_rows * sum(cdiv(n, block_size) for n in lengths.values())
+    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=block_size)
+    allocator = DiffusionKVAllocator(
+        block_size=block_size,
+        max_model_len=max_len,
+        max_rows_per_request=1,
+        worker_rows=rows,
+        pool=FreeListPool(num_blocks),
+    )
+    return SessionContexts(worker, allocator)
 
 
 class DiffusionKVARCache:
@@ -192,6 +271,7 @@ class DiffusionKVARCache:
         block_size: int | None = None,
         platform: Any = None,
         backend: str | None = None,
+        context_block_size: int = 16,
     ) -> None:
         from diffusion_kv.platforms.cpu import CpuPlatform
 
@@ -236,9 +316,15 @@ class DiffusionKVARCache:
             worker_rows=rows,
             pool=self.pool,
         )
-        self.sessions = SessionCache(self.worker, self.allocator, self.policy)
-        self.cross = CrossAttentionStore(cross_attention_lengths or {}, geometry.num_layers, geometry.dtype)
-        self.cross_attention_lengths = dict(self.cross.lengths)
+        lengths = dict(cross_attention_lengths or {})
+        contexts = None
+        if lengths:
+            contexts = _context_store(
+                geometry, lengths, rows, platform=platform, backend=backend, block_size=context_block_size
+            )
+        self.sessions = SessionCache(self.worker, self.allocator, self.policy, contexts=contexts)
+        self.cross = CrossAttentionStore(self.sessions, lengths, geometry)
+        self.cross_attention_lengths = dict(lengths)
         self.block_size = block
         self._markers = [torch.zeros(1) for _ in range(geometry.num_layers)]
         for index, marker in enumerate(self._markers):
@@ -511,25 +597,30 @@ class DiffusionKVARState:
     # -- cross-attention -----------------------------------------------------------------------
 
     def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
-        self._session(kv_branch)
-        return self.cache.cross.populated(self.session_id, cache_name, kv_branch)
+        return self.cache.cross.populated(self._session(kv_branch), cache_name)
 
     def populate_cross_attention(
         self, kv_branch: str, cache_name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        self._session(kv_branch)
-        self.cache.cross.populate(self.session_id, cache_name, kv_branch, layer_kv)
+        """Write-once: the branch session's context ``cache_name`` (every layer's K/V)."""
+        session = self._session(kv_branch)
+        if self.cache.cross.populated(session, cache_name):
+            raise StateError(
+                f"cross-attention cache {cache_name!r} of session {self.session_id!r} branch {kv_branch!r} is "
+                "populated already (write-once; reset or clear_cross_attention first)"
+            )
+        self.cache.cross.populate(session, cache_name, layer_kv)
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor | bool]]:
-        self._session(kv_branch)
-        return [
-            self.cache.cross.read(self.session_id, cache_name, kv_branch, i) for i in range(self.num_layers)
-        ]
+        session = self._session(kv_branch)
+        return [self.cache.cross.read(session, cache_name, i) for i in range(self.num_layers)]
 
     def clear_cross_attention(self) -> None:
+        """Release every context of every branch session (the self-attention KV stays)."""
         if self._closed:
             raise StateError(f"AR-diffusion session {self.session_id!r} is closed")
-        self.cache.cross.release(self.session_id)
+        for session in self._sessions.values():
+            self.cache.cross.release(session)
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -540,25 +631,27 @@ class DiffusionKVARState:
         self._sessions.clear()
 
     def close(self) -> None:
-        """End every branch session (all blocks back to the pool) and release cross-attention."""
+        """End every branch session: all blocks and every context back to their pools."""
         if self._closed:
             return
         self._end()
-        self.cache.cross.release(self.session_id)
         self._closed = True
 
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
-        """Drop the self-attention history (fresh branch sessions at position 0), keeping the
-        named cross-attention caches (DreamZero's window reset keeps ``text``)."""
+        """Drop the self-attention history (positions restart at 0: ``SessionCache.reset``),
+        keeping the named cross-attention contexts (DreamZero's window reset keeps ``text``)
+        and releasing the others."""
         unknown = set(keep_cross_attention) - set(self.cache.cross_attention_lengths)
         if unknown:
             raise ValidationError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
         if self._closed:
             self._closed = False
-        else:
-            self._end()
-        self.cache.cross.retain(self.session_id, keep_cross_attention)
-        self._begin()
+            self._begin()
+            return
+        self.abort_pending()
+        for session in self._sessions.values():
+            keep = [n for n in self.cache.cross.names(session) if n in set(keep_cross_attention)]
+            self.cache.sessions.reset(session, keep_contexts=keep)
 
 
 def _session_partial(
@@ -684,4 +777,5 @@ __all__ = [
     "DiffusionKVARForward",
     "DiffusionKVARState",
     "install_cpu_kernel",
+    "read_context",
 ]
