@@ -252,6 +252,7 @@ class KVLayout:
     cross_attention: tuple[tuple[str, int], ...] = ()
     dtype: torch.dtype = torch.float32
     scratch_tokens: int = 0  # action/state tokens per forward (the pipeline's max_scratch_tokens_per_branch)
+    first_block_frames: int | None = None  # DreamZero's pipeline: 1 (its first frame alone)
 
 
 def host_state(layout: KVLayout, session_id: str = "s0") -> Any:
@@ -300,6 +301,7 @@ def dkv_cache(layout: KVLayout, **kwargs: Any) -> Any:
         window_frames=layout.window_frames,
         sink_frames=layout.sink_frames,
         dtype=layout.dtype,
+        first_block_frames=layout.first_block_frames,
     )
     return ar_sessions.DiffusionKVARCache(
         geometry,
@@ -488,3 +490,52 @@ def dreamzero_block(
             assert cond_a is not None and uncond_a is not None
             act = act - (t / 1000.0) * (uncond_a + guidance * (cond_a - uncond_a))
     return latents, act
+
+
+def dreamzero_commit(
+    model: torch.nn.Module, state: Any, inputs: DreamZeroInputs, x: torch.Tensor, frame: int
+) -> None:
+    """``_prefill_kv_cache``'s committing forward over ``x`` (its frames at ``frame``), both branches."""
+    frames, tpf = x.shape[2], inputs.shape.tokens_per_frame
+    for negative, branch in ((False, "positive"), (True, "negative")):
+        model(
+            x=x,
+            timestep=torch.zeros(1, frames),
+            context=inputs.context(negative),
+            seq_len=frames * tpf,
+            kv_cache=state.get_kv_caches(branch, seq_len=frames * tpf, commit_current=True),
+            crossattn_cache=state.get_cross_attention_kv(branch, "text"),
+            current_start_frame=frame,
+        )
+        state.commit_paged_context(branch)
+
+
+def dreamzero_request(
+    model: torch.nn.Module,
+    state: Any,
+    inputs: DreamZeroInputs,
+    index: int,
+    start_frame: int,
+    observed: torch.Tensor | None,
+    steps: tuple[float, ...] = DREAMZERO_STEPS,
+    guidance: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One request as DreamZero's pipeline ``forward`` runs it (``_prefill_kv_cache`` then
+    ``diffuse``), both CFG branches: at ``start_frame`` 0 the first frame alone is one AR block
+    (a committing forward of ``tokens_per_frame`` tokens, no action tokens) and the next block
+    starts at frame 1; later, the previous block's observed latents are committed at
+    ``start_frame - F``; then the denoise forwards of the new block, each with the block's
+    action and state tokens. Returns the block's latents, its actions and the next start frame."""
+    f = inputs.shape.frames_per_block
+    if start_frame == 0:
+        dreamzero_populate_cross(model, state, inputs)
+        dreamzero_commit(model, state, inputs, inputs.latents(10_000 + index)[:, :, :1], 0)
+        start_frame = 1
+    else:
+        assert observed is not None
+        dreamzero_commit(model, state, inputs, observed, start_frame - f)
+    latents, act = dreamzero_block(
+        model, state, inputs, index, start_frame, None, steps, guidance, actions=True
+    )
+    assert act is not None
+    return latents, act, start_frame + f

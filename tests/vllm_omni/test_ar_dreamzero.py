@@ -6,6 +6,7 @@ model's window reset (text K/V kept) and session close."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,3 +126,103 @@ def test_action_and_state_tokens_are_served_beside_the_video_kv(env: Any) -> Non
     assert dkv.committed_tokens("positive") == 4 * SHAPE.frames_per_block * SHAPE.tokens_per_frame
     dkv.close()
     assert cache.pool.num_free == cache.pool.num_total
+
+
+def _first_frame_layout(window_frames: int, sink_frames: int = 0) -> M.KVLayout:
+    return dataclasses.replace(
+        M.dreamzero_layout(SHAPE), window_frames=window_frames, sink_frames=sink_frames, first_block_frames=1
+    )
+
+
+@torch.no_grad()
+def test_the_pipelines_request_flow_first_frame_block_actions_and_window_reset(env: Any) -> None:
+    """DreamZero as its pipeline runs it: the first frame alone is the first AR block (1 frame,
+    then blocks of 2), every denoise forward carries action/state tokens, and the window of
+    max_chunk_size * F + 1 = 5 frames (max_chunk_size 2) is reset (text kept) when the next
+    block would start at frame 5, so nothing slides. diffusion-kv holds the first frame as the session's first-block
+    prefix (a context every later block attends through the log-sum-exp merge)."""
+    layout = _first_frame_layout(window_frames=5)
+    model = M.dreamzero(SHAPE, seed=5)
+    host, dkv = M.host_state(layout), M.dkv_cache(layout).state("s3")
+    inputs = M.DreamZeroInputs(SHAPE, seed=6)
+    cache = dkv.cache
+    ctx_pool = cache.sessions.contexts.allocator.pool  # type: ignore[union-attr]
+    ours_at = theirs_at = 0
+    observed: torch.Tensor | None = None
+    held, starts = [], []
+    for index in range(7):
+        if ours_at >= layout.window_frames:  # the pipeline's "inference" reset: text kept
+            host.reset(keep_cross_attention=("text",))
+            dkv.reset(keep_cross_attention=("text",))
+            assert dkv.first_block("positive") == "none" and dkv.committed_tokens("negative") == 0
+            ours_at = theirs_at = 0
+            observed = None
+        starts.append(ours_at)
+        ours, our_act, ours_at = M.dreamzero_request(model, dkv, inputs, index, ours_at, observed)
+        theirs, their_act, theirs_at = M.dreamzero_request(model, host, inputs, index, theirs_at, observed)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(our_act, their_act, atol=TOLERANCE, rtol=TOLERANCE)
+        assert dkv.first_block("negative") == "committed"
+        held.append((cache.pool.num_total - cache.pool.num_free, ctx_pool.num_total - ctx_pool.num_free))
+        observed = theirs
+    # a request from frame 0 commits the first frame and denoises frames [1, 3); the next one
+    # commits [1, 3) and denoises [3, 5); the one after would start at 5: reset
+    assert starts == [0, 3, 0, 3, 0, 3, 0]
+    # session pages (2 branches x 2 pages per block: the open one, then the committed one too)
+    # and context pages (per branch: the text context and the first frame, a 16-token page each)
+    assert held == [(4, 4), (8, 4), (4, 4), (8, 4), (4, 4), (8, 4), (4, 4)]
+    dkv.close()
+    assert cache.pool.num_free == cache.pool.num_total and ctx_pool.num_free == ctx_pool.num_total
+
+
+@torch.no_grad()
+def test_the_first_frame_block_slides_out_of_a_window_of_whole_blocks(env: Any) -> None:
+    """Without the pipeline's reset, a window of 4 frames (two blocks): the first frame is seen
+    by the block ending at frame 3, then slides out (its context released) and later blocks see
+    the last two blocks, as the host's window of the last 4 frames."""
+    layout = _first_frame_layout(window_frames=4)
+    model = M.dreamzero(SHAPE, seed=7)
+    host, dkv = M.host_state(layout), M.dkv_cache(layout).state("s4")
+    inputs = M.DreamZeroInputs(SHAPE, seed=8)
+    ctx_pool = dkv.cache.sessions.contexts.allocator.pool  # type: ignore[union-attr]
+    at, observed, states = 0, None, []
+    for index in range(5):
+        ours, our_act, _ = M.dreamzero_request(model, dkv, inputs, index, at, observed)
+        theirs, their_act, at = M.dreamzero_request(model, host, inputs, index, at, observed)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(our_act, their_act, atol=TOLERANCE, rtol=TOLERANCE)
+        states.append((dkv.first_block("positive"), ctx_pool.num_total - ctx_pool.num_free))
+        observed = theirs
+    # the second request's commit forward (block [1, 3)) still sees frame 0; its denoise forwards
+    # (block [3, 5), window [1, 5)) do not: the first frame's context goes back to the pool
+    assert states == [("committed", 4), ("released", 2), ("released", 2), ("released", 2), ("released", 2)]
+    dkv.close()
+    assert ctx_pool.num_free == ctx_pool.num_total
+
+
+@torch.no_grad()
+def test_blocks_the_session_cannot_serve_are_refused_with_nothing_changed(env: Any) -> None:
+    with pytest.raises(UnsupportedFeatureError, match="sink_frames=2 with a first block of 1 frames"):
+        M.dkv_cache(_first_frame_layout(window_frames=4, sink_frames=2))
+    layout = _first_frame_layout(window_frames=5)
+    model = M.dreamzero(SHAPE, seed=9)
+    dkv = M.dkv_cache(layout).state("s5")
+    inputs = M.DreamZeroInputs(SHAPE, seed=10)
+    with pytest.raises(
+        UnsupportedFeatureError, match="forward of 8 tokens .* its first AR block holds 4 tokens"
+    ):
+        dkv.get_kv_caches("positive", seq_len=8, commit_current=True)
+    at, observed = 0, None
+    for index in range(2):  # blocks end at frames 3 and 5: the whole window, nothing slid
+        observed, _, at = M.dreamzero_request(model, dkv, inputs, index, at, observed)
+    assert observed is not None
+    M.dreamzero_commit(model, dkv, inputs, observed, at - SHAPE.frames_per_block)  # block [3, 5)
+    cache = dkv.cache
+    before = (cache.pool.num_free, dkv.committed_tokens("positive"), dkv.first_block("positive"))
+    assert before[1:] == (16, "committed")
+    # without the pipeline's reset the next block ends at frame 7: the 5-frame window [2, 7)
+    # would cut through the block [1, 3)
+    with pytest.raises(UnsupportedFeatureError, match="window of 5 frames slides through an AR block of 2"):
+        dkv.get_kv_caches("positive", seq_len=8, commit_current=False)
+    assert (cache.pool.num_free, dkv.committed_tokens("positive"), dkv.first_block("positive")) == before
+    dkv.close()

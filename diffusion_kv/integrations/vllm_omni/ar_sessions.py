@@ -35,8 +35,18 @@ as partial attention with its log-sum-exp (``forward_partial``; the action queri
 chunk's own, which see the same keys under the chunk-causal mask), attends the few scratch keys
 densely, and merges the two (``merge_partial_attention``).
 
-Not served yet: AR blocks of another length than the policy's chunk (DreamZero's one-frame
-first block), CFG-parallel ranks.
+A first AR block of another length (DreamZero's pipeline starts with its first frame alone,
+then blocks of ``F`` frames; ``ARGeometry.first_block_frames``) is the session's first-block
+prefix: a context of its own (:data:`PREFIX`) written by that block's forwards on the contexts'
+FULL worker (it sees only itself), while the session's chunks start after it on the same
+whole-block grid. A later block sees the prefix while the host's window does (the first ``sink``
+frames -- 0 or the first block -- and the last ``window`` frames); its layers then merge the
+prefix's partial attention as they merge the action tokens', and once no later block can see it
+the prefix goes back to the pool. A window the host would slide through the middle of a block or
+of the first block is refused at that forward (DreamZero's window of ``max_chunk_size * F + 1``
+frames never slides: its pipeline resets first). Any later block of another length is refused.
+
+Not served yet: CFG-parallel ranks.
 
 Cross-attention pools (DreamZero's ``text``) are the core's session contexts
 (``SessionContexts``, :class:`CrossAttentionStore`): paged on a FULL worker of their own, one
@@ -68,6 +78,7 @@ from diffusion_kv.core.errors import (
 )
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import merge_partial_attention
+from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionContexts, SessionPolicy
 
@@ -97,25 +108,78 @@ class ARGeometry:
     window_frames: int
     sink_frames: int = 0
     dtype: torch.dtype = torch.float32
+    first_block_frames: int | None = None
+    """Frames of the stream's first AR block when it differs from ``frames_per_block``
+    (DreamZero: its first frame alone); None: every block has ``frames_per_block``."""
+
+    @property
+    def prefix_frames(self) -> int:
+        """Frames held as the session's first-block prefix (0: uniform blocks)."""
+        first = self.first_block_frames
+        return 0 if first is None or first == self.frames_per_block else first
 
     def policy(self) -> SessionPolicy:
-        """The session policy: one AR block per chunk; window and sink in whole blocks."""
-        f = self.frames_per_block
-        for what, frames in (("window_frames", self.window_frames), ("sink_frames", self.sink_frames)):
-            if frames % f:
-                raise UnsupportedFeatureError(
-                    f"AR-diffusion {what}={frames} is not a multiple of frames_per_block={f}: "
-                    "diffusion-kv sessions slide by whole AR blocks"
-                )
-        if self.window_frames < f:
+        """The session policy: one AR block per chunk; window and sink in whole blocks. With a
+        first block of another length (held as a prefix beside the chunks), the chunks start
+        after it; the sink must be 0 or that first block."""
+        f, p = self.frames_per_block, self.prefix_frames
+        w, sink = self.window_frames, self.sink_frames
+        if self.first_block_frames is not None and self.first_block_frames <= 0:
             raise ValidationError(
-                f"AR-diffusion window_frames={self.window_frames} must cover one AR block ({f} frames)"
+                f"AR-diffusion first_block_frames must be positive; got {self.first_block_frames}"
             )
-        return SessionPolicy(
-            chunk_tokens=f * self.tokens_per_frame,
-            window_chunks=self.window_frames // f - 1,
-            sink_chunks=self.sink_frames // f,
-        )
+        if w < f:
+            raise ValidationError(f"AR-diffusion window_frames={w} must cover one AR block ({f} frames)")
+        if p == 0:
+            for what, frames in (("window_frames", w), ("sink_frames", sink)):
+                if frames % f:
+                    raise UnsupportedFeatureError(
+                        f"AR-diffusion {what}={frames} is not a multiple of frames_per_block={f}: "
+                        "diffusion-kv sessions slide by whole AR blocks"
+                    )
+            return SessionPolicy(
+                chunk_tokens=f * self.tokens_per_frame, window_chunks=w // f - 1, sink_chunks=sink // f
+            )
+        if sink not in (0, p):
+            raise UnsupportedFeatureError(
+                f"AR-diffusion sink_frames={sink} with a first block of {p} frames: diffusion-kv serves a sink of "
+                "0 frames or exactly the first block"
+            )
+        # a window of whole blocks slides exactly; another one is served until it would slide
+        chunks = w // f if w % f == 0 else (w + sink - p) // f
+        if chunks < 1:
+            raise ValidationError(
+                f"AR-diffusion window_frames={w} with a first block of {p} frames leaves no room for a block of {f}"
+            )
+        return SessionPolicy(chunk_tokens=f * self.tokens_per_frame, window_chunks=chunks - 1)
+
+    def prefix_visible(self, chunk_end_frames: int) -> bool:
+        """Whether a block ending at session frame ``chunk_end_frames`` (after the first block)
+        sees the first block, as the host's window does (the first ``sink`` frames and the last
+        ``window`` frames of the stream); :class:`UnsupportedFeatureError` where the host's
+        window would cut through the first block or through a block."""
+        f, p, w, sink = self.frames_per_block, self.prefix_frames, self.window_frames, self.sink_frames
+        end = p + chunk_end_frames  # host frames
+        slid = end > w + sink
+        if slid and w % f:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion window of {w} frames slides through an AR block of {f} frames at frame {end}: "
+                "diffusion-kv sessions slide by whole blocks (the host resets before, e.g. DreamZero's "
+                "local_attn_size)"
+            )
+        if sink:
+            return True
+        if end <= w:
+            return True
+        if end - w < p:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion window of {w} frames cuts through the {p}-frame first block at frame {end}"
+            )
+        return False
+
+
+PREFIX = "ar_diffusion.first_block"
+"""The session context that holds a first AR block of another length (its self-attention K/V)."""
 
 
 def read_context(
@@ -137,9 +201,7 @@ class CrossAttentionStore:
         self.lengths = dict(lengths)
         self.num_layers = geometry.num_layers
         self.geometry = geometry
-        contexts = sessions.contexts
-        assert contexts is not None or not self.lengths
-        self.contexts = contexts
+        self.contexts = sessions.contexts
 
     def _known(self, name: str) -> int:
         if name not in self.lengths:
@@ -148,6 +210,10 @@ class CrossAttentionStore:
 
     def populated(self, session: Session, name: str) -> bool:
         self._known(name)
+        assert self.contexts is not None
+        return self.written(session, name)
+
+    def written(self, session: Session, name: str) -> bool:
         assert self.contexts is not None
         if name not in self.contexts.names(session.session_id):
             return False
@@ -205,7 +271,10 @@ class CrossAttentionStore:
         return {"is_init": True, "k": k.unsqueeze(0), "v": v.unsqueeze(0)}
 
     def names(self, session: Session) -> tuple[str, ...]:
-        return self.contexts.names(session.session_id) if self.contexts is not None else ()
+        """The session's cross-attention contexts (not the first-block prefix)."""
+        if self.contexts is None:
+            return ()
+        return tuple(n for n in self.contexts.names(session.session_id) if n in self.lengths)
 
     def release(self, session: Session) -> None:
         for name in self.names(session):
@@ -317,10 +386,16 @@ class DiffusionKVARCache:
             pool=self.pool,
         )
         lengths = dict(cross_attention_lengths or {})
+        if PREFIX in lengths:
+            raise ValidationError(f"cross-attention cache name {PREFIX!r} is reserved for the first block")
+        self.prefix_tokens = geometry.prefix_frames * geometry.tokens_per_frame
+        sized = dict(lengths)
+        if self.prefix_tokens:
+            sized[PREFIX] = self.prefix_tokens
         contexts = None
-        if lengths:
+        if sized:
             contexts = _context_store(
-                geometry, lengths, rows, platform=platform, backend=backend, block_size=context_block_size
+                geometry, sized, rows, platform=platform, backend=backend, block_size=context_block_size
             )
         self.sessions = SessionCache(self.worker, self.allocator, self.policy, contexts=contexts)
         self.cross = CrossAttentionStore(self.sessions, lengths, geometry)
@@ -346,20 +421,44 @@ class DiffusionKVARCache:
 
 class DiffusionKVARForward:
     """One KV branch forward (vLLM-Omni's ``ARDiffusionPagedForwardContext`` place): the
-    branch's open chunk and the worker stepper its layers run under."""
+    branch's open chunk (or its first-block prefix) and the worker stepper its layers run under.
 
-    def __init__(self, state: DiffusionKVARState, branch: str, chunk: Chunk, commit_current: bool) -> None:
+    Three ways a layer attends: a chunk alone (the session worker's forward); a chunk with keys
+    beside the session's pages -- action/state scratch K/V, a visible first-block prefix -- (the
+    worker's partial attention merged by log-sum-exp with each extra key set); the first-block
+    prefix itself (its context's FULL forward on the contexts' worker: it sees only itself)."""
+
+    def __init__(
+        self,
+        state: DiffusionKVARState,
+        branch: str,
+        chunk: Chunk | None,
+        commit_current: bool,
+        *,
+        prefix_rows: tuple[PagedRow, ...] | None = None,
+        prefix_visible: bool = False,
+    ) -> None:
         self.state = state
         self.cache = state.cache
         self.kv_branch = branch
+        self.session = state._session(branch)
         self.chunk = chunk
-        self.seq_len = chunk.tokens
+        self.prefix_rows = prefix_rows
+        if (chunk is None) == (prefix_rows is None):
+            raise ValidationError("an AR-diffusion forward writes either a chunk or the first-block prefix")
+        self.seq_len = chunk.tokens if chunk is not None else self.cache.prefix_tokens
+        self.end = chunk.end if chunk is not None else self.cache.prefix_tokens
+        self.prefix_visible = prefix_visible
         self.commit_current = commit_current
         self._prepared = False
         self._written: set[int] = set()
         self._stack: contextlib.ExitStack | None = None
         self._inputs: list[Any] = []
         self.action_len = 0
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.chunk is None
 
     def prepare(self, device: torch.device, action_len: int, query_len: int) -> None:
         """Once per forward, before the layers (as upstream's): refuse what is not served, make
@@ -371,12 +470,18 @@ class DiffusionKVARForward:
                 f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len} video tokens "
                 f"and {action_len} action/state tokens"
             )
-        if action_len:
+        if action_len and self.is_prefix:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion first block with action/state tokens ({action_len}): not served (the host's "
+                "pipelines send none there)"
+            )
+        if action_len or self.prefix_visible:
             missing = [b.name for b in self.cache.worker.backends if not b.capabilities.supports_dcp]
             if missing:
                 raise UnsupportedFeatureError(
-                    f"AR-diffusion action/state tokens ({action_len} per forward) need partial attention with "
-                    f"its log-sum-exp (forward_partial); backend(s) {missing} do not declare it"
+                    "AR-diffusion keys beside the session's pages (action/state tokens, a first block) need "
+                    f"partial attention with its log-sum-exp (forward_partial); backend(s) {missing} do not "
+                    "declare it"
                 )
         self.action_len = int(action_len)
         if torch.device(device).type != "cpu":
@@ -398,7 +503,7 @@ class DiffusionKVARForward:
                 query_start_loc=meta,
                 seq_lens=meta,
                 max_query_len=int(query_len),
-                max_seq_len=int(self.chunk.end),
+                max_seq_len=int(self.end),
             )
             for i in range(self.cache.geometry.num_layers)
         ]
@@ -409,19 +514,25 @@ class DiffusionKVARForward:
             raise StateError("DiffusionKVARForward.layer_inputs() before prepare()")
         return self._inputs[layer_idx]
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """One layer: write the chunk's K/V into the session's pages and attend (the worker)."""
+    def _check(self, layer: int) -> None:
         if self.cache.active is not self:
             raise StateError(
-                f"AR-diffusion layer {layer} of session {self.chunk.session_id!r} called outside its forward"
+                f"AR-diffusion layer {layer} of session {self.session.session_id!r} called outside its forward"
             )
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One layer without scratch tokens: write this forward's K/V into its pages and attend."""
+        self._check(layer)
         if query.shape[0] != self.seq_len or key.shape[0] != self.seq_len:
             raise ValidationError(
                 f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys, chunk holds {self.seq_len}"
             )
+        if self.prefix_visible:
+            return self._merged(layer, query, key, value, [])
         self._step()
         dtype = self.cache.geometry.dtype
-        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+        worker = self._worker()
+        out = worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
         self._wrote(layer)
         return out.to(query.dtype)
 
@@ -439,38 +550,58 @@ class DiffusionKVARForward:
         (``[A, Hkv, D]``) are their K/V, seen by this forward only and never written to the
         pages (vLLM-Omni's scratch blocks). Every query sees the session's keys the chunk sees
         plus the scratch keys (non-causal, as the host's block table of visible video blocks +
-        scratch blocks): the chunk's K/V are written and attended through the worker's backend
-        as partial attention with its log-sum-exp, the scratch keys densely, and the two merged."""
-        if self.cache.active is not self:
-            raise StateError(
-                f"AR-diffusion layer {layer} of session {self.chunk.session_id!r} called outside its forward"
-            )
+        scratch blocks)."""
+        self._check(layer)
         t, a = self.seq_len, self.action_len
         if query.shape[0] != t + a or key.shape[0] != t or scratch_key.shape[0] != a:
             raise ValidationError(
                 f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys / "
                 f"{scratch_key.shape[0]} scratch keys; the forward holds {t} video + {a} action/state tokens"
             )
+        return self._merged(layer, query, key, value, [(scratch_key, scratch_value)])
+
+    def _merged(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        extra: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The chunk's K/V written and attended through the worker's backend as partial
+        attention with its log-sum-exp (queries past the chunk's as the chunk's own), each extra
+        key set -- and a visible first block, read from its context -- attended densely, and
+        all merged (``merge_partial_attention``)."""
         self._step()
         dtype = self.cache.geometry.dtype
         name = _layer_name(layer)
         q = query.to(dtype)
-        session_out, session_lse = _session_partial(
-            self.cache.worker, name, q, key.to(dtype), value.to(dtype), t
-        )
-        geometry = self.cache.worker.layers[name]
-        scratch_out, scratch_lse = _dense_partial(
-            q, scratch_key.to(dtype), scratch_value.to(dtype), geometry.scale
-        )
-        out = merge_partial_attention([session_out, scratch_out], [session_lse, scratch_lse])
+        outs_lses = [
+            _session_partial(self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len)
+        ]
+        sets = [(k.to(dtype), v.to(dtype)) for k, v in extra]
+        if self.prefix_visible:
+            sets.append(read_context(self.cache.sessions, self.session, PREFIX, name))
+        scale = self.cache.worker.layers[name].scale
+        outs_lses += [_dense_partial(q, k, v, scale) for k, v in sets]
+        out = merge_partial_attention([o for o, _ in outs_lses], [lse for _, lse in outs_lses])
         self._wrote(layer)
         return out.to(query.dtype)
+
+    def _worker(self) -> PagedWorker:
+        if self.prefix_rows is not None:
+            contexts = self.cache.sessions.contexts
+            assert contexts is not None
+            return contexts.worker
+        return self.cache.worker
 
     def _step(self) -> None:
         if self._stack is None:
             self._stack = contextlib.ExitStack()
-            runtime = self._stack.enter_context(self.cache.worker.stepper())
-            runtime.ensure_rows(self.chunk.rows())
+            runtime = self._stack.enter_context(self._worker().stepper())
+            rows = self.prefix_rows if self.chunk is None else self.chunk.rows()
+            assert rows is not None
+            runtime.ensure_rows(rows)
 
     def _wrote(self, layer: int) -> None:
         self._written.add(layer)
@@ -502,6 +633,9 @@ class DiffusionKVARState:
         self._sessions: dict[str, Session] = {}
         self._chunks: dict[str, Chunk | None] = {}
         self._pending: dict[str, DiffusionKVARForward | None] = {}
+        self._prefix: dict[str, str] = {}
+        """Per branch, the first-block prefix: none, open, committed or released."""
+        self._prefix_rows: dict[str, tuple[PagedRow, ...]] = {}
         self._closed = False
         self._begin()
 
@@ -510,6 +644,7 @@ class DiffusionKVARState:
             self._sessions[branch] = self.cache.sessions.begin_session(f"{self.session_id}/{branch}")
             self._chunks[branch] = None
             self._pending[branch] = None
+            self._prefix[branch] = "none"
 
     @property
     def kv_branch_names(self) -> tuple[str, ...]:
@@ -524,7 +659,13 @@ class DiffusionKVARState:
         return found
 
     def committed_tokens(self, branch: str) -> int:
+        """Committed tokens of the branch's chunks (a first block of another length not counted)."""
         return self._session(branch).committed_tokens
+
+    def first_block(self, branch: str) -> str:
+        """The branch's first-block prefix: ``none``, ``open``, ``committed`` or ``released``."""
+        self._session(branch)
+        return self._prefix[branch]
 
     # -- self-attention ------------------------------------------------------------------------
 
@@ -536,11 +677,20 @@ class DiffusionKVARState:
         session = self._session(kv_branch)
         if seq_len is None:
             raise ValidationError("AR-diffusion paged self-attention needs seq_len in get_kv_caches()")
-        if int(seq_len) != self.cache.chunk_tokens:
+        tokens = int(seq_len)
+        cache = self.cache
+        first = cache.prefix_tokens and self._prefix[kv_branch] in ("none", "open")
+        expected = cache.prefix_tokens if first else cache.chunk_tokens
+        if tokens != expected:
+            what = "its first AR block holds" if first else "diffusion-kv sessions take AR blocks of"
             raise UnsupportedFeatureError(
-                f"AR-diffusion forward of {seq_len} tokens in session {self.session_id!r}: diffusion-kv sessions "
-                f"take AR blocks of {self.cache.chunk_tokens} tokens (variable-length blocks are not served yet)"
+                f"AR-diffusion forward of {tokens} tokens in session {self.session_id!r} branch {kv_branch!r}: "
+                f"{what} {expected} tokens (ARGeometry.frames_per_block / first_block_frames)"
             )
+        visible = False
+        if cache.prefix_tokens and not first:
+            end_frames = (session.committed_tokens + cache.chunk_tokens) // cache.geometry.tokens_per_frame
+            visible = cache.geometry.prefix_visible(end_frames)  # refuses a window cutting a block
         previous = self._pending.get(kv_branch)
         if previous is not None:
             if previous.commit_current and previous.complete:
@@ -549,6 +699,42 @@ class DiffusionKVARState:
                     "committed (commit_paged_context) before the next one"
                 )
             previous.finish()
+        if first:
+            forward = self._prefix_forward(session, kv_branch, bool(commit_current))
+        else:
+            if cache.prefix_tokens and not visible and self._prefix[kv_branch] == "committed":
+                cache.sessions.release_context(session, PREFIX)  # out of every later block's window
+                self._prefix[kv_branch] = "released"
+            forward = self._chunk_forward(session, kv_branch, bool(commit_current), visible)
+        self._pending[kv_branch] = forward
+        paged = importlib.import_module(_PAGED_ATTENTION)
+        return [
+            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
+            for i in range(self.num_layers)
+        ]
+
+    def _prefix_forward(self, session: Session, kv_branch: str, commit_current: bool) -> DiffusionKVARForward:
+        """The stream's first block of another length: its K/V in the session's prefix context
+        (reserved at its first forward), attending over itself only."""
+        if self._prefix[kv_branch] == "none":
+            rows = self.cache.sessions.set_context(session, PREFIX, self.cache.prefix_tokens)
+            if rows is None:
+                contexts = self.cache.sessions.contexts
+                assert contexts is not None
+                raise AdmissionError(
+                    f"session {self.session_id!r} branch {kv_branch!r}: its first block's "
+                    f"{self.cache.prefix_tokens} tokens do not fit the context pool "
+                    f"({contexts.allocator.pool.num_free} blocks free)"
+                )
+            self._prefix_rows[kv_branch] = rows
+            self._prefix[kv_branch] = "open"
+        return DiffusionKVARForward(
+            self, kv_branch, None, commit_current, prefix_rows=self._prefix_rows[kv_branch]
+        )
+
+    def _chunk_forward(
+        self, session: Session, kv_branch: str, commit_current: bool, visible: bool
+    ) -> DiffusionKVARForward:
         chunk = self._chunks[kv_branch]
         if chunk is None:
             chunk = self.cache.sessions.append_chunk(session)
@@ -558,13 +744,7 @@ class DiffusionKVARState:
                     f"the pool ({self.cache.pool.num_free} of {self.cache.pool.num_total} blocks free)"
                 )
             self._chunks[kv_branch] = chunk
-        forward = DiffusionKVARForward(self, kv_branch, chunk, bool(commit_current))
-        self._pending[kv_branch] = forward
-        paged = importlib.import_module(_PAGED_ATTENTION)
-        return [
-            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
-            for i in range(self.num_layers)
-        ]
+        return DiffusionKVARForward(self, kv_branch, chunk, commit_current, prefix_visible=visible)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's chunk is committed (retention then
@@ -575,9 +755,11 @@ class DiffusionKVARState:
             return
         forward.finish()
         self._pending[kv_branch] = None
-        if forward.commit_current and forward.complete:
+        if forward.commit_current and forward.complete and forward.is_prefix:
+            self._prefix[kv_branch] = "committed"
+        elif forward.commit_current and forward.complete:
             chunk = self._chunks[kv_branch]
-            assert chunk is forward.chunk
+            assert chunk is not None and chunk is forward.chunk
             self.cache.sessions.commit(chunk)
             self._chunks[kv_branch] = None
 
@@ -593,6 +775,9 @@ class DiffusionKVARState:
             if chunk is not None:
                 self.cache.sessions.abort(chunk)
                 self._chunks[branch] = None
+            if self._prefix.get(branch) == "open":  # an uncommitted first block goes with it
+                self.cache.sessions.release_context(self._sessions[branch], PREFIX)
+                self._prefix[branch] = "none"
 
     # -- cross-attention -----------------------------------------------------------------------
 
@@ -651,7 +836,9 @@ class DiffusionKVARState:
         self.abort_pending()
         for session in self._sessions.values():
             keep = [n for n in self.cache.cross.names(session) if n in set(keep_cross_attention)]
-            self.cache.sessions.reset(session, keep_contexts=keep)
+            self.cache.sessions.reset(session, keep_contexts=keep)  # the first block goes too
+        for branch in self.cache.kv_branches:
+            self._prefix[branch] = "none"
 
 
 def _session_partial(
@@ -696,6 +883,7 @@ def _session_partial(
         out, lse = backend.forward_partial(ctx.layer, piece.contiguous(), kv_cache, md)
         outs.append(out[:n])
         lses.append(lse[:n])
+    executor.translator.layer_done(layer_name)  # the write counts (commit checks every layer wrote)
     return torch.cat(outs), torch.cat(lses)
 
 
