@@ -342,6 +342,7 @@ class DreamZeroShape:
     states: int = 1  # state tokens per forward (num_state_per_block)
     action_dim: int = 6
     state_dim: int = 8
+    max_chunk_size: int = -1  # the pipeline's window: max_chunk_size * F + 1 frames (-1: 21 frames)
 
     @property
     def tokens_per_frame(self) -> int:
@@ -370,6 +371,7 @@ def dreamzero(shape: DreamZeroShape, seed: int = 0) -> torch.nn.Module:
         max_state_dim=shape.state_dim,
         num_action_per_block=shape.actions,
         num_state_per_block=shape.states,
+        max_chunk_size=shape.max_chunk_size,
     ).eval()
     _randomise(model, seed)
     _finish_linear_layers(model)
@@ -539,3 +541,79 @@ def dreamzero_request(
     )
     assert act is not None
     return latents, act, start_frame + f
+
+
+class TinyDreamZeroPipeline(torch.nn.Module):
+    """A DreamZero pipeline for the runner: the tiny transformer, DreamZero's own AR-diffusion
+    capability (``ar_diffusion_kv_cache_spec``, ``bind_ar_diffusion_state``, the session
+    reset / close hooks and ``_kv_populate_cross``, taken from ``DreamZeroPipeline`` unchanged)
+    and a ``forward(batch)`` that runs one request as :func:`dreamzero_request` does on the
+    bound state -- inputs from the request's ``extra_args`` (``session_id``, ``index``), the
+    stream position kept per session (reset by the pipeline's window rule, as its
+    ``reset_reason``: the next block would start at or past ``local_attn_size``)."""
+
+    ar_diffusion_first_block_frames = 1
+    _POSITIVE_BRANCH = "positive"
+    _NEGATIVE_BRANCH = "negative"
+    _ar_diffusion_kv_state: Any = None
+
+    def __init__(self, shape: DreamZeroShape, seed: int, input_seed: int) -> None:
+        from vllm_omni.diffusion.models.dreamzero.pipeline_dreamzero import DreamZeroPipeline
+
+        super().__init__()
+        self._dreamzero_spec = DreamZeroPipeline.ar_diffusion_kv_cache_spec.__get__(self)
+        for name in (
+            "bind_ar_diffusion_state",
+            "reset_ar_diffusion_session",
+            "close_ar_diffusion_session",
+            "_drop_ar_diffusion_session_state",
+            "_ar_branch",
+            "_kv_populate_cross",
+        ):
+            setattr(self, name, getattr(DreamZeroPipeline, name).__get__(self))
+        self.transformer = dreamzero(shape, seed=seed)
+        self.inputs = DreamZeroInputs(shape, seed=input_seed)
+        self._states: dict[str, dict[str, Any]] = {}
+
+    def ar_diffusion_kv_cache_spec(self) -> Any:
+        """DreamZero's spec for this deployment: two resident sessions, no model-owned state
+        (no VAE or encoders here) -- its geometry, branches and window as DreamZero declares."""
+        import dataclasses
+
+        return dataclasses.replace(
+            self._dreamzero_spec(), session_capacity=2, model_owned_state_bytes_per_session=0
+        )
+
+    def forward(self, batch: Any) -> Any:
+        from vllm_omni.diffusion.data import DiffusionOutput
+
+        extra = batch.requests[0].sampling_params.extra_args
+        sid, index = str(extra["session_id"]), int(extra["index"])
+        stream = self._states.setdefault(sid, {"frame": 0, "observed": None})
+        state = self._ar_diffusion_kv_state
+        if stream["frame"] >= self.transformer.local_attn_size:  # DreamZero's "inference" reset
+            state.reset(keep_cross_attention=("text",))
+            stream.update(frame=0, observed=None)
+        if stream["frame"] == 0:
+            for negative in (False, True):
+                self._kv_populate_cross(self.inputs.context(negative).to(torch.float32), None, negative)
+        latents, actions, stream["frame"] = dreamzero_request(
+            self.transformer, state, self.inputs, index, stream["frame"], stream["observed"]
+        )
+        stream["observed"] = latents
+        return DiffusionOutput(output={"video": latents, "actions": actions, "start": stream["frame"]})
+
+
+def ar_request(session_id: str, index: int, **flags: bool) -> Any:
+    """One AR-diffusion request as the engine hands it to the runner (``extra_args``: the
+    session, the block's input index, ``reset`` / ``close_session``)."""
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    return OmniDiffusionRequest(
+        prompt="lane",
+        sampling_params=OmniDiffusionSamplingParams(
+            extra_args={"session_id": session_id, "index": index, **flags}
+        ),
+        request_id=f"{session_id}-{index}",
+    )
