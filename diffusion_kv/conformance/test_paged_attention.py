@@ -19,6 +19,7 @@ from diffusion_kv.conformance.harness import CapturePartials, PagedHarness
 from diffusion_kv.conformance.plugin import MATRIX
 from diffusion_kv.conformance.reference import dense_attention, mismatch, row_mask, tolerance
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
+from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool
 from diffusion_kv.core.attention import MaskSpec
 from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import KVCache, key_value_caches
@@ -35,6 +36,7 @@ from diffusion_kv.core.layer_context import AttentionMetadata
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import merge_partial_attention
 from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
 from diffusion_kv.platforms.interface import AttentionMode, Platform, Requirements
 
 DTYPE_PREFERENCE = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,6 +90,7 @@ def harness(platform: Platform, backend: Backend, **kw: object) -> PagedHarness:
         attention_modes=mask.required_modes,
         window=mask.window,
         sink=mask.sink,
+        chunk=mask.chunk,
     )
     kw.setdefault("backend_choice", backend)
     kw.setdefault("max_model_len", max(256, 4 * int(block)))  # type: ignore[call-overload]
@@ -1113,10 +1116,22 @@ def test_chunk_causal_window_sink_stream(dkv_platform: Platform, dkv_backend: Ba
     bs = pick_block_size(dkv_platform, dkv_backend)
     spec = MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=bs, window=2 * bs, sink=bs)
     require(
-        dkv_platform, dkv_backend, attention_modes=spec.required_modes, window=spec.window, sink=spec.sink
+        dkv_platform,
+        dkv_backend,
+        attention_modes=spec.required_modes,
+        window=spec.window,
+        sink=spec.sink,
+        chunk=spec.chunk,
     )
-    h = harness(dkv_platform, dkv_backend, mode=spec, block_size=bs, layer_names=("layer.0",))
     chunks = 5
+    h = harness(
+        dkv_platform,
+        dkv_backend,
+        mode=spec,
+        block_size=bs,
+        layer_names=("layer.0",),
+        max_model_len=max(256, chunks * bs),
+    )
     data = make_rows(h, [chunks * bs], seed=11)[0]
     blocks: list[int] = []
     generation = 0
@@ -1141,3 +1156,282 @@ def test_chunk_causal_window_sink_stream(dkv_platform: Platform, dkv_backend: Ba
     with pytest.raises(StateError, match="would read tokens"):
         h.translator.prepare((PagedRow("s", bs, (chunks - 1) * bs, (chunks - 2) * bs, sequence_id=0),))
     assert all(torch.equal(a, b) for a, b in zip(before, h.cache_snapshot(), strict=True))
+
+
+# --- sessions: chunks over a sliding window and sinks, committed or aborted ---------------------
+
+
+class KitSessions:
+    """Sessions (``SessionCache``) on a worker built for the backend under test, and the host's
+    dense bookkeeping: every committed K/V per session, branch and layer, on the absolute
+    timeline, so each denoise step is checked against dense attention over the whole history
+    under the same mask. Blocks back in the pool are filled with NaN after every commit and
+    abort, and block 0 -- the null entry the tables hold in a released place -- is kept out of
+    the pool and NaN-filled too: a backend that reads a released key, or the null entry in its
+    place, fails."""
+
+    def __init__(self, platform: Platform, backend: Backend, policy: SessionPolicy, chunks: int) -> None:
+        bs = pick_block_size(platform, backend)
+        mask = policy.mask
+        max_len = max(256, 4 * bs, cdiv(chunks * policy.chunk_tokens, bs) * bs)
+        self.h = harness(  # small shapes: the kit also runs under Triton's interpreter
+            platform,
+            backend,
+            mode=mask,
+            block_size=bs,
+            num_heads=2,
+            num_kv_heads=2,
+            layer_names=("layer.0",),
+            max_model_len=max_len,
+        )
+        h = self.h
+        self.pool = FreeListPool(h.num_blocks)
+        null = self.pool.allocate(1)  # block 0, which the tables read for a released place: NaN
+        assert null == [0], null
+        allocator = DiffusionKVAllocator(
+            block_size=h.block_size,
+            max_model_len=h.max_model_len,
+            max_rows_per_request=h.max_rows_per_request,
+            worker_rows=h.max_rows_per_request * h.max_num_seqs,
+            pool=self.pool,
+        )
+        self.cache = SessionCache(h.runner, allocator, policy)
+        self.mask = mask
+        self.gen = torch.Generator().manual_seed(policy.chunk_tokens)
+        self.keys: dict[tuple[str, int], torch.Tensor] = {}
+        self.values: dict[tuple[str, int], torch.Tensor] = {}
+        self.poison()
+
+    def begin(self, session_id: str, branches: int = 1) -> Session:
+        h = self.h
+        for b in range(branches):
+            empty = torch.zeros(0, h.num_kv_heads, h.head_size, dtype=h.dtype, device=h.device)
+            self.keys[session_id, b], self.values[session_id, b] = empty, empty
+        return self.cache.begin_session(session_id, branches)
+
+    def step(self, chunks: Sequence[Chunk]) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+        """One denoise step over ``chunks`` in one batch: fresh Q/K/V, the output checked against
+        dense attention over each branch's committed K/V plus this write; returns the write."""
+        h = self.h
+        rows = tuple(r for c in chunks for r in c.rows())
+        total = sum(r.query_len for r in rows)
+
+        def rand(heads: int) -> torch.Tensor:
+            t = torch.randn(total, heads, h.head_size, generator=self.gen)
+            return t.to(device=h.device, dtype=h.dtype)
+
+        q, k, v = rand(h.num_heads), rand(h.num_kv_heads), rand(h.num_kv_heads)
+        with h.runner.stepper() as runtime:
+            runtime.ensure_rows(rows)
+            out = h.runner.forward(h.layer_names[0], q, k, v)
+        written: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        refs = []
+        at = 0
+        for c in chunks:
+            for row in c.rows():
+                part = slice(at, at + row.query_len)
+                at += row.query_len
+                key = (c.session_id, int(row.sequence_id or 0))
+                written[key] = (k[part], v[part])
+                keys = torch.cat([self.keys[key], k[part]])
+                values = torch.cat([self.values[key], v[part]])
+                mask = self.mask.row_mask(c.start, c.tokens, c.end)
+                refs.append(dense_attention(q[part], keys, values, mask, h.head_size**-0.5))
+        check(h, out, Expected(torch.cat(refs), rows, self.mask))
+        return written
+
+    def commit(
+        self, chunks: Sequence[Chunk], written: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Commit ``chunks``; the bookkeeping keeps ``written`` (the last step's K/V)."""
+        for c in chunks:
+            self.cache.commit(c)
+        for key, (k, v) in written.items():
+            self.keys[key] = torch.cat([self.keys[key], k])
+            self.values[key] = torch.cat([self.values[key], v])
+        self.poison()
+
+    def chunk(self, session: Session) -> Chunk:
+        c = self.cache.append_chunk(session)
+        assert c is not None, f"the kit's pool is short for session {session.session_id!r}"
+        return c
+
+    def run(self, sessions: Sequence[Session], steps: int = 1) -> list[Chunk]:
+        """One chunk of every session, in one batch per denoise step, then committed."""
+        chunks = [self.chunk(s) for s in sessions]
+        written: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for _ in range(steps):
+            written = self.step(chunks)
+        self.commit(chunks, written)
+        return chunks
+
+    def held_blocks(self) -> set[int]:
+        held: set[int] = set()
+        registry = self.h.registry
+        for sid in self.cache.sessions:
+            snapshot = registry.snapshot_of(sid)
+            if snapshot is not None:
+                for seq in snapshot.sequences:
+                    held.update(b for b in seq.block_ids[0] if b != NULL_BLOCK)
+        return held
+
+    def poison(self) -> None:
+        """NaN into every block no session holds (block 0, the null entry, included)."""
+        h = self.h
+        ratio = h.block_size // h.kernel_block_size
+        held = self.held_blocks()
+        free = [b * ratio + i for b in range(h.num_blocks) if b not in held for i in range(ratio)]
+        if not free:
+            return
+        index = torch.tensor(free, dtype=torch.long, device=h.device)
+        for cache in h.kv_caches.values():
+            for t in key_value_caches(cache):
+                t.index_fill_(0, index, float("nan"))
+
+    def released(self, session: Session) -> list[int]:
+        """Places of the session's first branch whose blocks were released (``NULL_BLOCK``)."""
+        snapshot = self.h.registry.snapshot_of(session.session_id)
+        assert snapshot is not None
+        return [i for i, b in enumerate(snapshot.sequences[0].block_ids[0]) if b == NULL_BLOCK]
+
+
+SESSION_LAYOUTS = {
+    # name: (chunk in blocks, window chunks (the chunk's own excluded), sink chunks)
+    "window-one-chunk-per-block": (1.0, 1, 0),
+    "sink-chunk-boundary-inside-a-block": (1.5, 2, 1),
+    "sink-two-chunks-per-block": (0.5, 1, 1),
+    "no-window": (1.0, None, 0),
+}
+BOUNDARY = "sink-chunk-boundary-inside-a-block"
+ALIGNED = (1.0, 1, 1)
+"""The layout the session cases fall back to where chunk boundaries inside a page are refused
+(a backend serving chunks as whole pages): a chunk per block, a window of one chunk, a sink."""
+
+
+def session_policy(
+    platform: Platform, backend: Backend, layout: str | tuple[float, int | None, int]
+) -> SessionPolicy:
+    blocks, window, sink = SESSION_LAYOUTS[layout] if isinstance(layout, str) else layout
+    chunk = max(1, int(pick_block_size(platform, backend) * blocks))
+    return SessionPolicy(chunk_tokens=chunk, window_chunks=window, sink_chunks=sink)
+
+
+def served_session_policy(platform: Platform, backend: Backend) -> SessionPolicy:
+    """Chunk boundaries inside blocks (:data:`BOUNDARY`) where the backend serves them, else
+    :data:`ALIGNED` (skipped with the backend's reasons when it serves neither)."""
+    for layout in (BOUNDARY, ALIGNED):
+        policy = session_policy(platform, backend, layout)
+        mask = policy.mask
+        if not reasons_against(
+            platform,
+            backend,
+            attention_modes=mask.required_modes,
+            window=mask.window,
+            sink=mask.sink,
+            chunk=mask.chunk,
+        ):
+            return policy
+    return policy  # refused: the harness skips with the reasons
+
+
+@pytest.mark.parametrize("layout", sorted(SESSION_LAYOUTS))
+def test_session_chunks_over_window_and_sink(
+    dkv_platform: Platform, dkv_backend: Backend, layout: str
+) -> None:
+    """A session of five chunks, a denoise step each: every step equals dense attention over
+    the whole history under the session's chunk-causal mask; what slid out of the window is
+    released (its blocks NaN-filled in the pool) and never read; ending the session returns
+    every block."""
+    policy = session_policy(dkv_platform, dkv_backend, layout)
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=5)
+    session = kit.begin("s")
+    for _ in range(5):
+        kit.run([session])
+    released = kit.released(session)
+    if policy.window_chunks is None:
+        assert released == []
+    else:
+        keep = policy.mask.retention(5 * policy.chunk_tokens)
+        assert released == [b for b in keep.releasable_blocks(kit.h.block_size)], released
+        assert released, f"{layout}: nothing slid out of the window in five chunks"
+    kit.cache.end_session(session)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
+
+
+def test_session_commit_keeps_the_last_denoise_step(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Three denoise steps write different K/V at the chunk's positions; the committed chunk is
+    the last step's: the next chunk equals dense attention over those, not over the first
+    step's (which would give another output)."""
+    policy = served_session_policy(dkv_platform, dkv_backend)
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=4)
+    session = kit.begin("s")
+    kit.run([session])
+    chunk = kit.chunk(session)
+    first = kit.step([chunk])
+    kit.step([chunk])
+    last = kit.step([chunk])
+    assert not torch.equal(first["s", 0][0], last["s", 0][0])
+    kit.commit([chunk], last)
+    kit.run([session])  # checked against dense over the last step's K/V
+    kit.cache.end_session(session)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
+
+
+def test_session_abort_leaves_the_session_as_before(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A chunk written by a denoise step, then aborted: the session's snapshot and the pool are
+    exactly as before it, and the chunks after it equal dense attention over the committed
+    history only (the aborted K/V never read; freed blocks NaN-filled)."""
+    policy = served_session_policy(dkv_platform, dkv_backend)
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=5)
+    session = kit.begin("s", branches=2)
+    for _ in range(3):
+        kit.run([session])
+    registry = kit.h.registry
+    before = (registry.snapshot_of("s"), kit.pool.num_free)
+    chunk = kit.chunk(session)
+    kit.step([chunk])
+    kit.cache.abort(chunk)
+    after = registry.snapshot_of("s")
+    assert before[0] is not None and after is not None
+    assert (after.sequences, kit.pool.num_free) == (before[0].sequences, before[1])
+    kit.poison()
+    kit.run([session])
+    kit.cache.end_session(session)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
+
+
+def test_session_evicted_keys_are_never_read(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """Once the window slid, the released blocks are back in the pool filled with NaN, and
+    another session takes them; the first session's later chunks still equal dense attention
+    (a backend reading a released place, or its null entry, returns NaN)."""
+    policy = served_session_policy(dkv_platform, dkv_backend)
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=6)
+    first = kit.begin("a")
+    for _ in range(4):
+        kit.run([first])
+    assert kit.released(first), "nothing slid out of the window"
+    second = kit.begin("b")
+    kit.run([first, second])
+    kit.cache.end_session(first)
+    kit.cache.end_session(second)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
+
+
+def test_session_many_sessions_and_branches_in_one_batch(
+    dkv_platform: Platform, dkv_backend: Backend
+) -> None:
+    """Sessions at different window fills (two CFG branches with blocks released, one at its
+    second chunk, one just begun) in one batch per denoise step: each row equals dense attention
+    over its own history."""
+    policy = served_session_policy(dkv_platform, dkv_backend)
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=5)
+    old = kit.begin("old", branches=2)
+    for _ in range(3):
+        kit.run([old])
+    mid = kit.begin("mid")
+    kit.run([old, mid])
+    new = kit.begin("new")
+    kit.run([old, mid, new])
+    for s in (old, mid, new):
+        kit.cache.end_session(s)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)

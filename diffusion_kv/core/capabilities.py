@@ -96,6 +96,10 @@ class Capabilities:
     and never the skipped blocks, whose table entries may be the null entry."""
     max_sink: int | None = 0
     """Largest sink (leading tokens every query sees, ``MaskSpec.sink``) served; 0: none; None: any."""
+    supports_live_from: bool = False
+    """Rows that skip keys past the sink (``PagedRow.live_from``, a session's re-cache after its
+    window slid): the backend masks with ``BlockPlan.row_mask(row, ...)``. Rows declaring one
+    are refused on a group whose backend does not."""
 
     def problems(self) -> list[str]:
         """Every way this declaration is malformed (empty when it is well formed)."""
@@ -140,7 +144,13 @@ class Capabilities:
             <= self.attention_modes
         ):
             out.append("attention_modes: piecewise runs as causal and full calls; declare both")
-        for name in ("supports_gqa", "supports_ulysses", "supports_dcp", "supports_graph_capture"):
+        for name in (
+            "supports_gqa",
+            "supports_ulysses",
+            "supports_dcp",
+            "supports_graph_capture",
+            "supports_live_from",
+        ):
             if type(getattr(self, name)) is not bool:
                 out.append(f"{name} must be a bool; got {getattr(self, name)!r}")
         if not isinstance(self.kv_cache_dtypes, frozenset) or any(
@@ -194,6 +204,7 @@ class Capabilities:
             "kv_cache_dtypes": ["auto", *sorted(_cache_name(d) for d in self.kv_cache_dtypes)],
             "max_window": self.max_window,
             "max_sink": self.max_sink,
+            "live_from": self.supports_live_from,
         }
 
     @staticmethod
@@ -231,6 +242,7 @@ class Capabilities:
             kv_cache_dtypes=frozenset().union(*(p.kv_cache_dtypes for p in parts)),
             max_window=loosest("max_window"),
             max_sink=loosest("max_sink"),
+            supports_live_from=any(p.supports_live_from for p in parts),
         )
 
 
@@ -254,6 +266,10 @@ class Requirements:
     """A sliding window the mask has (tokens; ``MaskSpec.window``), None: none."""
     sink: int = 0
     """Sink tokens the mask has (``MaskSpec.sink``)."""
+    chunk: int | None = None
+    """Tokens per chunk of a CHUNK_CAUSAL mask (``MaskSpec.chunk``), None: none. Capabilities
+    have no field for it; a backend whose kernel needs chunk boundaries on its pages checks it
+    in ``not_supported_reasons``."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
@@ -286,6 +302,8 @@ class Requirements:
             raise ValidationError(f"Requirements.window must be a positive int or None; got {self.window!r}")
         if type(self.sink) is not int or self.sink < 0:
             raise ValidationError(f"Requirements.sink must be an int >= 0; got {self.sink!r}")
+        if self.chunk is not None and (type(self.chunk) is not int or self.chunk <= 0):
+            raise ValidationError(f"Requirements.chunk must be a positive int or None; got {self.chunk!r}")
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``dtype=float16, head_size=128``."""

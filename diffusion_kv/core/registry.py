@@ -611,14 +611,19 @@ class RowRegistry:
             )
         return self.install(snapshot)
 
-    def adopt(self, snapshot: RequestAllocation, donor: str) -> bool:
+    def adopt(
+        self, snapshot: RequestAllocation, donor: str, readable: Sequence[tuple[int, int]] | None = None
+    ) -> bool:
         """REPLACE: take ``snapshot`` -- one generation newer than the installed one, the same
         rows, lengths and released places, other blocks at the live places -- where those blocks
         are exactly the rows of the installed request ``donor`` (same sequence ids, lengths and
         released places), whose rows wrote every token ``snapshot``'s rows can read now. Every
         check runs first; then the donor's rows are removed and the request's rows point at the
         donor's blocks with their readable spans unchanged (a re-cache's commit: the donor was a
-        shadow row the host recomputed). Returns False (rows changed, none added)."""
+        shadow row the host recomputed). ``readable``: the token spans every row may read from
+        now on, when that is fewer than today's (within them; a re-cache after the window slid
+        recomputes the live keys only) -- the donor must have written those, and the rest stops
+        being readable. Returns False (rows changed, none added)."""
         if self.mode is not KVCacheMode.PAGED:
             raise StateError("paged KV rows are not available in dense mode")
         installs = self._prepare(snapshot)
@@ -632,6 +637,15 @@ class RowRegistry:
                 f"installed {state.generation}"
             )
         old, given = state.snapshot, source.snapshot
+        narrowed: TokenSpans | None = None
+        if readable is not None:
+            narrowed = ()
+            for a0, b0 in readable:
+                if type(a0) is not int or type(b0) is not int or not 0 <= a0 < b0:
+                    raise ValidationError(
+                        f"adopt of request {rid!r}: readable spans must be (start < end); got {readable!r}"
+                    )
+                narrowed = add_span(narrowed, a0, b0)
         if (
             old.contexts
             or snapshot.contexts
@@ -657,9 +671,17 @@ class RowRegistry:
                         f"adopt of request {rid!r} sequence {b.sequence_id}: released places differ "
                         f"({old_ids!r} vs {new_ids!r})"
                     )
-            readable = self.written_spans((rid, b.sequence_id, None))
+            now = self.written_spans((rid, b.sequence_id, None))
+            if narrowed is not None:
+                beyond = tuple(g for a0, b0 in narrowed for g in missing_spans(now, a0, b0))
+                if beyond:
+                    raise ValidationError(
+                        f"adopt of request {rid!r} sequence {b.sequence_id}: readable spans {list(narrowed)} "
+                        f"reach tokens {list(beyond)} the row cannot read now"
+                    )
             donor_spans = self.written_spans((donor, d.sequence_id, None))
-            gap = tuple(g for a0, b0 in readable for g in missing_spans(donor_spans, a0, b0))
+            wanted = narrowed if narrowed is not None else now
+            gap = tuple(g for a0, b0 in wanted for g in missing_spans(donor_spans, a0, b0))
             if gap:
                 raise StateError(
                     f"adopt of request {rid!r} sequence {b.sequence_id}: donor {donor!r} never wrote tokens "
@@ -667,6 +689,12 @@ class RowRegistry:
                 )
         self.remove(donor)  # the donor's blocks are the rows' now (a failure below keeps the old rows)
         self._update(state, snapshot, installs, frozenset({RowTransition.REPLACE}))
+        if narrowed is not None:
+            for install in installs:
+                entry = self._written.get(install.identity)
+                if entry is not None:
+                    self._written[install.identity] = (entry[0], narrowed)
+                    self._bindings.pop(install.identity, None)
         return False
 
     @staticmethod

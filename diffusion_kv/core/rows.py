@@ -20,6 +20,11 @@ class PagedRow:
     kv_start_pos: int = 0
     sequence_id: int | None = None
     context_id: str | None = None
+    live_from: int = 0
+    """Keys in ``[sink, live_from)`` are skipped even where the layers' mask reaches them (and
+    need not be readable): a session's re-cache pass after its window slid attends over the live
+    keys only. At most ``kv_start_pos``; only on a worker whose every mask has a window, and
+    served only by backends declaring ``Capabilities.supports_live_from``."""
 
     def __post_init__(self) -> None:
         if type(self.request_id) is not str or not self.request_id:
@@ -42,6 +47,11 @@ class PagedRow:
         if type(self.kv_start_pos) is not int or self.kv_start_pos < 0:
             raise ValidationError(
                 f"paged row {self.identity!r} kv_start_pos must be an int >= 0; got {self.kv_start_pos!r}"
+            )
+        if type(self.live_from) is not int or not 0 <= self.live_from <= self.kv_start_pos:
+            raise ValidationError(
+                f"paged row {self.identity!r} live_from must be an int in [0, kv_start_pos={self.kv_start_pos}]; "
+                f"got {self.live_from!r}"
             )
         if self.kv_start_pos + self.query_len > self.seq_len:
             raise ValidationError(

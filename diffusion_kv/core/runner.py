@@ -482,6 +482,7 @@ class PagedWorker:
             attention_modes=layer.mask.required_modes,
             window=layer.mask.window,
             sink=layer.mask.sink,
+            chunk=layer.mask.chunk,
             ulysses_degree=self.config.parallel.ulysses_degree,
             dcp_size=self.config.cp_size,
             graph_capture=self.config.graph_capture,
@@ -761,13 +762,16 @@ class PagedWorker:
         c = self.config
         return registry.seal(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
-    def adopt(self, snapshot: RequestAllocation, donor: str) -> bool:
+    def adopt(
+        self, snapshot: RequestAllocation, donor: str, readable: Sequence[tuple[int, int]] | None = None
+    ) -> bool:
         """Take ``snapshot`` as a REPLACE of an installed request by its installed shadow
-        ``donor`` (:meth:`~diffusion_kv.core.registry.RowRegistry.adopt`: a re-cache's commit)."""
+        ``donor`` (:meth:`~diffusion_kv.core.registry.RowRegistry.adopt`: a re-cache's commit;
+        ``readable``: the spans readable from now on, when fewer than today's)."""
         registry = self._require().registry
         if self.config.cfg_parallel_size > 1:
             raise UnsupportedFeatureError("adopting a shadow's blocks under CFG parallelism is not supported")
-        return registry.adopt(snapshot, donor)
+        return registry.adopt(snapshot, donor, readable)
 
     def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
         """Clear the rows of requests (one id, ``(id, generation)``, or an iterable of them)."""

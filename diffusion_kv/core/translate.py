@@ -15,7 +15,10 @@ Page provenance: ``prepare`` refuses a row that would read a token its row sourc
 report as written (:class:`~diffusion_kv.core.errors.StateError`) or that would write inside
 its read-only cached prefix. A batch's write spans are reported back to the row source when
 its activation ends, and only if every paged layer of the layout ran on it: a token counts as
-written once it is in the pages of every layer.
+written once it is in the pages of every layer. A row declaring ``live_from`` (a session's
+re-cache after its window slid) reads, and so needs readable, only the sink and the keys from
+``live_from`` on; the block plan carries it to the backends, which must declare
+``supports_live_from``.
 """
 
 from __future__ import annotations
@@ -229,10 +232,12 @@ class Translator:
                     if required * ratio > installed:
                         short_of_blocks = (row, g, required, installed, ratio)
                         break
+            if row.live_from:
+                self._check_live_from(row)
             written = binding.written
             if unread_by is None and not _reads_written(written, start, end, seq_len):
                 if self._windowed and start > 0:
-                    lo = min(m.first_visible(start, seq_len) for m in self._masks)
+                    lo = max(min(m.first_visible(start, seq_len) for m in self._masks), row.live_from)
                     sink = min(max(m.sink for m in self._masks), lo)
                     unread = (
                         missing_spans(written, 0, sink)
@@ -273,6 +278,21 @@ class Translator:
                 + ("; keys a sliding window released are gone for good" if self._windowed else "")
             )
         return bindings, identities
+
+    def _check_live_from(self, row: PagedRow) -> None:
+        """A row skipping keys past the sink needs a window in every group and backends that
+        apply it (``Capabilities.supports_live_from``)."""
+        if not self._windowed:
+            raise ValidationError(
+                f"row {row.identity!r} declares live_from={row.live_from}, but not every layer's mask has a window "
+                f"({', '.join(m.describe() for m in self._masks)})"
+            )
+        lacking = [b.name for b in self.backends if not b.capabilities.supports_live_from]
+        if lacking:
+            raise UnsupportedFeatureError(
+                f"row {row.identity!r} declares live_from={row.live_from} (keys past the sink skipped), which "
+                f"backends {lacking} of platform {self.platform_name!r} do not serve (supports_live_from)"
+            )
 
     @staticmethod
     def _lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> _HostLengths:
@@ -342,6 +362,7 @@ class Translator:
         query_lens = [r.query_len for r in rows]
         seq_lens = [r.seq_len for r in rows]
         starts = [r.kv_start_pos for r in rows]
+        floors = [r.live_from for r in rows] if any(r.live_from for r in rows) else None
         qsl = [0, *accumulate(query_lens)]
         num_tokens = qsl[-1]
         # Every per-row integer in one int32 host array (one numpy conversion; the BlockTables
@@ -381,7 +402,9 @@ class Translator:
             else tuple(
                 None
                 if mask.is_plain
-                else build_block_plan(mask, starts, query_lens, seq_lens, bt.kernel_block_sizes[g])
+                else build_block_plan(
+                    mask, starts, query_lens, seq_lens, bt.kernel_block_sizes[g], live_from=floors
+                )
                 for g, mask in enumerate(self._masks)
             ),
             host_block_ids=tuple(

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode, BlockPlan
 from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
-from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.capabilities import Requirements
+from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.translate import dcp_local_seq_lens
 
@@ -38,6 +40,7 @@ __all__ = [
     "contiguous_run",
     "dcp_causal_mask",
     "page_view",
+    "planned_row_groups",
     "row_shapes",
     "sdpa_row_groups",
     "sdpa_with_lse",
@@ -73,6 +76,13 @@ class SdpaRowGroup:
     visible: torch.Tensor | None = None
     """DCP causal partials: ``[query_len]`` bool, whether a query sees any local key; None when
     every query does."""
+    live: torch.Tensor | None = None
+    """A planned mask (chunk, window, sink): device indices of the kernel blocks the group's rows
+    read, ascending (the block plan's FULL and PARTIAL blocks; SKIP blocks, released ones
+    included, are never gathered). ``kv_len`` then counts the keys they hold below ``seq_len``."""
+    key_mask: torch.Tensor | None = None
+    """A planned mask: ``[query_len, kv_len]`` bool on the device, which live key each query
+    sees; None when every query sees every live key (FULL blocks only)."""
 
     @property
     def contiguous(self) -> bool:
@@ -161,6 +171,63 @@ def sdpa_row_groups(
             continue
         view = page_view(rows, keys, host_block_ids, ratio, page)
         groups.append(SdpaRowGroup(ql, sl, rows, index, view, kv_len))
+    return tuple(groups)
+
+
+def planned_row_groups(
+    qsl: tuple[int, ...],
+    seq: tuple[int, ...],
+    plan: BlockPlan,
+    device: torch.device,
+    shapes: RowShapes | None = None,
+) -> tuple[SdpaRowGroup, ...]:
+    """Rows grouped by shape under a planned mask (chunk, window, sink): each group reads only
+    its live blocks (the plan's FULL and PARTIAL ones, gathered), with the exact mask over the
+    keys they hold when some block is PARTIAL. Rows of one shape have one plan (a causal row's
+    queries are its last tokens), so a group shares its live blocks and its mask; everything is
+    made here, once per batch, so the per-layer path only launches work."""
+    if shapes is None:
+        shapes = row_shapes(qsl, seq, device)
+    page = plan.block_size
+    offsets = torch.arange(page, dtype=torch.long)
+    split: list[tuple[int, int, tuple[int, ...], torch.Tensor | None]] = []
+    for ql, sl, rows, index in shapes:
+        # rows of one shape share a plan unless their live_from differs (a re-cache's window
+        # forward beside other rows): each live_from is a group of its own
+        starts = {plan.row_live_from(r) for r in rows}
+        if len(starts) == 1:
+            split.append((ql, sl, rows, index))
+            continue
+        for start in sorted(starts):
+            part = tuple(r for r in rows if plan.row_live_from(r) == start)
+            split.append((ql, sl, part, torch.tensor(part, dtype=torch.long).to(device, non_blocking=True)))
+    groups = []
+    for ql, sl, rows, index in split:
+        live = plan.live_blocks(rows[0])
+        for r in rows[1:]:
+            if not torch.equal(plan.live_blocks(r), live):  # same shape, same plan: a broken invariant
+                raise ValidationError(
+                    f"block plan rows {rows[0]} and {r} share shape (query_len {ql}, seq_len {sl}) "
+                    "but not their live blocks"
+                )
+        key_pos = (live[:, None] * page + offsets[None, :]).flatten()
+        key_pos = key_pos[key_pos < sl]  # ascending: only the last live block may pass seq_len
+        if key_pos.numel() == 0:
+            continue
+        visible = plan.row_mask(rows[0], sl - ql, ql, sl)[:, key_pos]
+        key_mask = None if bool(visible.all()) else to_device(visible, device)
+        groups.append(
+            SdpaRowGroup(
+                ql,
+                sl,
+                rows,
+                index,
+                None,
+                int(key_pos.numel()),
+                live=to_device(live, device),
+                key_mask=key_mask,
+            )
+        )
     return tuple(groups)
 
 
@@ -257,6 +324,7 @@ class CudaPagedMetadata:
     block_n: int = 64
     num_splits: int = 1
     num_warps: int = 4
+    num_stages: int = 2
     sdpa_groups: tuple[SdpaRowGroup, ...] = ()
     local_seq_lens: torch.Tensor | None = None
     """Under DCP, ``[num_reqs]`` keys of each row on this rank (device); None without DCP."""
@@ -301,6 +369,24 @@ class TorchSdpaBackend(PagedBackend):
         self.head_size = layer.head_size
         self._cudnn_answers: dict[tuple[Any, ...], bool] = {}
         self._shapes: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], RowShapes] = {}
+        self._planned: dict[
+            tuple[tuple[int, ...], tuple[int, ...], torch.device, tuple[int, ...]], tuple[SdpaRowGroup, ...]
+        ] = {}
+
+    @classmethod
+    def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
+        reasons = super().not_supported_reasons(requirements)
+        planned = (
+            AttentionMode.CHUNK_CAUSAL in requirements.attention_modes
+            or requirements.window is not None
+            or requirements.sink
+        )
+        if planned and requirements.dcp_size > 1:
+            reasons.append(
+                f"decode context parallelism (cp_size {requirements.dcp_size}) with a chunk-causal, "
+                "windowed or sink mask (the gather + SDPA way plans such masks over a row's whole keys)"
+            )
+        return reasons
 
     @property
     def sdpa_reason(self) -> str:
@@ -323,6 +409,15 @@ class TorchSdpaBackend(PagedBackend):
         qsl = tuple(batch.query_start_loc_cpu.tolist())
         seq = tuple(batch.seq_lens_cpu.tolist())
         device = batch.query_start_loc.device
+        if batch.block_plan is not None:
+            return self._metadata(
+                batch,
+                qsl,
+                seq,
+                KernelWay.SDPA,
+                self.sdpa_reason,
+                dict(sdpa_groups=self._planned_groups(batch, qsl, seq, device)),
+            )
         if self.cp_size > 1:
             local, local_dev = self._dcp_local(batch, device)
             groups = self._dcp_sdpa_groups(batch, qsl, seq, local, device)
@@ -340,6 +435,29 @@ class TorchSdpaBackend(PagedBackend):
             shapes=self._row_shapes(qsl, seq, device),
         )
         return self._metadata(batch, qsl, seq, KernelWay.SDPA, self.sdpa_reason, dict(sdpa_groups=groups))
+
+    def _planned_groups(
+        self, batch: PagedBatch, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
+    ) -> tuple[SdpaRowGroup, ...]:
+        """:func:`planned_row_groups` of one batch shape, made once (the plan is a function of
+        the group's mask, the rows' lengths and their live_from; released blocks are never read, so the
+        placement does not enter)."""
+        if self.cp_size > 1:
+            raise UnsupportedFeatureError(
+                f"backend {self.name!r}: decode context parallelism (cp_size {self.cp_size}) with the "
+                f"planned mask {self.group.mask.describe()} is not implemented"
+            )
+        assert batch.block_plan is not None
+        key = (qsl, seq, device, batch.block_plan.live_from)
+        groups = self._planned.get(key)
+        if groups is None:
+            groups = planned_row_groups(
+                qsl, seq, batch.block_plan, device, self._row_shapes(qsl, seq, device)
+            )
+            if len(self._planned) >= ROW_SHAPES_CACHE_SIZE:
+                del self._planned[next(iter(self._planned))]
+            self._planned[key] = groups
+        return groups
 
     def _dcp_local(self, batch: PagedBatch, device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
         """Under DCP, the keys of each row on this rank: on the host and on ``device``."""
@@ -489,7 +607,16 @@ class TorchSdpaBackend(PagedBackend):
         nblk = cdiv(keys, md.page)
         R = len(rows)
         k_cache, v_cache = key_value_caches(kv_cache)
-        if grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
+        if grp.live is not None:  # a planned mask: the live blocks only, gathered
+            if grp.row_index is None:
+                table = md.block_table[rows[0] : rows[0] + R]
+            else:
+                table = md.block_table[grp.row_index]
+            flat = table.index_select(1, grp.live).reshape(-1).long()
+            n_live = grp.live.shape[0]
+            k = k_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
+            v = v_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
+        elif grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
             at = (k_cache.data_ptr(), id(grp))
             cached = md.views.get(at)
             if cached is None:
@@ -527,12 +654,20 @@ class TorchSdpaBackend(PagedBackend):
         lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
         groups = md.sdpa_groups
         if md.cp_size == 1 and md.causal:
-            groups = tuple(dcp_causal_mask(g, per_kv, 1, 0, 1, query.dtype, query.device) for g in groups)
+            groups = tuple(
+                g if g.live is not None else dcp_causal_mask(g, per_kv, 1, 0, 1, query.dtype, query.device)
+                for g in groups
+            )
         for grp in groups:
             q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
             R, ql, keys = len(grp.rows), grp.query_len, grp.keys
             qf = q.reshape(R, ql, hkv, per_kv, hd).permute(0, 2, 3, 1, 4).reshape(R, hkv, per_kv * ql, hd)
             bias = None if grp.bias is None else grp.bias.expand(R, hkv, per_kv * ql, keys)
+            if grp.key_mask is not None:  # a planned mask (direct call: built here, per call)
+                padded = cdiv(keys, BIAS_ALIGN) * BIAS_ALIGN
+                full = torch.zeros((per_kv * ql, padded), dtype=query.dtype, device=query.device)
+                full[:, :keys].masked_fill_(~grp.key_mask.repeat(per_kv, 1), float("-inf"))
+                bias = full[:, :keys][None, None].expand(R, hkv, per_kv * ql, keys)
             o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), bias, layer.scale)
             o = o.reshape(R, hkv, per_kv, ql, hd).permute(0, 3, 1, 2, 4).reshape(R, ql, heads, hd)
             lg = lg.reshape(R, hkv, per_kv, ql).permute(0, 3, 1, 2).reshape(R, ql, heads)
@@ -597,7 +732,9 @@ class TorchSdpaBackend(PagedBackend):
             q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
             mask: Any = None
             is_causal = False
-            if md.causal and ql == sl:
+            if grp.live is not None:  # a planned mask: exact over the live keys, or none needed
+                mask = grp.key_mask
+            elif md.causal and ql == sl:
                 is_causal = True
             elif md.causal:
                 # imported here: torch.nn.attention.bias pulls in torch's compiler stack (a second

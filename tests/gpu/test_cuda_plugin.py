@@ -120,6 +120,71 @@ def test_triton_paged_kernel_matches_sdpa(
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (r, float((got - ref).abs().max()))
 
 
+@pytest.mark.parametrize("modes", [(0, 0), (1, 1), (2, 1), (2, 0)])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_triton_kernel_fp8_modes_match_dequantised_pages(modes: tuple[int, int], prefetch: bool) -> None:
+    """e4m3 pages, every way of multiplying them (widened, float16 MMAs, fp8 MMAs with the
+    two-term queries), GQA 4:1 packing, split KV and a ragged causal batch: the
+    output matches attention over the dequantised pages (cosine >= 0.99995), and the default
+    modes on this GPU give the same bytes as naming them."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from diffusion_kv.platforms.cuda import kernels
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    H, hkv, D, page = 32, 8, 128, 128
+    q_lens, seq_lens = [32, 7, 32], [2080, 300, 4096]
+    nblk = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(nblk) + 2
+    perm = torch.randperm(num_blocks)
+    table = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(nblk):
+        table[r, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    table = table.to(dev)
+    k_scale = torch.rand(hkv, device=dev) + 0.25
+    v_scale = torch.rand(hkv, device=dev) + 0.25
+    kf = torch.randn(num_blocks, page, hkv, D, device=dev) * k_scale[:, None]
+    vf = torch.randn(num_blocks, page, hkv, D, device=dev) * v_scale[:, None]
+    k_cache = (kf / k_scale[:, None]).to(torch.float8_e4m3fn)
+    v_cache = (vf / v_scale[:, None]).to(torch.float8_e4m3fn)
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    rows = torch.arange(len(q_lens), dtype=torch.int32, device=dev)
+    q0s = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+
+    def run(**kw: Any) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_attention(
+            q, k_cache, v_cache, out, table, seq, qsl, rows, q0s,
+            scale=D**-0.5, causal=True, block_m=128, block_n=64, num_splits=4, num_warps=8,
+            k_scale=k_scale, v_scale=v_scale, prefetch_pages=prefetch, **kw,
+        )  # fmt: skip
+        return out
+
+    got = run(qk_mode=modes[0], pv_mode=modes[1])
+    assert not got.isnan().any()
+    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        blocks = table[r, : nblk[r]].long()
+        k = (k_cache[blocks].float() * k_scale[:, None]).reshape(-1, hkv, D)[:sl]
+        v = (v_cache[blocks].float() * v_scale[:, None]).reshape(-1, hkv, D)[:sl]
+        qr = q[int(qsl[r]) : int(qsl[r]) + ql].float()
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=causal_lower_right(ql, sl), enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        mine = got[int(qsl[r]) : int(qsl[r]) + ql].float()
+        cos = torch.nn.functional.cosine_similarity(mine.flatten(), ref.flatten(), 0).item()
+        assert cos >= 0.99995, (r, modes, cos)
+    default = kernels.fp8_modes(dev, 128)
+    if default == modes:
+        assert torch.equal(run(), got)
+
+
 def test_demo_selects_cuda_and_agrees_with_dense() -> None:
     proc = _run(["-m", "diffusion_kv.cli", "demo", "--json", "--steps", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]

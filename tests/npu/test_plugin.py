@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import pathlib
 from collections.abc import Callable
+from dataclasses import replace
 from importlib.metadata import version
 from typing import Any
 
@@ -233,9 +234,35 @@ def test_forcing_a_backend_by_name(npu_emulator: TorchNpuEmulator, monkeypatch: 
 # --- declared limits ------------------------------------------------------------------------------
 
 
+def test_direct_serves_chunk_causal_masks_on_page_boundaries_only() -> None:
+    chunk_causal = frozenset({AttentionMode.CHUNK_CAUSAL})
+    served = Requirements(attention_modes=chunk_causal, chunk=128, window=384, sink=128)
+    assert NpuDirectBackend.not_supported_reasons(served) == []
+    off = Requirements(attention_modes=chunk_causal, chunk=192, window=384, sink=64)
+    assert NpuDirectBackend.not_supported_reasons(off) == [
+        "chunk=192, sink=64 tokens off the 128-token page (a chunk runs as one full-attention FIA row "
+        "over the whole pages it sees)"
+    ]
+    causal_window = Requirements(attention_modes=frozenset({AttentionMode.CAUSAL}), window=256)
+    assert NpuDirectBackend.not_supported_reasons(causal_window) == [
+        "window=256 / sink=0 on a causal or full mask (FIA serves a window and sinks only as whole "
+        "pages of a chunk-causal mask)"
+    ]
+    # vllm-ascend declares no chunk-causal mask
+    assert any("chunk_causal" in r for r in VllmAscendBackend.not_supported_reasons(served))
+
+
 def test_declared_capabilities() -> None:
-    caps = NpuDirectBackend.capabilities
-    assert caps is CAPABILITIES and VllmAscendBackend.capabilities is CAPABILITIES
+    caps = VllmAscendBackend.capabilities
+    assert caps is CAPABILITIES
+    # direct adds chunk-causal masks (any window and sink, on page boundaries), nothing else
+    direct = NpuDirectBackend.capabilities
+    assert direct == replace(
+        CAPABILITIES,
+        attention_modes=BASE_MODES | {AttentionMode.CHUNK_CAUSAL},
+        max_window=None,
+        max_sink=None,
+    )
     assert caps.dtypes == frozenset({torch.bfloat16})
     assert caps.head_sizes == frozenset({128, 192})
     assert caps.kernel_block_sizes == (128,)
@@ -246,7 +273,7 @@ def test_declared_capabilities() -> None:
     assert caps.problems() == []
     assert NpuDirectBackend.page_layout is KVPageLayout.SEPARATE
     assert VllmAscendBackend.page_layout is KVPageLayout.SEPARATE
-    assert NpuPlatform().capabilities == CAPABILITIES  # the union of two identical declarations
+    assert NpuPlatform().capabilities == direct  # the union: direct's covers vllm-ascend's
     # scheduler blocks of 256 are served as two kernel blocks of 128; 64 is not served
     assert (
         caps.kernel_block_size_for(128),

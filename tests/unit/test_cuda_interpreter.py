@@ -199,3 +199,81 @@ def test_paged_kernel_matches_dense_for_both_page_paths(page: int, block_n: int,
             scale=0.2, causal=causal, block_m=32, block_n=block_n, num_splits=splits,
         )  # fmt: skip
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "group,page,block_n,prefetch",
+    [(1, 16, 16, True), (2, 32, 16, True), (4, 32, 16, False), (4, 16, 32, True), (4, 128, 64, True)],
+)
+def test_fp8_pages_every_mode_matches_dequantised_attention(
+    group: int, page: int, block_n: int, prefetch: bool
+) -> None:
+    """e4m3 pages (quantised by torch: the interpreter's own float8 casts do not round to
+    nearest) through every way the kernel multiplies them, GQA ratios 1/2/4 packed into the
+    tile's rows, odd query lengths, split KV, tiles inside one page (with and without the next
+    page prefetched) and spanning pages: the answer over the dequantised pages, to float32
+    rounding for the widened and float16 ways and 1e-3 for the two-term fp8 queries."""
+    from diffusion_kv.platforms.cuda import kernels
+
+    g = torch.Generator().manual_seed(group * 100 + page + block_n)
+    hkv, d = 2, 32
+    h = hkv * group
+    seqs, qlens = [150, 41], [5, 3]
+    nblk = [-(-s // page) for s in seqs]
+    nb = sum(nblk) + 2
+    k_scale, v_scale = torch.tensor([0.5, 0.25]), torch.tensor([0.125, 2.0])
+    kc = (torch.randn(nb, page, hkv, d, generator=g) / 2).to(torch.float8_e4m3fn)
+    vc = (torch.randn(nb, page, hkv, d, generator=g) / 2).to(torch.float8_e4m3fn)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(2, max(nblk), dtype=torch.int32)
+    bt[0, : nblk[0]] = perm[: nblk[0]].to(torch.int32)
+    bt[1, : nblk[1]] = perm[nblk[0] : nblk[0] + nblk[1]].to(torch.int32)
+    q = torch.randn(sum(qlens), h, d, generator=g)
+    q[0, 0] = 0.0  # a query row of zeros keeps a finite descale
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+    seq = torch.tensor(seqs, dtype=torch.int32)
+    block_m = 16 * group
+    per_tile = block_m // group
+    rows = [r for r, n in enumerate(qlens) for _ in range(0, n, per_tile)]
+    q0s = [q0 for n in qlens for q0 in range(0, n, per_tile)]
+    expected = torch.empty_like(q)
+    for r in range(2):
+        blocks = bt[r, : nblk[r]].long()
+        k = (kc[blocks].float() * k_scale[:, None]).reshape(-1, hkv, d)[: seqs[r]].repeat_interleave(group, 1)
+        v = (vc[blocks].float() * v_scale[:, None]).reshape(-1, hkv, d)[: seqs[r]].repeat_interleave(group, 1)
+        qr = q[int(qsl[r]) : int(qsl[r + 1])]
+        s = torch.einsum("thd,khd->htk", qr, k) * 0.2
+        allowed = torch.arange(seqs[r])[None, :] <= (seqs[r] - qlens[r] + torch.arange(qlens[r]))[:, None]
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        expected[int(qsl[r]) : int(qsl[r + 1])] = torch.einsum("htk,khd->thd", s.softmax(-1), v)
+    for qk, pv in [(0, 0), (1, 1), (2, 1), (2, 0)]:
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_attention(
+            q, kc, vc, out, bt, seq, qsl,
+            torch.tensor(rows, dtype=torch.int32), torch.tensor(q0s, dtype=torch.int32),
+            scale=0.2, causal=True, block_m=block_m, block_n=block_n, num_splits=2,
+            k_scale=k_scale, v_scale=v_scale, qk_mode=qk, pv_mode=pv, prefetch_pages=prefetch,
+        )  # fmt: skip
+        tol = 1e-3 if qk == kernels.FP8_MMA else 2e-5 if qk == pv == kernels.FP8_WIDEN else 1e-3
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def test_fp8_mode_defaults_and_refusals() -> None:
+    """Off SM90 (here: the interpreter on CPU) e4m3 pages are widened; unknown ways are refused
+    before anything is launched, with the output untouched."""
+    from diffusion_kv.platforms.cuda import kernels
+
+    assert kernels.fp8_modes(torch.device("cpu"), 128) == (kernels.FP8_WIDEN, kernels.FP8_WIDEN)
+    kc = torch.zeros(2, 16, 1, 32).to(torch.float8_e4m3fn)
+    q = torch.randn(1, 1, 32)
+    out = torch.full_like(q, 7.0)
+    one = torch.ones(1)
+    i0, i1 = torch.zeros(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    for qk, pv in [(3, 0), (0, kernels.FP8_MMA)]:
+        with pytest.raises(ValueError, match="qk_mode"):
+            kernels.paged_attention(
+                q, kc, kc, out, i0.view(1, 1), torch.tensor([16], dtype=torch.int32), i1, i0, i0,
+                scale=1.0, causal=False, block_m=16, block_n=16, num_splits=1,
+                k_scale=one, v_scale=one, qk_mode=qk, pv_mode=pv,
+            )  # fmt: skip
+        assert torch.equal(out, torch.full_like(q, 7.0))

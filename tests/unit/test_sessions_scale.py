@@ -278,6 +278,41 @@ def test_a_failing_mixed_step_aborts_the_chunks_and_fails_the_requests() -> None
         sched.submit_chunk(a, 1)
 
 
+def test_a_step_whose_batch_cannot_be_prepared_aborts_the_open_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diffusion_kv.core.errors import NativeBackendError
+
+    cache = make()
+    host = Host(cache)
+    sched = SessionScheduler(cache)
+    a, b = cache.begin_session("a", 2), cache.begin_session("b", 1)
+    host.chunk(a)  # a has committed KV; b's chunk would be its first
+    registry = cache.worker.registry
+    assert registry is not None
+    before = (registry.snapshot_of("a").sequences, registry.snapshot_of("b"), cache.allocator.pool.num_free)  # type: ignore[union-attr]
+    sched.submit_chunk(a, 2)
+    sched.submit_chunk(b, 2)
+
+    def broken(self: object, batch: object) -> None:
+        raise RuntimeError("no metadata today")
+
+    monkeypatch.setattr(CpuReferenceBackend, "build", broken)
+    with pytest.raises(
+        NativeBackendError, match=r"failed to build metadata .*RuntimeError: no metadata today"
+    ):
+        sched.step(lambda s: host.session_step(s.sessions))  # type: ignore[arg-type]
+    after = (registry.snapshot_of("a").sequences, registry.snapshot_of("b"), cache.allocator.pool.num_free)  # type: ignore[union-attr]
+    assert after == before and a.open_chunk is None and b.open_chunk is None and not b.reserved
+    assert sched.running == () and sched.waiting == () and sched.idle
+    monkeypatch.undo()
+    sched.submit_chunk(a, 1)  # the scheduler goes on: the same sessions, equal to dense
+    sched.submit_chunk(b, 1)
+    report = sched.step(lambda s: host.session_step(s.sessions))  # type: ignore[arg-type]
+    assert report is not None and report.committed == (("a", 1), ("b", 0))
+    sched.close()
+
+
 def test_session_scheduler_refuses_a_shared_worker_and_a_second_chunk() -> None:
     cache = make()
     sched = SessionScheduler(cache)
@@ -480,6 +515,12 @@ def test_sessions_from_the_same_first_chunk_share_its_blocks() -> None:
         host.keys[("follow", 0, layer)] = (k[:4], v[:4])
     write(follower, "prefix")  # same content, same inputs for [4, 6)
     starts.commit(follower)
+    free = cache.allocator.pool.num_free
+    with pytest.raises(
+        NotImplementedError, match=r"re-cache of session 'follow', whose first tokens \(4\) are shared"
+    ):
+        cache.begin_recache(follower.session)
+    assert cache.allocator.pool.num_free == free and follower.session.recache is None
     for layer in LAYERS:
         hk, hv = host.history("follow", 0, layer)
         sk, sv = host.pending.pop(("follow", 0, layer))

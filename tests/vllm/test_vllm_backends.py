@@ -101,8 +101,8 @@ def test_environment_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seam() == "vLLM is not installed"
     monkeypatch.setattr(vllm_backend, "installed_vllm_version", lambda: ("vllm", "0.25.1"))
     assert seam() == (
-        "vLLM 0.25.1 is not supported by diffusion-kv's vLLM tier; supported: vLLM >=0.26,<0.34 "
-        "(0.26 through 0.33)"
+        "vLLM 0.25.1 is not supported by diffusion-kv's vLLM tier; supported: vLLM >=0.26,<0.35 "
+        "(0.26 through 0.34)"
     )
     monkeypatch.setattr(vllm_backend, "_seam_reason", lambda: "vLLM is not installed")
     assert (flash(), cpu()) == ("vLLM is not installed", "vLLM is not installed")

@@ -11,9 +11,13 @@ over ``env://`` (``MASTER_ADDR=localhost``, ``MASTER_PORT`` = the config's port)
 model-parallel groups, vLLM-Omni's ``DiffusionModelRunner``; a dense request through
 ``DiffusionWorker.execute_model``; then ``shutdown()``, after which no process group is left.
 
-Paged mode goes as far as vLLM's ``MemorySnapshot``: the worker calls it right after the
-distributed init, and it reads ``torch.accelerator``, which has no CPU device (a vLLM limit no
-platform answer reaches; the test pins where it stops).
+Paged mode: the platform names its worker class (``get_diffusion_worker_cls``:
+``CpuDiffusionWorker``, upstream's worker whose memory measurement reads host memory), and that
+worker goes through device init (a host ``MemorySnapshot``), vLLM-Omni's KV control plane
+(``initialize_diffusion_kv_control_plane``: spec discovery, the profile run and the CPU KV
+budget, vLLM's sizing, KV allocation), then serves two paged requests reserved by vLLM-Omni's
+``DiffusionKVCacheManager``; each output is compared with the dense run (fp32 exact, fp16 2e-3).
+The host memory it sees is fixed by the test (1 GiB available: the default budget is 256 MiB).
 
 Runs in both lane runs (zero-patch and module replacement): the worker is the same there.
 
@@ -43,12 +47,17 @@ import torch
 import torch.distributed as dist
 from vllm.config import set_current_vllm_config
 from vllm.distributed import parallel_state as vllm_parallel_state
+from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm_omni.diffusion.config import set_current_diffusion_config
+from vllm_omni.diffusion.diffusion_kv.initialization import initialize_diffusion_kv_control_plane
+from vllm_omni.diffusion.diffusion_kv.manager import DiffusionKVCacheManager
 from vllm_omni.diffusion.distributed import parallel_state as omni_parallel_state
+from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.platforms import current_omni_platform
 
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.integrations.vllm_omni.cpu_memory import HostMemory, KVBudget, budget_rule
 from tests.vllm_omni import engine, tiny_dit
 
 SHAPE = tiny_dit.Shape()
@@ -175,19 +184,122 @@ def test_vllm_omnis_worker_starts_and_serves_on_the_cpu_platform(worker_process:
     )
 
 
-def test_paged_worker_start_up_reaches_vllms_memory_snapshot(worker_process: None) -> None:
-    od = tiny_dit.od_config(SHAPE, paged=True)
+class WorkerExecutor:
+    """The engine's executor calls of the KV control plane, on one in-process worker (what
+    vLLM-Omni's ``UniProcDiffusionExecutor.collective_rpc`` does at world size 1)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def get_kv_cache_specs(self) -> Any:
+        return self.worker.get_kv_cache_specs()
+
+    def determine_available_kv_memory(self, profile_requests: list[Any]) -> Any:
+        return self.worker.determine_available_kv_memory(profile_requests)
+
+    def set_kv_cache_configs(self, configs: Any, max_model_len: int) -> None:
+        self.worker.set_kv_cache_configs(configs, max_model_len)
+
+
+HOST = HostMemory(total=8 << 30, available=1 << 30, process=512 << 20)
+"""The host memory the paged tests' worker sees (a quarter of 1 GiB available: a 256 MiB default
+budget, allocated for real)."""
+PAGED_TOLERANCE = {torch.float32: 0.0, torch.float16: 2e-3}
+
+
+def platform_worker_cls() -> type:
+    upstream = diffusion_worker_cls()  # imports upstream's worker module (see the shim above)
+    path = current_omni_platform.get_diffusion_worker_cls()
+    assert path == "diffusion_kv.integrations.vllm_omni.worker.CpuDiffusionWorker"
+    cls = resolve_obj_by_qualname(path)
+    assert issubclass(cls, upstream) and cls.__mro__[1] is upstream
+    return cls  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_paged_worker_starts_profiles_allocates_and_serves(
+    worker_process: None, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    shape = tiny_dit.Shape(dtype=dtype)
+    expected = tiny_dit.run(shape, paged=False).output
+    cls = platform_worker_cls()
+    cpu_worker = sys.modules[cls.__module__]
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(cpu_worker, "host_memory", lambda: HOST)
+    upstream_names = (worker_module().MemorySnapshot, worker_module().request_memory)
+    od = tiny_dit.od_config(shape, paged=True)
     calls: list[str] = []
-    with (
-        tiny_dit.recording_hooks(calls),
-        pytest.raises(RuntimeError, match="Cannot access accelerator device when none is available"),
-    ):
-        diffusion_worker_cls()(local_rank=0, rank=0, od_config=od, skip_load_model=True)
-    # every platform question before vLLM's MemorySnapshot was answered: the paged
-    # configuration, the worker hook, the device, the distributed init on gloo
-    assert calls == ["configure_diffusion_vllm_config", "init_diffusion_worker_vllm_config"]
-    assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("gloo", 1, 0)
-    assert omni_parallel_state.model_parallel_is_initialized()
-    # vLLM-Omni's init_device runs before the worker's own clean-up guard: unwind it here
-    omni_parallel_state.destroy_distributed_env()
+    with tiny_dit.recording_hooks(calls):
+        worker = cls(local_rank=0, rank=0, od_config=od, skip_load_model=True)
+    try:
+        assert calls == ["configure_diffusion_vllm_config", "init_diffusion_worker_vllm_config"]
+        assert (worker_module().MemorySnapshot, worker_module().request_memory) == upstream_names  # restored
+        snapshot = worker.init_snapshot
+        assert type(snapshot) is cpu_worker.HostMemorySnapshot
+        assert (snapshot.total_memory, snapshot.free_memory, snapshot.torch_memory) == (8 << 30, 1 << 30, 0)
+        assert worker.requested_memory == 256 << 20  # the default rule at start-up
+        assert (dist.get_backend(), dist.get_world_size()) == ("gloo", 1)
+        torch.manual_seed(shape.seed)
+        with set_current_diffusion_config(od), set_current_vllm_config(worker.vllm_config):
+            worker.model_runner.pipeline = pipeline = tiny_dit.TinyPipeline(shape).to(dtype).eval()
+        profile = engine.request("profile")
+        control = initialize_diffusion_kv_control_plane(
+            WorkerExecutor(worker), od, profile_requests=[profile], device=torch.device("cpu")
+        )
+        assert control is not None
+        scheduler_config, block_size, hash_block_size, vllm_config = control
+        assert worker.kv_budget == KVBudget(256 << 20, "default", profiles=True)
+        assert pipeline.target_inputs == [160, 160, 160]  # the profile run: dense, no pages yet
+        page_bytes = sum(t.size for t in scheduler_config.kv_cache_tensors)
+        assert page_bytes <= 256 << 20 and scheduler_config.num_blocks > 0
+        manager = DiffusionKVCacheManager(
+            scheduler_config,
+            max_model_len=vllm_config.model_config.max_model_len,
+            scheduler_block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
+        free = manager.native_manager.block_pool.get_num_free_blocks()
+        for r in range(2):
+            rid = f"req-{r}"
+            metadata = manager.reserve_request(rid, tiny_dit.kv_requests(shape, rid))
+            assert metadata is not None
+            try:
+                result = worker.execute_model(engine.request(rid), od, None, metadata)
+            finally:
+                manager.free_request(rid)
+            assert pipeline.target_inputs == [160, 64, 64]  # paged: later steps feed the target only
+            assert manager.native_manager.block_pool.get_num_free_blocks() == free
+            diff = (result.output.float() - expected.float()).abs().max().item()
+            print(f"[worker] {dtype} request {r}: max |paged - dense| = {diff:.3g}")
+            assert diff <= PAGED_TOLERANCE[dtype], (r, diff)
+    finally:
+        worker.shutdown()
     assert not dist.is_initialized()
+
+
+def worker_module() -> Any:
+    return sys.modules["vllm_omni.diffusion.worker.diffusion_worker"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, KVBudget(0, "default", profiles=True)),
+        ({"kv_cache_memory_bytes": 96 << 20}, KVBudget(96 << 20, "kv_cache_memory_bytes", profiles=False)),
+        ({"gpu_memory_utilization": 0.3}, KVBudget(0, "gpu_memory_utilization", profiles=True)),
+    ],
+)
+def test_the_cpu_budget_reads_vllm_omnis_settings(
+    monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], expected: KVBudget
+) -> None:
+    """vLLM-Omni copies ``OmniDiffusionConfig.kv_cache_memory_bytes`` and
+    ``gpu_memory_utilization`` onto vLLM's cache config in paged mode; the worker's rule reads
+    them there (``VLLM_CPU_KVCACHE_SPACE``, as on vLLM's CPU platform, wins)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    od = tiny_dit.od_config(SHAPE, paged=True)
+    for name, value in settings.items():
+        setattr(od, name, value)
+    cache_config = create_diffusion_vllm_config(torch.device("cpu"), od).cache_config
+    assert budget_rule(cache_config) == expected
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert budget_rule(cache_config) == KVBudget(2 << 30, "VLLM_CPU_KVCACHE_SPACE", profiles=False)

@@ -161,10 +161,17 @@ class MaskSpec:
         return lo, hi
 
     def row_mask(
-        self, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+        self,
+        query_offset: int,
+        query_len: int,
+        seq_len: int,
+        spans: Sequence[tuple[int, int]] = (),
+        *,
+        live_from: int = 0,
     ) -> torch.Tensor:
         """``[query_len, seq_len]`` bool (True: visible) for one row whose queries sit at
-        positions ``query_offset ..`` over keys ``0 .. seq_len``: the dense oracle."""
+        positions ``query_offset ..`` over keys ``0 .. seq_len``: the dense oracle. A row that
+        declares ``live_from`` (``PagedRow.live_from``) sees no key in ``[sink, live_from)``."""
         if spans and not self.spans:
             raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
         q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
@@ -173,6 +180,8 @@ class MaskSpec:
         visible = k < hi[:, None]
         if self.window is not None:
             visible &= (k >= lo[:, None]) | (k < self.sink)
+        if live_from > self.sink:
+            visible &= (k >= live_from) | (k < self.sink)
         return visible
 
     def first_visible(self, position: int, seq_len: int) -> int:
@@ -209,11 +218,19 @@ _PLAIN = {
 
 
 def key_bounds(
-    mask: MaskSpec, query_offset: int, query_len: int, seq_len: int, spans: Sequence[tuple[int, int]] = ()
+    mask: MaskSpec,
+    query_offset: int,
+    query_len: int,
+    seq_len: int,
+    spans: Sequence[tuple[int, int]] = (),
+    live_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per query of one row, ``(lo, hi, sink)``: it sees ``[0, min(sink, hi)) u [lo, hi)``."""
+    """Per query of one row, ``(lo, hi, sink)``: it sees ``[0, min(sink, hi)) u [lo, hi)`` (``lo``
+    raised to ``live_from`` for a row that skips ``[sink, live_from)``: still two runs)."""
     q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
     lo, hi = mask.bounds(q, seq_len, spans)
+    if live_from > 0:
+        lo = torch.clamp(lo, min=live_from)
     return lo, hi, mask.sink
 
 

@@ -43,12 +43,14 @@ def row_block_kinds(
     seq_len: int,
     block_size: int,
     spans: Sequence[tuple[int, int]] = (),
+    live_from: int = 0,
 ) -> torch.Tensor:
-    """``[ceil(seq_len / block_size)]`` int8 :class:`BlockKind` of one row's blocks."""
+    """``[ceil(seq_len / block_size)]`` int8 :class:`BlockKind` of one row's blocks (``live_from``:
+    the row skips keys in ``[sink, live_from)``, ``PagedRow.live_from``)."""
     n_blocks = -(-seq_len // block_size)
     if query_len == 0 or n_blocks == 0:
         return torch.zeros(n_blocks, dtype=torch.int8)
-    lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans)
+    lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans, live_from)
     starts = torch.arange(n_blocks, dtype=torch.long) * block_size
     ends = torch.clamp(starts + block_size, max=seq_len)
     s, e = starts[None, :], ends[None, :]
@@ -75,6 +77,18 @@ class BlockPlan:
     """Tokens per block the plan counts in (the group's kernel block size)."""
     kinds: tuple[torch.Tensor, ...]
     """Per row, ``[ceil(seq_len / block_size)]`` int8."""
+    live_from: tuple[int, ...] = ()
+    """Per row, the start of the keys it may read past the sink (``PagedRow.live_from``: keys in
+    ``[sink, live_from)`` are skipped even where the mask reaches them -- a re-cache pass after
+    the window slid); empty when no row declares one. Only backends declaring
+    ``Capabilities.supports_live_from`` are handed such rows; they apply :meth:`row_mask`."""
+
+    def row_live_from(self, row: int) -> int:
+        return self.live_from[row] if self.live_from else 0
+
+    def row_mask(self, row: int, query_offset: int, query_len: int, seq_len: int) -> torch.Tensor:
+        """The dense ``[query_len, seq_len]`` mask of one row, its ``live_from`` applied."""
+        return self.mask.row_mask(query_offset, query_len, seq_len, live_from=self.row_live_from(row))
 
     def live_blocks(self, row: int) -> torch.Tensor:
         """Indices of the row's blocks some query reads (FULL or PARTIAL), ascending."""
@@ -93,17 +107,26 @@ def build_block_plan(
     seq_lens: Sequence[int],
     block_size: int,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+    live_from: Sequence[int] | None = None,
 ) -> BlockPlan:
-    """The plan of one batch's rows under ``mask`` (``spans`` per row, when it takes them)."""
+    """The plan of one batch's rows under ``mask`` (``spans`` per row, when it takes them;
+    ``live_from`` per row, when a row skips keys past the sink)."""
     if type(block_size) is not int or block_size <= 0:
         raise ValidationError(f"block plan block_size must be a positive int; got {block_size!r}")
     n = len(query_lens)
-    if not (len(query_offsets) == len(seq_lens) == n) or (spans is not None and len(spans) != n):
+    if (
+        not (len(query_offsets) == len(seq_lens) == n)
+        or (spans is not None and len(spans) != n)
+        or (live_from is not None and len(live_from) != n)
+    ):
         raise ValidationError(
-            "a block plan takes one query offset, query length, seq_len (and span list) per row"
+            "a block plan takes one query offset, query length, seq_len (and span list, live_from) per row"
         )
+    floors = tuple(live_from) if live_from is not None and any(live_from) else ()
     kinds = tuple(
-        row_block_kinds(mask, q0, ql, sl, block_size, spans[r] if spans is not None else ())
+        row_block_kinds(
+            mask, q0, ql, sl, block_size, spans[r] if spans is not None else (), floors[r] if floors else 0
+        )
         for r, (q0, ql, sl) in enumerate(zip(query_offsets, query_lens, seq_lens, strict=True))
     )
-    return BlockPlan(mask, block_size, kinds)
+    return BlockPlan(mask, block_size, kinds, floors)

@@ -23,7 +23,7 @@ from diffusion_kv.core.sessions.cache import (
     SessionCache,
     SessionPolicy,
 )
-from diffusion_kv.core.sessions.contexts import Context, SessionContexts
+from diffusion_kv.core.sessions.contexts import Context, ContextReader, SessionContexts
 from diffusion_kv.core.sessions.offload import OffloadedKV, lru_offloader, offload, offload_lru, reload
 from diffusion_kv.core.sessions.sharing import SharedBegin, SharedStarts
 
@@ -33,6 +33,7 @@ __all__ = [
     "ChunkEntry",
     "ChunkState",
     "Context",
+    "ContextReader",
     "MixedReport",
     "MixedStep",
     "OffloadedKV",

@@ -240,7 +240,14 @@ class SessionScheduler:
             raise ValidationError(f"step takes the model callback fn(step); got {type(fn).__name__}")
         tick = self._tick
         opened = self._admit()
-        sessions, prepared_now = self._compose()
+        try:
+            sessions, prepared_now = self._compose()
+        except Exception:
+            self._abort_open()  # every open chunk: each session as before it; the error propagates
+            raise
+        except BaseException:
+            self.close()
+            raise
         error: list[BaseException] = []
         called = False
 
@@ -346,6 +353,16 @@ class SessionScheduler:
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("the session scheduler is closed")
+
+    def _abort_open(self) -> None:
+        """Abort every open chunk (a batch that could not be prepared): each session as before
+        its chunk, the queue kept."""
+        self._runtime.deactivate()
+        for sid in list(self._open):
+            work = self._work[sid]
+            assert work.chunk is not None
+            self._finish(sid)
+            self.cache.abort(work.chunk)
 
     def _finish(self, sid: str) -> None:
         del self._work[sid]

@@ -42,12 +42,12 @@ import torch
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, MaskSpec
-from diffusion_kv.core.errors import StateError, ValidationError
+from diffusion_kv.core.errors import StateError, UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.registry import missing_spans
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedWorker
-from diffusion_kv.core.sessions.contexts import SessionContexts
+from diffusion_kv.core.sessions.contexts import ContextReader, SessionContexts
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,15 @@ class Session:
 class RecachePass:
     """A re-cache of a session's committed KV under new conditioning (LongLive's prompt
     switch): a shadow request ``shadow_id`` with the session's lengths and released places and
-    fresh blocks, which the host's one forward over :meth:`rows` writes (the same absolute
-    positions, the layers' chunk-causal mask inside the pass), and the ``contexts`` staged to
-    replace the session's at commit (write them over :meth:`context_rows`)."""
+    fresh blocks, which the host's forwards over :meth:`forwards` write (the same absolute
+    positions, the layers' chunk-causal mask inside the pass, over the live keys only), and the
+    ``contexts`` staged to replace the session's at commit (write them over
+    ``SessionCache.recache_context_rows``).
+
+    ``live`` are the committed tokens later chunks can still see: ``[(0, tokens)]`` while the
+    window has not slid past the sink, else the sink ``[0, sink)`` and the window ``[first_live,
+    tokens)`` (either may be empty). Only those are recomputed, and each attends over the live
+    keys its mask reaches: released places (and tokens no later chunk sees) are skipped."""
 
     session_id: str
     shadow_id: str
@@ -167,12 +173,41 @@ class RecachePass:
     branches: int
     contexts: tuple[str, ...] = ()
     done: bool = False
+    live: tuple[tuple[int, int], ...] | None = None
+    """The live committed spans (None: every committed token, ``[(0, tokens)]``)."""
+
+    def __post_init__(self) -> None:
+        if self.live is None:
+            self.live = ((0, self.tokens),)
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The live spans the pass recomputes, ascending."""
+        return self.live if self.live is not None else ((0, self.tokens),)
+
+    def forwards(self) -> tuple[tuple[PagedRow, ...], ...]:
+        """The forwards the host runs, in order: one per live span, one row per branch. The
+        window's rows declare ``live_from`` (keys between the sink and the window are skipped)
+        and read the sink the first forward wrote, so the order matters."""
+        return tuple(
+            tuple(
+                PagedRow(self.shadow_id, b - a, b, a, sequence_id=br, live_from=a)
+                for br in range(self.branches)
+            )
+            for a, b in self.spans
+        )
 
     def rows(self) -> tuple[PagedRow, ...]:
-        """One row per branch writing every committed token ``[0, tokens)`` of the shadow."""
-        return tuple(
-            PagedRow(self.shadow_id, self.tokens, self.tokens, 0, sequence_id=b) for b in range(self.branches)
-        )
+        """One row per branch writing every committed token ``[0, tokens)`` of the shadow -- the
+        pass's one forward while the live tokens are one span starting at 0; a pass over two
+        spans (:meth:`forwards`) is a :class:`StateError`."""
+        runs = self.forwards()
+        if len(runs) != 1:
+            raise StateError(
+                f"re-cache {self.shadow_id!r} recomputes the live spans {list(self.spans)} in {len(runs)} forwards: "
+                "run pass.forwards() in order"
+            )
+        return runs[0]
 
 
 class SessionCache:
@@ -321,6 +356,25 @@ class SessionCache:
         self._own(session)
         return self._contexts().kv(session.session_id, name, layer, branch)
 
+    def context_attend(self, session: Session, name: str, layer: str, q: torch.Tensor) -> torch.Tensor:
+        """A denoise step's cross-attention of ``q`` (``[branches * Lq, heads, head_size]``,
+        branch-major) over the written context's pages of one cross-attention layer, every
+        branch in one call of the context worker's backend, nothing copied out per step
+        (:meth:`SessionContexts.attend`)."""
+        self._own(session)
+        self._contexts().written(session.session_id, name)
+        return self._contexts().attend(session.session_id, name, layer, q)
+
+    def context_reader(self, contexts: Iterable[tuple[Session, str]], query_tokens: int) -> ContextReader:
+        """One reader over several sessions' contexts (each branch a row of ``query_tokens``
+        queries): ``reader.attend(layer, q)`` is one backend call per layer for all of them
+        (:meth:`SessionContexts.reader`)."""
+        pairs = []
+        for session, name in contexts:
+            self._own(session)
+            pairs.append((session.session_id, name))
+        return self._contexts().reader(pairs, query_tokens)
+
     def release_context(self, session: Session, name: str) -> None:
         """Release a context now (its blocks back to the pool); ``set_context`` may write it again."""
         self._own(session)
@@ -352,28 +406,48 @@ class SessionCache:
                     f"session {sid!r} re-cache: no contexts {unknown} to replace (has {list(known)})"
                 )
         snapshot = self.worker.registry.snapshot_of(sid) if self.worker.registry is not None else None
-        released = (
-            [p for p, b in enumerate(snapshot.sequences[0].block_ids[0]) if b == NULL_BLOCK]
-            if snapshot
-            else []
-        )
-        if released:
+        if snapshot is not None and any(s.cached_prefix_len for s in snapshot.sequences):
             raise NotImplementedError(
-                f"re-cache of session {sid!r} after its window slid (places {released} released): a pass whose "
-                "rows read only the live keys needs block plans that skip released places in the translator"
+                f"re-cache of session {sid!r}, whose first tokens ({snapshot.sequences[0].cached_prefix_len}) are shared "
+                "through the prefix cache: the REPLACE would have to drop the shared references and seal nothing"
             )
+        live = self.live_spans(session)
+        if live != ((0, session.committed_tokens),):
+            self._check_live_from_served()
         shadow_id = f"{sid}/recache"
         shadow = self.allocator.shadow(sid, shadow_id)
         if shadow is None:
             return None
         self._install_or_free(shadow)
-        recache = RecachePass(sid, shadow_id, session.committed_tokens, session.branches, tuple(staged))
+        recache = RecachePass(
+            sid, shadow_id, session.committed_tokens, session.branches, tuple(staged), live=live
+        )
         for name, tokens in staged.items():
             if self._contexts().stage(sid, name, tokens, session.branches) is None:
                 self._drop_shadow(recache)
                 return None
         session.recache = recache
         return recache
+
+    def live_spans(self, session: Session) -> tuple[tuple[int, int], ...]:
+        """The committed tokens a later chunk can still see: ``[(0, committed)]`` until the window
+        slides past the sink, then the sink and the window (an empty one left out)."""
+        committed = session.committed_tokens
+        keep = self.mask.retention(committed)
+        if keep.first_live <= keep.pinned:
+            return ((0, committed),) if committed else ()
+        spans = [(0, keep.pinned)] if keep.pinned else []
+        if keep.first_live < committed:
+            spans.append((keep.first_live, committed))
+        return tuple(spans)
+
+    def _check_live_from_served(self) -> None:
+        lacking = [b.name for b in self.worker.backends if not b.capabilities.supports_live_from]
+        if lacking:
+            raise UnsupportedFeatureError(
+                f"a re-cache after the window slid reads the live keys only (PagedRow.live_from); backends {lacking} "
+                f"of platform {self.worker.platform.name!r} do not serve that (supports_live_from)"
+            )
 
     def recache_context_rows(self, recache: RecachePass, name: str) -> tuple[PagedRow, ...]:
         """The rows that write the staged context ``name`` of an open re-cache."""
@@ -387,11 +461,12 @@ class SessionCache:
         context is unwritten."""
         session = self._open_recache(recache)
         for b in range(recache.branches):
-            gap = missing_spans(self.worker.resolve(recache.shadow_id, b).written, 0, recache.tokens)
+            written = self.worker.resolve(recache.shadow_id, b).written
+            gap = tuple(g for a0, b0 in recache.spans for g in missing_spans(written, a0, b0))
             if gap:
                 raise StateError(
                     f"re-cache of session {recache.session_id!r} branch {b}: tokens {list(gap)} were never written; "
-                    "run a forward over pass.rows() before committing"
+                    "run the forwards over pass.forwards() (pass.rows()) before committing"
                 )
         for name in recache.contexts:
             gaps = self._contexts().unwritten(self._contexts().get(recache.session_id, name, staged=True))
@@ -400,8 +475,11 @@ class SessionCache:
                     f"re-cache of session {recache.session_id!r}: staged context {name!r} (branch, tokens) {gaps} "
                     "were never written"
                 )
+        narrowed = None if recache.spans == ((0, recache.tokens),) else recache.spans
         snapshot = self.allocator.adopt(
-            recache.session_id, recache.shadow_id, install=lambda s: self.worker.adopt(s, recache.shadow_id)
+            recache.session_id,
+            recache.shadow_id,
+            install=lambda s: self.worker.adopt(s, recache.shadow_id, narrowed),
         )
         if recache.contexts:
             self._contexts().swap(recache.session_id, recache.contexts)

@@ -7,13 +7,15 @@ signatures recorded from every supported release's wheel (``tests/vllm/recorded.
 seam is exercised per release without vLLM installed. vLLM functions are called with keywords
 only, so a renamed or reordered parameter fails loudly instead of binding the wrong argument.
 
-Covered drift (0.26 through 0.33):
+Covered drift (0.26 through 0.34):
 
 * ``BlockTables`` takes ``kernel_block_sizes`` (and exposes ``blocks_per_kv_block``) up to 0.31,
   not from 0.32 (:meth:`VllmCompat.block_tables_kwargs`, :meth:`VllmCompat.block_tables_cls`);
-* ``get_block_table_width`` is missing in 0.26 and changes signature in 0.32
-  (:meth:`VllmCompat.block_table_width`);
-* ``init_kv_cache`` has four argument shapes, each returning ``{layer: cache}``
+* ``get_block_table_width`` is missing in 0.26, changes signature in 0.32 and moves to
+  ``vllm.v1.kv_cache_interface`` in 0.34 (:meth:`VllmCompat.block_table_width`,
+  :meth:`~.versions.ApiShape.symbol_path`);
+* ``init_kv_cache`` has five argument shapes, each returning ``{layer: cache}`` (0.34 adds an
+  optional ``allocate`` the seam leaves at its default)
   (:meth:`VllmCompat.init_kv_cache_kwargs`, :meth:`VllmCompat.init_kv_cache`);
 * ``init_attn_backend`` returns ``(groups, cudagraph support, kernel block sizes)`` and takes
   ``draft_layer_names`` from 0.30 (:meth:`VllmCompat.init_attn_backend`);
@@ -98,7 +100,7 @@ class VllmCompat:
     def __init__(self, shape: ApiShape, version: str, resolve: Resolver | None = None) -> None:
         self.shape = shape
         self.version = version
-        self._resolve = resolve or (lambda key: import_symbol(SYMBOLS[key]))
+        self._resolve = resolve or (lambda key: import_symbol(shape.symbol_path(key, SYMBOLS[key])))
         self._symbols: dict[str, Any] = {}
         self._block_tables_cls: type[Any] | None = None
         self.layer_adapter_cls: type[Any] | None = None
@@ -303,9 +305,16 @@ class VllmCompat:
         if form is InitKVCacheForm.RUNNER_LIST_WITH_GROUPS:
             kwargs["attn_groups"] = [list(groups) for groups in attn_groups]
             kwargs["cache_dtype"] = vllm_config.cache_config.cache_dtype
-        if form in (InitKVCacheForm.FORWARD_CONTEXT, InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS):
+        if form in (
+            InitKVCacheForm.FORWARD_CONTEXT,
+            InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS,
+            InitKVCacheForm.FORWARD_CONTEXT_WITH_ALLOCATE,
+        ):
             kwargs["block_tables"] = block_tables
-        if form is InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS:
+        if form in (
+            InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS,
+            InitKVCacheForm.FORWARD_CONTEXT_WITH_ALLOCATE,
+        ):
             kwargs["attn_groups"] = [group for groups in attn_groups for group in groups]
         return kwargs
 

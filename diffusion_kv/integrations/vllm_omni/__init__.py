@@ -11,13 +11,20 @@
   semantics, on diffusion-kv's core; ``patches/vllm-omni-0.30.0.patch`` swaps vLLM-Omni's module
   for it.
 
-Importing this package (or any name listed in ``__all__``) imports neither vLLM nor vLLM-Omni.
+Importing this package (or any name listed in ``__all__``) imports neither vLLM nor vLLM-Omni;
+it checks that the installed vLLM-Omni and vLLM are a working pair
+(:func:`.pairing.check_pairing`, from package metadata) and refuses another with
+:class:`.pairing.UnsupportedPairingError`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from diffusion_kv.integrations.vllm_omni.pairing import check_pairing
+
+check_pairing()
 
 _EXPORTS = {
     "DiffusionKVPlatformHooks": "hooks",

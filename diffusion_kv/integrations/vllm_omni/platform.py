@@ -37,8 +37,9 @@ Where vLLM-Omni has no device platform (the delegate is ``UnspecifiedOmniPlatfor
 CPU) and the diffusion-kv platform runs its ranks on the CPU, the class also answers the device
 questions of vLLM-Omni's worker and runner that the fallback cannot (:class:`CpuDeviceMethods`:
 the rank's device, ``set_device``, the device count, ``dist_backend`` from the diffusion-kv
-platform, memory and synchronisation), so vLLM-Omni gains a CPU platform its
-``DiffusionWorker`` starts on.
+platform, memory and synchronisation) and names the worker class
+(:class:`~.worker.CpuDiffusionWorker`: upstream's ``DiffusionWorker`` whose paged KV memory
+budget reads host memory), so vLLM-Omni gains a CPU platform its worker starts and pages on.
 
 Opting out follows vLLM-Omni's convention (``VLLM_PLUGINS`` without ``diffusion_kv``); the
 platform and backend follow diffusion-kv's (``DIFFUSION_KV_PLATFORM``, ``DIFFUSION_KV_BACKEND``).
@@ -158,6 +159,14 @@ class CpuDeviceMethods:
     @classmethod
     def supports_torch_inductor(cls) -> bool:
         return False
+
+    @classmethod
+    def get_diffusion_worker_cls(cls) -> str:
+        """vLLM-Omni's ``DiffusionWorker`` with host memory for its paged KV budget
+        (:class:`~.worker.CpuDiffusionWorker`; upstream's start-up otherwise unchanged)."""
+        from diffusion_kv.integrations.vllm_omni.worker import WORKER_PATH
+
+        return WORKER_PATH
 
     @classmethod
     def get_free_memory(cls, device: Any = None) -> int:

@@ -85,6 +85,7 @@ class CpuReferenceBackend(PagedBackend):
         kv_cache_dtypes=frozenset({FP8_E4M3}),
         max_window=None,
         max_sink=None,
+        supports_live_from=True,
     )
 
     def __init__(self, group: GroupContext) -> None:
@@ -181,7 +182,9 @@ class CpuReferenceBackend(PagedBackend):
             q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
             scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_keys]
             # the mask over the row's keys, at the global positions of the keys gathered
-            if md.mask is not None:
+            if md.mask is not None and md.plan is not None:
+                full = md.plan.row_mask(r, sl - (q1 - q0), q1 - q0, sl)
+            elif md.mask is not None:
                 full = md.mask.row_mask(sl - (q1 - q0), q1 - q0, sl)
             else:
                 full = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl)

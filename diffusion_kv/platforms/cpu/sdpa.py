@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.platforms.interface import (
@@ -43,12 +44,19 @@ class CpuSdpaBackend(TorchSdpaBackend):
         head_sizes=frozenset(range(8, 257, 8)),
         kernel_block_sizes=(MultipleOf(16),),
         slot_mapping_dtypes=frozenset({torch.int64}),
-        attention_modes=BASE_MODES,
+        attention_modes=BASE_MODES | {AttentionMode.CHUNK_CAUSAL},
         supports_gqa=True,
         supports_ulysses=True,
         supports_dcp=True,
         supports_graph_capture=False,
+        max_window=None,
+        max_sink=None,
+        supports_live_from=True,
     )
+    """Chunk-causal, windowed and sink masks: only the block plan's live blocks are gathered, one
+    SDPA per row shape (and ``live_from``: a re-cache's window forward) with the exact mask where
+    a block is PARTIAL (``planned_row_groups``); not with decode context parallelism (refused
+    with that reason)."""
 
     @classmethod
     def is_available(cls) -> Availability:

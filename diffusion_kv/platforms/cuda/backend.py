@@ -34,6 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
@@ -87,7 +88,8 @@ __all__ = [
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 RESIDENT_PROGRAMS = {16: 8, 32: 8, 64: 4, 128: 2}
-"""Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128)."""
+"""Paged-attention programs one SM runs at once, by query-tile rows (H200, head size 128, 2
+stages); 128-row tiles at 3-4 stages fit once."""
 DEFAULT_NUM_SMS = 132
 PLAN_CACHE_SIZE = 64
 """Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
@@ -157,19 +159,25 @@ CAPABILITIES = Capabilities(
     head_sizes=frozenset({64, 128}),
     kernel_block_sizes=(MultipleOf(16),),
     slot_mapping_dtypes=frozenset({torch.int64}),
-    attention_modes=BASE_MODES,
+    attention_modes=BASE_MODES | {AttentionMode.CHUNK_CAUSAL},
     supports_gqa=True,
     supports_ulysses=True,
     supports_dcp=True,
     supports_graph_capture=True,
     kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+    max_window=None,
+    max_sink=None,
 )
 """Per layer the backends only launch work (plans, row groups, DCP masks and device indices are
 fixed in ``build``): a denoise step can be captured as a CUDA graph and replayed. Ulysses: the
 backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`. e4m3 pages
 (``kv_cache_dtypes``): written and read by the Triton kernels only (quantised in the write,
 converted in registers in the attention), so ``paged`` takes the Triton way for them and the
-``sdpa`` backend, which would need a dequantised copy, does not declare them."""
+``sdpa`` backend, which would need a dequantised copy, does not declare them. Chunk-causal,
+windowed and sink masks (``attention_modes``, ``max_window``, ``max_sink``): the Triton kernel
+computes each query's bounds from its position in-kernel and loads only the key tiles of the
+sink and the window; the gather + SDPA way gathers only the block plan's live blocks (both fixed
+at ``build``, no host work per layer); not with DCP (refused with that reason)."""
 
 
 class CudaPagedBackend(TorchSdpaBackend):
@@ -243,15 +251,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         if way is KernelWay.TRITON:
-            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, seq, device)
-            extra: dict[str, Any] = dict(
-                tile_row=tile_row,
-                tile_q0=tile_q0,
-                block_m=block_m,
-                block_n=block_n,
-                num_splits=splits,
-                num_warps=8 if block_m >= 128 else 4,
-            )
+            extra: dict[str, Any] = self._make_schedule(qsl, seq, device)
             plan = _BatchPlan(way, reason, extra, ())
         else:
             plan = _BatchPlan(way, reason, {}, row_shapes(qsl, seq, device))
@@ -262,9 +262,9 @@ class CudaPagedBackend(TorchSdpaBackend):
 
     def _make_schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-        """Query tiles and the split count; ``seq`` are the keys each row reads (this rank's
-        under DCP)."""
+    ) -> dict[str, Any]:
+        """Query tiles and launch settings (CudaPagedMetadata fields); ``seq`` are the keys each
+        row reads (this rank's under DCP)."""
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
         block_m = min(
@@ -281,10 +281,21 @@ class CudaPagedBackend(TorchSdpaBackend):
         programs = len(rows) * self.kv_heads
         max_keys = max(seq)
         block_n = 64 if self.head_size > 64 or block_m >= 128 else 128
+        stages = 2
+        resident = RESIDENT_PROGRAMS.get(block_m, 2)
+        if block_m >= 128 and self.quantized:
+            # e4m3 pages: a 128-key tile is the bytes of a 64-key 16-bit one; 3 stages, the
+            # next page id fetched ahead (H100 sweep, benchmarks/sweep_gqa_fp8.py)
+            block_n, stages, resident = 128, 3, 1
+        elif block_m >= 128 and programs < resident * self.num_sms:
+            # few 128-row tiles (GQA heads packed over a few query tokens, regime B): deeper
+            # pipelining of the page loads, one program per SM
+            stages, resident = 4, 1
         # Split the keys until the launch roughly fills every SM with as many programs as fit
-        # at once (fewer fit as the query tile grows); tuned on an H200 with
-        # benchmarks/tune_cuda_paged.py (docs/benchmarks.md).
-        target = int(0.9 * self.num_sms * RESIDENT_PROGRAMS.get(block_m, 2))
+        # at once (fewer fit as the query tile grows or the pipeline deepens); tuned on an H200
+        # with benchmarks/tune_cuda_paged.py and on an H100 with benchmarks/sweep_gqa_fp8.py
+        # (docs/benchmarks.md).
+        target = int(0.9 * self.num_sms * resident)
         splits = 1
         for s in SPLIT_CHOICES:
             splits = s
@@ -294,7 +305,15 @@ class CudaPagedBackend(TorchSdpaBackend):
         if device.type == "cuda":  # pinned: the copy does not block the host
             sched = sched.pin_memory()
         sched = sched.to(device, non_blocking=True)
-        return sched[0], sched[1], block_m, block_n, splits
+        return dict(
+            tile_row=sched[0],
+            tile_q0=sched[1],
+            block_m=block_m,
+            block_n=block_n,
+            num_splits=splits,
+            num_warps=8 if block_m >= 128 else 4,
+            num_stages=stages,
+        )
 
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         qsl = tuple(batch.query_start_loc_cpu.tolist())
@@ -304,7 +323,9 @@ class CudaPagedBackend(TorchSdpaBackend):
             return self._build_dcp(batch, qsl, seq, device)
         plan = self._plan(qsl, seq, device)
         extra = plan.extra
-        if plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
+        if plan.way is not KernelWay.TRITON and batch.block_plan is not None:  # live blocks only
+            extra = dict(sdpa_groups=self._planned_groups(batch, qsl, seq, device))
+        elif plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
             g = self.group
             ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
             extra = dict(
@@ -329,15 +350,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         extra: dict[str, Any]
         if way is KernelWay.TRITON:
-            tile_row, tile_q0, block_m, block_n, splits = self._make_schedule(qsl, local, device)
-            extra = dict(
-                tile_row=tile_row,
-                tile_q0=tile_q0,
-                block_m=block_m,
-                block_n=block_n,
-                num_splits=splits,
-                num_warps=8 if block_m >= 128 else 4,
-            )
+            extra = self._make_schedule(qsl, local, device)
         else:
             groups = self._dcp_sdpa_groups(batch, qsl, seq, local, device)
             extra = dict(sdpa_groups=groups)
@@ -406,6 +419,7 @@ class CudaPagedBackend(TorchSdpaBackend):
 
         k_cache, v_cache = key_value_caches(kv_cache)
         assert md.tile_row is not None and md.tile_q0 is not None
+        mask = self.group.mask
         kernels.paged_attention(
             query,
             k_cache,
@@ -422,6 +436,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             block_n=md.block_n,
             num_splits=md.num_splits,
             num_warps=md.num_warps,
+            num_stages=md.num_stages,
             lse=lse,
             local_seq_lens=md.local_seq_lens,
             cp_size=md.cp_size,
@@ -429,6 +444,9 @@ class CudaPagedBackend(TorchSdpaBackend):
             cp_interleave=md.cp_interleave,
             k_scale=layer.kv_scales.k_scale if layer.kv_scales is not None else None,
             v_scale=layer.kv_scales.v_scale if layer.kv_scales is not None else None,
+            chunk=mask.chunk,
+            window=mask.window,
+            sink=mask.sink,
         )
 
 
@@ -457,5 +475,7 @@ class SdpaPagedBackend(CudaPagedBackend):
         supports_ulysses=True,
         supports_dcp=True,
         supports_graph_capture=True,
+        max_window=None,
+        max_sink=None,
     )
     way: ClassVar[KernelWay | None] = KernelWay.SDPA

@@ -7,9 +7,11 @@
   copy): packed varlen queries, per-row KV lengths, bottom-right causal or full masks, GQA by
   packing the query heads of one KV head into the tile's rows, fp32 accumulation, and split-KV
   over the pages combined by log-sum-exp when there are too few query tiles to fill the GPU.
-  e4m3 pages are read in place and converted in registers: the key scale folds into the
-  softmax scale and the value scale into the output (one scale per KV head, which is what a
-  program serves), so no dequantised copy of the cache is made.
+  e4m3 pages are read in place: on SM90 and later the key tiles go straight into fp8 MMAs
+  (the queries quantised per row, as two e4m3 terms, with a descale) and the value tiles are
+  widened to float16; elsewhere both are widened in registers (``FP8_MODES``). The key scale
+  folds into the softmax scale and the value scale into the output (one scale per KV head,
+  which is what a program serves), so no dequantised copy of the cache is made.
   Optionally it also writes each query's natural-log log-sum-exp, and in its decode context
   parallelism (DCP) mode it attends over one rank's interleaved keys only (see
   :func:`paged_attention`).
@@ -155,6 +157,25 @@ def write_kv(
 # Paged attention (split-KV, pages read in place)
 # --------------------------------------------------------------------------------------------
 
+# How the attention kernel multiplies e4m3 pages (``qk_mode`` for Q.K^T, ``pv_mode`` for P.V):
+FP8_WIDEN = 0
+"""Widen each e4m3 tile to the query dtype in registers, a 16-bit MMA (any GPU, the interpreter)."""
+FP8_F16 = 1
+"""Widen to float16 (one native conversion on SM89+) and multiply in float16; the queries are
+scaled per row into [-1, 1] (Q.K^T), the weights are already in [0, 1] (P.V)."""
+FP8_MMA = 2
+"""fp8 tensor cores (Q.K^T only): e4m3 key tiles straight into the MMAs, the queries quantised per
+row with a descale, as two e4m3 terms (``q ~ hi + lo / 16``, two MMAs): one term alone costs
+3-4e-4 of cosine similarity on random data, which the 0.999 bound for e4m3 pages cannot spare;
+two give the widened path's accuracy. (P.V in fp8, the weights as two e4m3 terms, measured
+slower than float16 on an H100 with Triton 3.6 and gave NaNs there: left out.)"""
+FP8_MODES = (FP8_WIDEN, FP8_F16, FP8_MMA)
+PV_MODES = (FP8_WIDEN, FP8_F16)
+_FP8_F16: tl.constexpr = tl.constexpr(FP8_F16)
+_FP8_MMA: tl.constexpr = tl.constexpr(FP8_MMA)
+_FP8_WIDEN: tl.constexpr = tl.constexpr(FP8_WIDEN)
+_FP8_LO: tl.constexpr = tl.constexpr(16.0)
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -201,6 +222,14 @@ def _paged_attention_kernel(
     INTERLEAVE: tl.constexpr,
     KV_SCALED: tl.constexpr,
     FP8_VIA_F16: tl.constexpr,
+    QK_MODE: tl.constexpr,
+    PV_MODE: tl.constexpr,
+    PREFETCH_PAGE: tl.constexpr,
+    PLANNED: tl.constexpr = False,
+    PLAN_CHUNK: tl.constexpr = 0,
+    PLAN_CAUSAL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    SINK: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -228,6 +257,24 @@ def _paged_attention_kernel(
     s_scale = scale_log2
     if KV_SCALED:  # e4m3 pages: this program's KV head's key scale joins the softmax scale
         s_scale = scale_log2 * tl.load(k_scale_ptr + kvh)
+    q_mma = q
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * s_scale
+    if KV_SCALED and QK_MODE != _FP8_WIDEN:
+        # Each query row (one token of one head) is scaled by its own largest magnitude, once
+        # per program: into e4m3 (+-448) for fp8 MMAs, into [-1, 1] for float16 ones. Its
+        # descale joins the row's softmax scale.
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        amax = tl.where(amax == 0.0, 1.0, amax)
+        if QK_MODE == _FP8_MMA:  # two e4m3 terms: q ~ hi + lo / 16 (one alone costs accuracy)
+            q448 = qf * (448.0 / amax)[:, None]
+            q_hi = _round_e4m3(q448)
+            q_mma = q_hi.to(tl.float8e4nv)
+            q_lo = _round_e4m3((q448 - q_hi) * _FP8_LO).to(tl.float8e4nv)
+            row_scale = (amax * (1.0 / 448.0)) * s_scale
+        else:
+            q_mma = (qf * (1.0 / amax)[:, None]).to(tl.float16)
+            row_scale = amax * s_scale
 
     if CAUSAL:
         last_tok = tl.minimum(q0 + Q_PER_TILE, ql) - 1
@@ -240,6 +287,43 @@ def _paged_attention_kernel(
             kv_end = tl.minimum(kv_end, n_keys)
     else:
         kv_end = n_keys
+    # A planned mask (chunk, window, sink; mask.py): query q sees key k < hi(q) with k >= lo(q)
+    # or k < SINK. The tile reads two runs of key tiles, the sink's [0, sink_span) and the
+    # window's [win_start, tile_hi), as one virtual range [0, kv_end): virtual key v is key v
+    # below sink_span, else v + gap. Key tiles between the runs (released ones) are never loaded.
+    sink_span = 0
+    gap = 0
+    tile_lo = 0
+    tile_hi = kv_end
+    if PLANNED:
+        t_first = sl - ql + q0
+        t_last = sl - ql + tl.minimum(q0 + Q_PER_TILE, ql) - 1
+        if PLAN_CHUNK > 0:
+            raw_first = (t_first // PLAN_CHUNK + 1) * PLAN_CHUNK
+            raw_last = (t_last // PLAN_CHUNK + 1) * PLAN_CHUNK
+        elif PLAN_CAUSAL:
+            raw_first = t_first + 1
+            raw_last = t_last + 1
+        else:
+            raw_first = sl
+            raw_last = sl
+        tile_hi = tl.minimum(raw_last, sl)
+        if WINDOW > 0:
+            tile_lo = tl.maximum(raw_first - WINDOW, 0)
+        sink_span = tl.cdiv(tl.minimum(SINK, tile_hi), BLOCK_N) * BLOCK_N
+        win_start = tl.maximum((tile_lo // BLOCK_N) * BLOCK_N, sink_span)
+        gap = win_start - sink_span
+        kv_end = sink_span + tl.maximum(tile_hi - win_start, 0)
+        if PLAN_CHUNK > 0:
+            q_raw = (qpos // PLAN_CHUNK + 1) * PLAN_CHUNK
+        elif PLAN_CAUSAL:
+            q_raw = qpos + 1
+        else:
+            q_raw = qpos * 0 + sl
+        q_hi = tl.minimum(q_raw, sl)
+        q_lo = q_raw * 0
+        if WINDOW > 0:
+            q_lo = tl.maximum(q_raw - WINDOW, 0)
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_end)
@@ -249,27 +333,52 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     n_offs = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + row.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
+    next_page = 0
+    if PREFETCH_PAGE and PAGE % BLOCK_N == 0:
+        next_page = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
+    for v0 in range(start, end, BLOCK_N):
+        n0 = v0
+        kmask = v0 + n_offs < end
+        if PLANNED:
+            n0 = v0 + tl.where(v0 >= sink_span, gap, 0)
         kidx = n0 + n_offs
-        kmask = kidx < end
+        if PLANNED:  # keys no query of the tile sees are never loaded
+            kmask = kmask & (kidx < tile_hi) & ((kidx >= tile_lo) | (kidx < SINK))
         if PAGE % BLOCK_N == 0:
             # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
-            # page, found with one scalar load, and its rows are evenly strided.
-            page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            # page, found with one scalar load, and its rows are evenly strided. PREFETCH_PAGE
+            # loads the next tile's page id one iteration ahead, so the K/V loads do not wait
+            # for the block table.
+            if PREFETCH_PAGE:
+                page_s = next_page
+                nxt = n0 + BLOCK_N
+                next_page = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0).to(tl.int64)
+            else:
+                page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
             kv_off = page_s * stride_cb + (n0 % PAGE + n_offs) * stride_cs + kvh * stride_ch
         else:
             page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
             kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED:
-            k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * s_scale
+        if KV_SCALED and QK_MODE == _FP8_MMA:  # e4m3 keys straight into the MMAs
+            kt = tl.trans(k)
+            s = (tl.dot(q_mma, kt) + tl.dot(q_lo, kt) * (1.0 / _FP8_LO)) * row_scale[:, None]
+        elif KV_SCALED and QK_MODE == _FP8_F16:  # one native widening, a float16 MMA
+            s = tl.dot(q_mma, tl.trans(k.to(tl.float16))) * row_scale[:, None]
+        else:
+            if KV_SCALED:
+                k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * s_scale
         allowed = kmask[None, :]
         if CAUSAL:
             kpos = (
                 kidx if CP == 1 else (kidx // INTERLEAVE) * ROUND + CP_RANK * INTERLEAVE + kidx % INTERLEAVE
             )
             allowed = allowed & (kpos[None, :] <= qpos[:, None])
+        if PLANNED:
+            allowed = allowed & (kidx[None, :] < q_hi[:, None])
+            if WINDOW > 0:
+                allowed = allowed & ((kidx[None, :] >= q_lo[:, None]) | (kidx[None, :] < SINK))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -277,9 +386,13 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED:
-            v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_SCALED and PV_MODE == _FP8_F16:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            if KV_SCALED:
+                v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -340,6 +453,21 @@ def _combine_kernel(
 
 LOG2E = 1.4426950408889634
 
+SM90_FP8_MODES = (FP8_MMA, FP8_F16)
+"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later: fp8 tensor cores for Q.K^T, float16
+for P.V (the fastest pair of the H100 sweep, ``benchmarks/sweep_gqa_fp8.py``)."""
+
+
+def fp8_modes(device: torch.device, block_m: int = 128) -> tuple[int, int]:
+    """How :func:`paged_attention` multiplies e4m3 pages on ``device`` by default: fp8 tensor
+    cores from SM90 on (:data:`SM90_FP8_MODES`) for query tiles of at least 128 rows (GQA heads
+    packed, or long queries); elsewhere (smaller tiles, where the two fp8 MMAs measured 12%
+    slower than widening on an H100, older GPUs, the interpreter on CPU) widened tiles and
+    16-bit MMAs."""
+    if block_m >= 128 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return SM90_FP8_MODES
+    return FP8_WIDEN, FP8_WIDEN
+
 
 def paged_attention(
     query: torch.Tensor,
@@ -366,9 +494,20 @@ def paged_attention(
     cp_interleave: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    qk_mode: int | None = None,
+    pv_mode: int | None = None,
+    prefetch_pages: bool | None = None,
+    chunk: int | None = None,
+    window: int | None = None,
+    sink: int = 0,
 ) -> torch.Tensor:
     """``query [T, H, D]`` over pages ``[NB, PAGE, Hkv, D]`` into ``out [T, H, D]``; e4m3 pages
-    take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``).
+    take ``k_scale``/``v_scale`` ``[Hkv]`` float32 (a page holds ``x / scale``), and
+    ``qk_mode`` (one of :data:`FP8_MODES`) / ``pv_mode`` (one of :data:`PV_MODES`) say how their
+    tiles are multiplied (None: :func:`fp8_modes` of the device and ``block_m``).
+    ``prefetch_pages`` loads each key tile's page id one iteration ahead (None: with
+    ``num_stages >= 3``, where it pays; at 2 stages it measured slower; always off under a
+    planned mask, whose key tiles jump the gap between sink and window).
 
     ``tile_row``/``tile_q0`` list the query tiles (row, first query token within the row); each
     tile covers ``block_m // (H // Hkv)`` tokens of one row for all heads of one KV head.
@@ -381,6 +520,13 @@ def paged_attention(
     them per row, and local key ``j`` sits at page index ``j``. ``seq_lens`` stays the rows' full
     lengths: the causal mask compares each local key's absolute position with the query's
     bottom-right aligned one. The result is this rank's partial attention.
+
+    A planned mask (``MaskSpec``'s ``chunk``, ``window``, ``sink``; ``causal`` then says whether
+    a non-chunk mask is causal or full): query ``q`` (bottom-right aligned) sees key ``k`` when
+    ``k < min(raw(q), seq_len)`` and (no window, or ``k >= raw(q) - window``, or ``k < sink``),
+    ``raw(q)`` the end of ``q``'s chunk, ``q + 1`` or ``seq_len``. Each query tile reads only the
+    key tiles of the sink and of its window (the block plan's SKIP blocks, released ones
+    included, are never loaded). Not with DCP.
     """
     T, H, D = query.shape
     _, page, hkv, _ = key_cache.shape
@@ -390,6 +536,9 @@ def paged_attention(
         return out
     if cp_size > 1 and local_seq_lens is None:
         raise ValueError("paged_attention: cp_size > 1 needs local_seq_lens")
+    planned = chunk is not None or window is not None or sink > 0
+    if planned and cp_size > 1:
+        raise ValueError("paged_attention: a chunk, window or sink mask is not served with cp_size > 1")
     if num_splits > 1:
         part_out = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((num_splits, T, H), dtype=torch.float32, device=query.device)
@@ -401,6 +550,13 @@ def paged_attention(
     scaled = key_cache.dtype == torch.float8_e4m3fn
     if scaled and (k_scale is None or v_scale is None):
         raise ValueError("paged_attention over float8_e4m3fn pages needs k_scale and v_scale")
+    default_qk, default_pv = fp8_modes(query.device, block_m) if scaled else (FP8_WIDEN, FP8_WIDEN)
+    qk = default_qk if qk_mode is None else qk_mode
+    pv = default_pv if pv_mode is None else pv_mode
+    if qk not in FP8_MODES or pv not in PV_MODES:
+        raise ValueError(
+            f"paged_attention: qk_mode {qk} (one of {FP8_MODES}) / pv_mode {pv} (one of {PV_MODES})"
+        )
     _paged_attention_kernel[(n_tiles, hkv, num_splits)](
         query,
         key_cache,
@@ -432,7 +588,7 @@ def paged_attention(
         part_out.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0) if num_splits > 1 else 0,
         part_lse.stride(1) if num_splits > 1 else 0,
-        CAUSAL=causal,
+        CAUSAL=causal and not planned,
         GROUP=group,
         HEAD_D=D,
         PAGE=page,
@@ -445,6 +601,14 @@ def paged_attention(
         INTERLEAVE=cp_interleave if cp_size > 1 else 1,
         KV_SCALED=scaled,
         FP8_VIA_F16=FP8_VIA_F16,
+        QK_MODE=qk if scaled else FP8_WIDEN,
+        PV_MODE=pv if scaled else FP8_WIDEN,
+        PREFETCH_PAGE=(num_stages >= 3 if prefetch_pages is None else prefetch_pages) and not planned,
+        PLANNED=planned,
+        PLAN_CHUNK=chunk or 0,
+        PLAN_CAUSAL=causal,
+        WINDOW=window or 0,
+        SINK=sink,
         num_warps=num_warps,
         num_stages=num_stages,
     )

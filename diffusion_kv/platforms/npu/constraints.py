@@ -19,10 +19,11 @@ them. Hardware runs decide them (docs/ascend.md, "first checks for a hardware ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.capabilities import BASE_MODES, dtype_name
 from diffusion_kv.platforms.interface import Capabilities, Requirements
 
@@ -153,6 +154,48 @@ CAPABILITIES = Capabilities(
     max_kv_heads_x_head_size=MAX_KV_HEADS_X_HEAD_SIZE,
     max_gqa_ratio=MAX_GQA_RATIO,
 )
+
+
+DIRECT_CAPABILITIES = replace(
+    CAPABILITIES,
+    attention_modes=BASE_MODES | {AttentionMode.CHUNK_CAUSAL},
+    max_window=None,
+    max_sink=None,
+)
+"""The ``direct`` backend's declaration: :data:`CAPABILITIES` plus chunk-causal masks with any
+window and sink, served as full-attention FIA rows over whole pages (one row per chunk of
+queries, its block table listing only the pages the chunk sees), so the chunk, the window and
+the sink must be multiples of the 128-token page (:func:`planned_mask_reasons`)."""
+
+
+def planned_mask_reasons(requirements: Requirements) -> list[str]:
+    """Why the ``direct`` backend cannot serve a chunk, window or sink mask (empty: it can).
+
+    FIA takes no mask but its compressed causal one (``sparse_mode=3``) or none
+    (``sparse_mode=0``); a chunk of a chunk-causal mask sees the same keys from every query,
+    so it runs as one full row whose block table lists the pages it sees -- exact only when
+    every boundary of what it sees falls on a page boundary."""
+    modes = requirements.attention_modes
+    planned = AttentionMode.CHUNK_CAUSAL in modes or requirements.window is not None or requirements.sink
+    if not planned:
+        return []
+    reasons: list[str] = []
+    if AttentionMode.CHUNK_CAUSAL not in modes:
+        reasons.append(
+            f"window={requirements.window} / sink={requirements.sink} on a causal or full mask (FIA "
+            "serves a window and sinks only as whole pages of a chunk-causal mask)"
+        )
+    off = [
+        f"{name}={value}"
+        for name in ("chunk", "window", "sink")
+        if (value := getattr(requirements, name)) and value % KERNEL_BLOCK_SIZE
+    ]
+    if off:
+        reasons.append(
+            f"{', '.join(off)} tokens off the {KERNEL_BLOCK_SIZE}-token page (a chunk runs as one "
+            "full-attention FIA row over the whole pages it sees)"
+        )
+    return reasons
 
 
 def head_count_reasons(requirements: Requirements) -> list[str]:

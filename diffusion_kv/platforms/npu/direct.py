@@ -38,9 +38,10 @@ from diffusion_kv.platforms.interface import (
     capability_reasons,
 )
 from diffusion_kv.platforms.npu.constraints import (
-    CAPABILITIES,
+    DIRECT_CAPABILITIES,
     MAX_TOKENS_PER_CALL,
     head_count_reasons,
+    planned_mask_reasons,
     unverified_notes,
 )
 from diffusion_kv.platforms.npu.kernels import AscendKernels, compressed_causal_mask, torch_npu_availability
@@ -139,7 +140,7 @@ class NpuDirectBackend(PagedBackend):
     platform: ClassVar[str] = "npu"
     priority: ClassVar[int] = 100
     description: ClassVar[str] = "torch_npu scatter-PA write + fused-infer-attention, TND + block table"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES
+    capabilities: ClassVar[Capabilities] = DIRECT_CAPABILITIES
     page_layout: ClassVar[KVPageLayout] = KVPageLayout.SEPARATE
 
     reorder_batch_threshold: int | None = None
@@ -153,7 +154,11 @@ class NpuDirectBackend(PagedBackend):
 
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
-        reasons = super().not_supported_reasons(requirements) + head_count_reasons(requirements)
+        reasons = (
+            super().not_supported_reasons(requirements)
+            + head_count_reasons(requirements)
+            + planned_mask_reasons(requirements)
+        )
         return reasons + unverified_notes(requirements) if reasons else reasons
 
     @classmethod
@@ -194,6 +199,8 @@ class NpuDirectBackend(PagedBackend):
         return self._mask
 
     def build(self, batch: PagedBatch) -> NpuAttentionMetadata:
+        if batch.block_plan is not None:
+            return self._build_planned(batch)
         reasons = batch_reasons(self.capabilities, batch)
         if reasons:
             raise ValidationError("npu: batch rejected before any call: " + "; ".join(reasons))
@@ -214,6 +221,72 @@ class NpuDirectBackend(PagedBackend):
             causal=batch.causal,
             attn_mask=self._causal_mask() if batch.causal else None,
             block_size=self.group.kernel_block_size,
+            num_actual_tokens=batch.num_tokens,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+        )
+
+    def _build_planned(self, batch: PagedBatch) -> NpuAttentionMetadata:
+        """A chunk-causal batch (with its window and sink) as full-attention FIA rows: each row's
+        queries are cut at chunk boundaries, and each piece -- whose queries all see the same
+        keys, the sink's and the window's whole pages up to the chunk's end -- becomes one FIA row
+        whose block table lists only those pages (released ones are never listed), its KV
+        length their visible keys. ``sparse_mode=0``, no mask."""
+        mask = self.group.mask
+        page = self.group.kernel_block_size
+        chunk = mask.chunk
+        if chunk is None or chunk % page or (mask.window or 0) % page or mask.sink % page:
+            raise UnsupportedFeatureError(
+                f"npu: the direct backend serves chunk-causal masks on {page}-token page boundaries; "
+                f"group {self.group.index} has {mask.describe()}"
+            )
+        qsl = [int(x) for x in batch.query_start_loc_cpu.tolist()]
+        seq = [int(x) for x in batch.seq_lens_cpu.tolist()]
+        ends: list[int] = []
+        kv_lens: list[int] = []
+        rows: list[int] = []
+        pages: list[list[int]] = []
+        for r, sl in enumerate(seq):
+            p = sl - (qsl[r + 1] - qsl[r])  # the row's first query position (a suffix)
+            at = qsl[r]
+            while p < sl:
+                raw = (p // chunk + 1) * chunk
+                hi = min(raw, sl)
+                lo = max(raw - mask.window, 0) if mask.window is not None else 0
+                sink_pages = list(range(-(-min(mask.sink, hi) // page)))
+                seen = sink_pages + [b for b in range(lo // page, -(-hi // page)) if b >= len(sink_pages)]
+                at += hi - p
+                ends.append(at)
+                kv_lens.append((len(seen) - 1) * page + hi - seen[-1] * page)
+                rows.append(r)
+                pages.append(seen)
+                p = hi
+        if len(ends) > (self.capabilities.max_rows_per_call or len(ends)):
+            raise ValidationError(
+                f"npu: batch rejected before any call: {len(ends)} chunk rows exceed "
+                f"{self.capabilities.max_rows_per_call} rows per call"
+            )
+        if batch.num_tokens > MAX_TOKENS_PER_CALL:
+            raise ValidationError(
+                f"npu: batch rejected before any call: num_tokens={batch.num_tokens} exceeds "
+                f"{MAX_TOKENS_PER_CALL} query tokens per call"
+            )
+        width = max(len(x) for x in pages)
+        row_index = torch.tensor([[r] * width for r in rows], dtype=torch.long)
+        page_index = torch.tensor([x + [x[-1]] * (width - len(x)) for x in pages], dtype=torch.long)
+        device = batch.block_table.device
+        table = batch.block_table[row_index.to(device), page_index.to(device)].to(torch.int32)
+        self.padding.reset()
+        return NpuAttentionMetadata(
+            block_table=table,
+            actual_seq_lengths=tuple(ends),
+            actual_seq_lengths_kv=tuple(kv_lens),
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            slot_mapping=batch.slot_mapping,
+            causal=False,
+            attn_mask=None,
+            block_size=page,
             num_actual_tokens=batch.num_tokens,
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,

@@ -1,0 +1,106 @@
+"""Sessions on a real GPU: the conformance kit's session cases on every cuda backend, and the
+Triton paged kernel under chunk-causal, windowed and sink masks against dense attention at shapes
+the interpreter lane cannot afford. Skipped without CUDA (see conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_kv.conformance.reference import dense_attention
+from diffusion_kv.core.attention import AttentionMode, MaskSpec
+from tests.kit_junit import run_kit
+
+SESSION_CASES = "session or chunk_causal"
+KIT_SESSION_CASES = 9
+"""test_chunk_causal_window_sink_stream, four window/sink layouts, commit, abort, eviction, many
+sessions in one batch: every one served natively by the cuda backends (none skipped)."""
+
+
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_session_kit_cases_pass_natively(backend: str, tmp_path: Path) -> None:
+    run = run_kit("cuda", backend, tmp_path / f"kit-sessions-{backend}.xml", "-k", SESSION_CASES)
+    assert run.returncode == 0, run.tail
+    assert (run.counts.failures, run.counts.errors, run.counts.skipped) == (0, 0, 0), run.tail
+    assert run.counts.passed == KIT_SESSION_CASES, run.counts
+
+
+MASKS = {
+    "chunk-inside-pages": MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=96, window=288, sink=96),
+    "chunk-window-no-sink": MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=64, window=128),
+    "chunk-no-window": MaskSpec(AttentionMode.CHUNK_CAUSAL, chunk=80),
+    "causal-window-sink": MaskSpec(AttentionMode.CAUSAL, window=100, sink=16),
+}
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page: int, splits: int) -> None:
+    """Rows of one or two chunks over long histories (released pages hold NaN in the cache and
+    the null entry 0 in the table: a kernel loading them fails), bfloat16, GQA."""
+    from diffusion_kv.platforms.cuda import kernels
+
+    spec = MASKS[mask]
+    dev, dtype, heads, d = torch.device("cuda"), torch.bfloat16, 8, 128
+    group = heads // kv_heads
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [1152, 480, 960]
+    query_lens = [192, 96, 64]
+    num_blocks = sum(-(-s // page) for s in seq_lens) + 1
+    k_cache = torch.full((num_blocks, page, kv_heads, d), float("nan"), dtype=dtype, device=dev)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    width = max(-(-s // page) for s in seq_lens)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: the null entry
+    queries, refs, at = [], [], 0
+    for r, (sl, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        n = -(-sl // page)
+        blocks = order[at : at + n]
+        at += n
+        k = torch.randn(sl, kv_heads, d, generator=gen).to(dtype)
+        v = torch.randn(sl, kv_heads, d, generator=gen).to(dtype)
+        q = torch.randn(ql, heads, d, generator=gen).to(dtype)
+        visible = spec.row_mask(sl - ql, ql, sl)
+        seen_by_any = visible.any(dim=0)
+        for i, b in enumerate(blocks):
+            keys = slice(i * page, min((i + 1) * page, sl))
+            if not bool(seen_by_any[keys].any()):  # released: NaN stays, the table holds 0
+                continue
+            table[r, i] = b
+            k_cache[b, : keys.stop - keys.start] = k[keys].to(dev)
+            v_cache[b, : keys.stop - keys.start] = v[keys].to(dev)
+        queries.append(q)
+        refs.append(dense_attention(q, k, v, visible, d**-0.5))
+    query = torch.cat(queries).to(dev)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    block_m = 128
+    per_tile = block_m // group
+    tiles = [(r, q0) for r, ql in enumerate(query_lens) for q0 in range(0, ql, per_tile)]
+    tile_row = torch.tensor([t[0] for t in tiles], dtype=torch.int32, device=dev)
+    tile_q0 = torch.tensor([t[1] for t in tiles], dtype=torch.int32, device=dev)
+    out = torch.empty_like(query)
+    kernels.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        out,
+        table.to(dev),
+        torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        qsl,
+        tile_row,
+        tile_q0,
+        scale=d**-0.5,
+        causal=spec.kind is AttentionMode.CAUSAL,
+        block_m=block_m,
+        block_n=64,
+        num_splits=splits,
+        num_warps=8,
+        chunk=spec.chunk,
+        window=spec.window,
+        sink=spec.sink,
+    )
+    torch.testing.assert_close(out.double().cpu(), torch.cat(refs), atol=2e-2, rtol=2e-2)
