@@ -72,6 +72,7 @@ import torch
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, FreeListPool
 from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.errors import (
+    StaleBatchError,
     StateError,
     UnsupportedFeatureError,
     ValidationError,
@@ -405,6 +406,8 @@ class DiffusionKVARCache:
         for index, marker in enumerate(self._markers):
             _MARKERS[marker.data_ptr()] = (self, index)
         self.active: DiffusionKVARForward | None = None
+        self.prepared: dict[int, tuple[tuple[PagedRow, ...], Any]] = {}
+        """Per worker (by id), the rows and the batch last prepared for them (reused while fresh)."""
 
     def state(self, session_id: str) -> DiffusionKVARState:
         """A fresh session (one diffusion-kv session per KV branch)."""
@@ -596,12 +599,32 @@ class DiffusionKVARForward:
         return self.cache.worker
 
     def _step(self) -> None:
-        if self._stack is None:
-            self._stack = contextlib.ExitStack()
-            runtime = self._stack.enter_context(self._worker().stepper())
-            rows = self.prefix_rows if self.chunk is None else self.chunk.rows()
-            assert rows is not None
-            runtime.ensure_rows(rows)
+        """Activate this forward's rows on its worker (once per forward, at the first layer).
+
+        The batch prepared for the same rows by the previous forward is activated again when
+        nothing changed since (no block table change, no other preparation: the translator
+        refuses a stale batch with :class:`StaleBatchError`): a chunk's probe forwards and its
+        committing forward prepare once between them."""
+        if self._stack is not None:
+            return
+        worker = self._worker()
+        rows = self.prefix_rows if self.chunk is None else self.chunk.rows()
+        assert rows is not None
+        translator = worker.translator
+        assert translator is not None
+        stack = contextlib.ExitStack()
+        cached = self.cache.prepared.get(id(worker))
+        if cached is not None and cached[0] == rows:
+            try:
+                stack.enter_context(translator.activate(cached[1]))
+                self._stack = stack
+                return
+            except StaleBatchError:
+                pass
+        batch = translator.prepare(rows)
+        self.cache.prepared[id(worker)] = (rows, batch)
+        stack.enter_context(translator.activate(batch))
+        self._stack = stack
 
     def _wrote(self, layer: int) -> None:
         self._written.add(layer)
