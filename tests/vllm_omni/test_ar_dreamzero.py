@@ -176,14 +176,25 @@ def test_the_pipelines_request_flow_first_frame_block_actions_and_window_reset(e
 
 
 @torch.no_grad()
-def test_the_first_frame_block_slides_out_of_a_window_of_whole_blocks(env: Any) -> None:
+@pytest.mark.parametrize(
+    ("shape", "backend"),
+    [(SHAPE, "reference"), (dataclasses.replace(SHAPE, height=8, width=8), "sdpa")],
+    ids=["4-token-frames-reference", "16-token-frames-sdpa"],
+)
+def test_the_first_frame_block_slides_out_of_a_window_of_whole_blocks(
+    env: Any, shape: M.DreamZeroShape, backend: str
+) -> None:
     """Without the pipeline's reset, a window of 4 frames (two blocks): the first frame is seen
     by the block ending at frame 3, then slides out (its context released) and later blocks see
-    the last two blocks, as the host's window of the last 4 frames."""
-    layout = _first_frame_layout(window_frames=4)
-    model = M.dreamzero(SHAPE, seed=7)
-    host, dkv = M.host_state(layout), M.dkv_cache(layout).state("s4")
-    inputs = M.DreamZeroInputs(SHAPE, seed=8)
+    the last two blocks, as the host's window of the last 4 frames. On the oracle and on the
+    SDPA backend (pages of 16 tokens), both serving the partial attention the merges take."""
+    layout = dataclasses.replace(
+        M.dreamzero_layout(shape), window_frames=4, sink_frames=0, first_block_frames=1
+    )
+    model = M.dreamzero(shape, seed=7)
+    host, dkv = M.host_state(layout), M.dkv_cache(layout, backend=backend).state("s4")
+    assert [b.name for b in dkv.cache.worker.backends] == [backend]
+    inputs = M.DreamZeroInputs(shape, seed=8)
     ctx_pool = dkv.cache.sessions.contexts.allocator.pool  # type: ignore[union-attr]
     at, observed, states = 0, None, []
     for index in range(5):
