@@ -982,6 +982,7 @@ def install_cpu_kernel() -> None:
 
 
 __all__ = [
+    "PREFIX",
     "ARGeometry",
     "CrossAttentionStore",
     "DiffusionKVARCache",
