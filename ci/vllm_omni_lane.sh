@@ -11,7 +11,7 @@
 # vllm_omni import here), then installs diffusion-kv[test] (which registers the
 # `vllm_omni.platform_plugins` entry point `diffusion_kv`). Then:
 #   1. zero-patch embedding: tests/vllm_omni against the installed vLLM-Omni, unchanged (with
-#      test_ar_lingbot.py / test_ar_dreamzero.py: its AR-diffusion engine's KV on diffusion-kv
+#      test_ar_lingbot.py / test_ar_dreamzero.py / test_ar_runner.py: its AR-diffusion KV on diffusion-kv
 #      sessions against its own path; their harness stands in for torchvision and av, which only
 #      the models' pipelines import);
 #   2. module replacement: the installed vllm_omni is copied, the repo's patch

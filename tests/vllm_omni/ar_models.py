@@ -251,6 +251,8 @@ class KVLayout:
     kv_branches: tuple[str, ...] = ("positive",)
     cross_attention: tuple[tuple[str, int], ...] = ()
     dtype: torch.dtype = torch.float32
+    scratch_tokens: int = 0  # action/state tokens per forward (the pipeline's max_scratch_tokens_per_branch)
+    first_block_frames: int | None = None  # DreamZero's pipeline: 1 (its first frame alone)
 
 
 def host_state(layout: KVLayout, session_id: str = "s0") -> Any:
@@ -279,6 +281,7 @@ def host_state(layout: KVLayout, session_id: str = "s0") -> Any:
         cross_attention_lengths=dict(layout.cross_attention),
         device=torch.device("cpu"),
         frames_per_block=layout.frames_per_block,
+        max_scratch_tokens_per_branch=layout.scratch_tokens,
     )
     adapters = {b: cache.begin_request(f"ar::{session_id}::{b}") for b in layout.kv_branches}
     return ARDiffusionKVState(cache, session_id, adapters, num_layers=layout.num_layers)
@@ -298,6 +301,7 @@ def dkv_cache(layout: KVLayout, **kwargs: Any) -> Any:
         window_frames=layout.window_frames,
         sink_frames=layout.sink_frames,
         dtype=layout.dtype,
+        first_block_frames=layout.first_block_frames,
     )
     return ar_sessions.DiffusionKVARCache(
         geometry,
@@ -334,6 +338,11 @@ class DreamZeroShape:
     text_tokens: int = 6
     text_dim: int = 16
     channels: int = 4
+    actions: int = 4  # action tokens per forward (num_action_per_block)
+    states: int = 1  # state tokens per forward (num_state_per_block)
+    action_dim: int = 6
+    state_dim: int = 8
+    max_chunk_size: int = -1  # the pipeline's window: max_chunk_size * F + 1 frames (-1: 21 frames)
 
     @property
     def tokens_per_frame(self) -> int:
@@ -358,6 +367,11 @@ def dreamzero(shape: DreamZeroShape, seed: int = 0) -> torch.nn.Module:
         num_layers=shape.layers,
         num_frame_per_block=shape.frames_per_block,
         hidden_size=32,
+        action_dim=shape.action_dim,
+        max_state_dim=shape.state_dim,
+        num_action_per_block=shape.actions,
+        num_state_per_block=shape.states,
+        max_chunk_size=shape.max_chunk_size,
     ).eval()
     _randomise(model, seed)
     _finish_linear_layers(model)
@@ -375,6 +389,7 @@ def dreamzero_layout(shape: DreamZeroShape) -> KVLayout:
         sink_frames=0,
         kv_branches=("positive", "negative"),
         cross_attention=(("text", shape.text_tokens),),
+        scratch_tokens=shape.actions + shape.states,
     )
 
 
@@ -391,6 +406,15 @@ class DreamZeroInputs:
     def context(self, negative: bool) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 7 + int(negative))
         return torch.randn(1, self.shape.text_tokens, self.shape.text_dim, generator=gen)
+
+    def action(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's noisy actions ``[1, actions, action_dim]`` and robot state ``[1, states, state_dim]``."""
+        s = self.shape
+        gen = torch.Generator().manual_seed(self.seed * 1000 + 500 + index)
+        return (
+            torch.randn(1, s.actions, s.action_dim, generator=gen),
+            torch.randn(1, s.states, s.state_dim, generator=gen),
+        )
 
 
 def dreamzero_populate_cross(model: torch.nn.Module, state: Any, inputs: DreamZeroInputs) -> None:
@@ -421,18 +445,27 @@ def dreamzero_block(
     observed: torch.Tensor | None,
     steps: tuple[float, ...] = DREAMZERO_STEPS,
     guidance: float = 2.0,
-) -> torch.Tensor:
+    actions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One DreamZero AR block as its pipeline runs it, both CFG branches: the commit forward
     over the previous block's observed latents (``observed``, at ``start_frame - F``), then a
-    denoise forward per step over the new block (``commit_current`` False)."""
+    denoise forward per step over the new block (``commit_current`` False); with ``actions``
+    the denoise forwards carry the block's action and state tokens, as the real pipeline's
+    ``diffuse`` always does. Returns the block's latents and its actions (or None)."""
     s = inputs.shape
     f = s.frames_per_block
     seq_len = f * s.tokens_per_frame
     dreamzero_populate_cross(model, state, inputs)
+    noisy_action, robot_state = inputs.action(index)
 
-    def call(x: torch.Tensor, t: float, negative: bool, frame: int, commit: bool) -> torch.Tensor:
+    def call(
+        x: torch.Tensor, t: float, negative: bool, frame: int, commit: bool, act: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         branch = "negative" if negative else "positive"
-        out, _, _ = model(
+        extra: dict[str, Any] = {}
+        if act is not None:
+            extra = {"action": act, "timestep_action": torch.full((1, s.actions), t), "state": robot_state}
+        out, action_out, _ = model(
             x=x,
             timestep=torch.full((1, f), t),
             context=inputs.context(negative),
@@ -440,17 +473,147 @@ def dreamzero_block(
             kv_cache=state.get_kv_caches(branch, seq_len=seq_len, commit_current=commit),
             crossattn_cache=state.get_cross_attention_kv(branch, "text"),
             current_start_frame=frame,
+            **extra,
         )
         if commit:
             state.commit_paged_context(branch)
-        return out  # type: ignore[no-any-return]
+        return out, action_out
 
     if observed is not None:
         for negative in (False, True):
             call(observed, 0.0, negative, start_frame - f, True)
     latents = inputs.latents(index)
+    act = noisy_action if actions else None
     for t in steps:
-        cond = call(latents, t, False, start_frame, False)
-        uncond = call(latents, t, True, start_frame, False)
+        cond, cond_a = call(latents, t, False, start_frame, False, act)
+        uncond, uncond_a = call(latents, t, True, start_frame, False, act)
         latents = latents - (t / 1000.0) * (uncond + guidance * (cond - uncond))
-    return latents
+        if act is not None:
+            assert cond_a is not None and uncond_a is not None
+            act = act - (t / 1000.0) * (uncond_a + guidance * (cond_a - uncond_a))
+    return latents, act
+
+
+def dreamzero_commit(
+    model: torch.nn.Module, state: Any, inputs: DreamZeroInputs, x: torch.Tensor, frame: int
+) -> None:
+    """``_prefill_kv_cache``'s committing forward over ``x`` (its frames at ``frame``), both branches."""
+    frames, tpf = x.shape[2], inputs.shape.tokens_per_frame
+    for negative, branch in ((False, "positive"), (True, "negative")):
+        model(
+            x=x,
+            timestep=torch.zeros(1, frames),
+            context=inputs.context(negative),
+            seq_len=frames * tpf,
+            kv_cache=state.get_kv_caches(branch, seq_len=frames * tpf, commit_current=True),
+            crossattn_cache=state.get_cross_attention_kv(branch, "text"),
+            current_start_frame=frame,
+        )
+        state.commit_paged_context(branch)
+
+
+def dreamzero_request(
+    model: torch.nn.Module,
+    state: Any,
+    inputs: DreamZeroInputs,
+    index: int,
+    start_frame: int,
+    observed: torch.Tensor | None,
+    steps: tuple[float, ...] = DREAMZERO_STEPS,
+    guidance: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One request as DreamZero's pipeline ``forward`` runs it (``_prefill_kv_cache`` then
+    ``diffuse``), both CFG branches: at ``start_frame`` 0 the first frame alone is one AR block
+    (a committing forward of ``tokens_per_frame`` tokens, no action tokens) and the next block
+    starts at frame 1; later, the previous block's observed latents are committed at
+    ``start_frame - F``; then the denoise forwards of the new block, each with the block's
+    action and state tokens. Returns the block's latents, its actions and the next start frame."""
+    f = inputs.shape.frames_per_block
+    if start_frame == 0:
+        dreamzero_populate_cross(model, state, inputs)
+        dreamzero_commit(model, state, inputs, inputs.latents(10_000 + index)[:, :, :1], 0)
+        start_frame = 1
+    else:
+        assert observed is not None
+        dreamzero_commit(model, state, inputs, observed, start_frame - f)
+    latents, act = dreamzero_block(
+        model, state, inputs, index, start_frame, None, steps, guidance, actions=True
+    )
+    assert act is not None
+    return latents, act, start_frame + f
+
+
+class TinyDreamZeroPipeline(torch.nn.Module):
+    """A DreamZero pipeline for the runner: the tiny transformer, DreamZero's own AR-diffusion
+    capability (``ar_diffusion_kv_cache_spec``, ``bind_ar_diffusion_state``, the session
+    reset / close hooks and ``_kv_populate_cross``, taken from ``DreamZeroPipeline`` unchanged)
+    and a ``forward(batch)`` that runs one request as :func:`dreamzero_request` does on the
+    bound state -- inputs from the request's ``extra_args`` (``session_id``, ``index``), the
+    stream position kept per session (reset by the pipeline's window rule, as its
+    ``reset_reason``: the next block would start at or past ``local_attn_size``)."""
+
+    ar_diffusion_first_block_frames = 1
+    _POSITIVE_BRANCH = "positive"
+    _NEGATIVE_BRANCH = "negative"
+    _ar_diffusion_kv_state: Any = None
+
+    def __init__(self, shape: DreamZeroShape, seed: int, input_seed: int) -> None:
+        from vllm_omni.diffusion.models.dreamzero.pipeline_dreamzero import DreamZeroPipeline
+
+        super().__init__()
+        self._dreamzero_spec = DreamZeroPipeline.ar_diffusion_kv_cache_spec.__get__(self)
+        for name in (
+            "bind_ar_diffusion_state",
+            "reset_ar_diffusion_session",
+            "close_ar_diffusion_session",
+            "_drop_ar_diffusion_session_state",
+            "_ar_branch",
+            "_kv_populate_cross",
+        ):
+            setattr(self, name, getattr(DreamZeroPipeline, name).__get__(self))
+        self.transformer = dreamzero(shape, seed=seed)
+        self.inputs = DreamZeroInputs(shape, seed=input_seed)
+        self._states: dict[str, dict[str, Any]] = {}
+
+    def ar_diffusion_kv_cache_spec(self) -> Any:
+        """DreamZero's spec for this deployment: two resident sessions, no model-owned state
+        (no VAE or encoders here) -- its geometry, branches and window as DreamZero declares."""
+        import dataclasses
+
+        return dataclasses.replace(
+            self._dreamzero_spec(), session_capacity=2, model_owned_state_bytes_per_session=0
+        )
+
+    def forward(self, batch: Any) -> Any:
+        from vllm_omni.diffusion.data import DiffusionOutput
+
+        extra = batch.requests[0].sampling_params.extra_args
+        sid, index = str(extra["session_id"]), int(extra["index"])
+        stream = self._states.setdefault(sid, {"frame": 0, "observed": None})
+        state = self._ar_diffusion_kv_state
+        if stream["frame"] >= self.transformer.local_attn_size:  # DreamZero's "inference" reset
+            state.reset(keep_cross_attention=("text",))
+            stream.update(frame=0, observed=None)
+        if stream["frame"] == 0:
+            for negative in (False, True):
+                self._kv_populate_cross(self.inputs.context(negative).to(torch.float32), None, negative)
+        latents, actions, stream["frame"] = dreamzero_request(
+            self.transformer, state, self.inputs, index, stream["frame"], stream["observed"]
+        )
+        stream["observed"] = latents
+        return DiffusionOutput(output={"video": latents, "actions": actions, "start": stream["frame"]})
+
+
+def ar_request(session_id: str, index: int, **flags: bool) -> Any:
+    """One AR-diffusion request as the engine hands it to the runner (``extra_args``: the
+    session, the block's input index, ``reset`` / ``close_session``)."""
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    return OmniDiffusionRequest(
+        prompt="lane",
+        sampling_params=OmniDiffusionSamplingParams(
+            extra_args={"session_id": session_id, "index": index, **flags}
+        ),
+        request_id=f"{session_id}-{index}",
+    )

@@ -102,3 +102,28 @@ def test_a_failed_forward_aborts_the_block_and_the_stream_goes_on(env: Any) -> N
     with pytest.raises(StateError, match="is closed"):
         dkv.get_kv_caches("positive", seq_len=8)
     assert cache.pool.num_free == cache.pool.num_total
+
+
+@torch.no_grad()
+def test_a_blocks_forwards_share_one_prepared_batch(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 4 probe forwards and the committing forward of a block run over the same rows: the
+    batch prepared for the first is activated again for the others (the commit's slide makes it
+    stale, so the next block prepares its own), with outputs unchanged."""
+    model, host, dkv = _pair(seed=6)
+    inputs = M.LingBotInputs(SHAPE, seed=7)
+    translator = dkv.cache.worker.translator
+    prepared: list[int] = []
+    real = translator.prepare
+
+    def counting(rows: Any) -> Any:
+        prepared.append(len(rows))
+        return real(rows)
+
+    monkeypatch.setattr(translator, "prepare", counting)
+    crosses = {"h": [None] * SHAPE.layers, "d": [None] * SHAPE.layers}
+    for index in range(4):
+        ours = M.lingbot_block(model, dkv, crosses["d"], inputs, index)
+        theirs = M.lingbot_block(model, host, crosses["h"], inputs, index)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    assert prepared == [1, 1, 1, 1]  # one preparation per block of 5 forwards
+    dkv.close()

@@ -27,11 +27,33 @@ commits the chunk (upstream's commit after success); a failure aborts the chunk
 (:meth:`DiffusionKVARState.abort_pending`), so the session is exactly as before it. ``reset``
 ends the branch sessions and begins fresh ones (DreamZero's window reset), ``close`` ends them.
 
-Not served yet: DreamZero's action/state tokens (scratch K/V beside the video K/V: a call with
-``k_act`` raises :class:`UnsupportedFeatureError`), AR blocks of another length than the
-policy's chunk (DreamZero's one-frame first block), CFG-parallel ranks. Cross-attention pools are
-dense and write-once per session (:class:`CrossAttentionStore`), released with the session, until
-the core's context pools land.
+DreamZero's action/state tokens (every denoise forward of its pipeline carries them) are scratch
+K/V: the op gets them beside the video K/V, they are seen by that forward only and never reach
+the pages. Every query (video and action) sees the chunk's visible session keys plus them, so
+:meth:`DiffusionKVARForward.attend_with_scratch` writes the chunk and runs the worker's backend
+as partial attention with its log-sum-exp (``forward_partial``; the action queries as the
+chunk's own, which see the same keys under the chunk-causal mask), attends the few scratch keys
+densely, and merges the two (``merge_partial_attention``).
+
+A first AR block of another length (DreamZero's pipeline starts with its first frame alone,
+then blocks of ``F`` frames; ``ARGeometry.first_block_frames``) is the session's first-block
+prefix: a context of its own (:data:`PREFIX`) written by that block's forwards on the contexts'
+FULL worker (it sees only itself), while the session's chunks start after it on the same
+whole-block grid. A later block sees the prefix while the host's window does (the first ``sink``
+frames -- 0 or the first block -- and the last ``window`` frames); its layers then merge the
+prefix's partial attention as they merge the action tokens', and once no later block can see it
+the prefix goes back to the pool. A window the host would slide through the middle of a block or
+of the first block is refused at that forward (DreamZero's window of ``max_chunk_size * F + 1``
+frames never slides: its pipeline resets first). Any later block of another length is refused.
+
+Not served yet: CFG-parallel ranks.
+
+Cross-attention pools (DreamZero's ``text``) are the core's session contexts
+(``SessionContexts``, :class:`CrossAttentionStore`): paged on a FULL worker of their own, one
+context per name and KV-branch session, written once by one forward of every layer's K/V,
+released with the session; ``reset(keep_cross_attention=...)`` keeps the named ones
+(``SessionCache.reset(keep_contexts=)``). They are read through :func:`read_context` (today the
+core's gather, ``SessionCache.context_kv``).
 
 Importing this module imports neither vLLM nor vLLM-Omni; :func:`install_cpu_kernel` and
 :meth:`DiffusionKVARForward.layer_inputs` import vLLM-Omni lazily.
@@ -48,14 +70,18 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.allocator import AdmissionError, DiffusionKVAllocator, FreeListPool
+from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.errors import (
+    StaleBatchError,
     StateError,
     UnsupportedFeatureError,
     ValidationError,
 )
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.parallel import merge_partial_attention
+from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
-from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionPolicy
+from diffusion_kv.core.sessions import Chunk, Session, SessionCache, SessionContexts, SessionPolicy
 
 OP_NAME = "vllm_omni::ar_diffusion_paged_write_attn"
 _PAGED_ATTENTION = "vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention"
@@ -83,88 +109,219 @@ class ARGeometry:
     window_frames: int
     sink_frames: int = 0
     dtype: torch.dtype = torch.float32
+    first_block_frames: int | None = None
+    """Frames of the stream's first AR block when it differs from ``frames_per_block``
+    (DreamZero: its first frame alone); None: every block has ``frames_per_block``."""
+
+    @property
+    def prefix_frames(self) -> int:
+        """Frames held as the session's first-block prefix (0: uniform blocks)."""
+        first = self.first_block_frames
+        return 0 if first is None or first == self.frames_per_block else first
 
     def policy(self) -> SessionPolicy:
-        """The session policy: one AR block per chunk; window and sink in whole blocks."""
-        f = self.frames_per_block
-        for what, frames in (("window_frames", self.window_frames), ("sink_frames", self.sink_frames)):
-            if frames % f:
-                raise UnsupportedFeatureError(
-                    f"AR-diffusion {what}={frames} is not a multiple of frames_per_block={f}: "
-                    "diffusion-kv sessions slide by whole AR blocks"
-                )
-        if self.window_frames < f:
+        """The session policy: one AR block per chunk; window and sink in whole blocks. With a
+        first block of another length (held as a prefix beside the chunks), the chunks start
+        after it; the sink must be 0 or that first block."""
+        f, p = self.frames_per_block, self.prefix_frames
+        w, sink = self.window_frames, self.sink_frames
+        if self.first_block_frames is not None and self.first_block_frames <= 0:
             raise ValidationError(
-                f"AR-diffusion window_frames={self.window_frames} must cover one AR block ({f} frames)"
+                f"AR-diffusion first_block_frames must be positive; got {self.first_block_frames}"
             )
-        return SessionPolicy(
-            chunk_tokens=f * self.tokens_per_frame,
-            window_chunks=self.window_frames // f - 1,
-            sink_chunks=self.sink_frames // f,
-        )
+        if w < f:
+            raise ValidationError(f"AR-diffusion window_frames={w} must cover one AR block ({f} frames)")
+        if p == 0:
+            for what, frames in (("window_frames", w), ("sink_frames", sink)):
+                if frames % f:
+                    raise UnsupportedFeatureError(
+                        f"AR-diffusion {what}={frames} is not a multiple of frames_per_block={f}: "
+                        "diffusion-kv sessions slide by whole AR blocks"
+                    )
+            return SessionPolicy(
+                chunk_tokens=f * self.tokens_per_frame, window_chunks=w // f - 1, sink_chunks=sink // f
+            )
+        if sink not in (0, p):
+            raise UnsupportedFeatureError(
+                f"AR-diffusion sink_frames={sink} with a first block of {p} frames: diffusion-kv serves a sink of "
+                "0 frames or exactly the first block"
+            )
+        # a window of whole blocks slides exactly; another one is served until it would slide
+        chunks = w // f if w % f == 0 else (w + sink - p) // f
+        if chunks < 1:
+            raise ValidationError(
+                f"AR-diffusion window_frames={w} with a first block of {p} frames leaves no room for a block of {f}"
+            )
+        return SessionPolicy(chunk_tokens=f * self.tokens_per_frame, window_chunks=chunks - 1)
+
+    def prefix_visible(self, chunk_end_frames: int) -> bool:
+        """Whether a block ending at session frame ``chunk_end_frames`` (after the first block)
+        sees the first block, as the host's window does (the first ``sink`` frames and the last
+        ``window`` frames of the stream); :class:`UnsupportedFeatureError` where the host's
+        window would cut through the first block or through a block."""
+        f, p, w, sink = self.frames_per_block, self.prefix_frames, self.window_frames, self.sink_frames
+        end = p + chunk_end_frames  # host frames
+        slid = end > w + sink
+        if slid and w % f:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion window of {w} frames slides through an AR block of {f} frames at frame {end}: "
+                "diffusion-kv sessions slide by whole blocks (the host resets before, e.g. DreamZero's "
+                "local_attn_size)"
+            )
+        if sink:
+            return True
+        if end <= w:
+            return True
+        if end - w < p:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion window of {w} frames cuts through the {p}-frame first block at frame {end}"
+            )
+        return False
+
+
+PREFIX = "ar_diffusion.first_block"
+"""The session context that holds a first AR block of another length (its self-attention K/V)."""
+
+
+def read_context(
+    sessions: SessionCache, session: Session, name: str, layer: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One written context's keys and values ``[tokens, Hkv, D]`` for one cross-attention layer
+    (the one place this adapter reads contexts: the core's gather, ``SessionCache.context_kv``)."""
+    return sessions.context_kv(session, name, layer)
 
 
 class CrossAttentionStore:
-    """Named cross-attention K/V per session and KV branch: dense, write-once, published only
-    when every layer is copied, released with the session (until the core's context pools)."""
+    """Named cross-attention K/V (vLLM-Omni's cross-attention pools) as diffusion-kv session
+    contexts (``SessionContexts``): one context per name and KV-branch session, paged on a FULL
+    worker whose layers are the model's cross-attention layers, written once (one forward of
+    every layer's K/V), released with the session; a reset keeps the ones the host keeps."""
 
-    def __init__(self, lengths: Mapping[str, int], num_layers: int, dtype: torch.dtype) -> None:
+    def __init__(self, sessions: SessionCache, lengths: Mapping[str, int], geometry: ARGeometry) -> None:
+        self.sessions = sessions
         self.lengths = dict(lengths)
-        self.num_layers = num_layers
-        self.dtype = dtype
-        self._pools: dict[str, dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        self.num_layers = geometry.num_layers
+        self.geometry = geometry
+        self.contexts = sessions.contexts
 
     def _known(self, name: str) -> int:
         if name not in self.lengths:
             raise ValidationError(f"unknown cross-attention cache {name!r}; declared: {sorted(self.lengths)}")
         return self.lengths[name]
 
-    def populated(self, session_id: str, name: str, branch: str) -> bool:
+    def populated(self, session: Session, name: str) -> bool:
         self._known(name)
-        return branch in self._pools.get(session_id, {}).get(name, {})
+        assert self.contexts is not None
+        return self.written(session, name)
+
+    def written(self, session: Session, name: str) -> bool:
+        assert self.contexts is not None
+        if name not in self.contexts.names(session.session_id):
+            return False
+        return not self.contexts.unwritten(self.contexts.get(session.session_id, name))
 
     def populate(
-        self, session_id: str, name: str, branch: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
+        self, session: Session, name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
+        """Check every layer's K/V, reserve the context and write it in one forward per layer;
+        a refusal or failure leaves no context behind."""
         length = self._known(name)
+        g = self.geometry
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, (k, v) in enumerate(layer_kv):
             if index >= self.num_layers:
                 raise ValidationError(
                     f"cross-attention cache {name!r}: more than {self.num_layers} layers given"
                 )
-            if k.dim() != 4 or k.shape[:2] != (1, length) or v.shape != k.shape:
+            expected = (1, length, g.num_kv_heads, g.head_size)
+            if tuple(k.shape) != expected or v.shape != k.shape:
                 raise ValidationError(
                     f"cross-attention cache {name!r} layer {index}: k/v shape {tuple(k.shape)}/{tuple(v.shape)}, "
-                    f"expected (1, {length}, heads, head_size)"
+                    f"expected {expected}"
                 )
-            layers.append((k[0].to(self.dtype).clone(), v[0].to(self.dtype).clone()))
+            layers.append((k[0].to(g.dtype), v[0].to(g.dtype)))
         if len(layers) != self.num_layers:
             raise ValidationError(
                 f"cross-attention cache {name!r}: {len(layers)} layers given, expected {self.num_layers}"
             )
-        self._pools.setdefault(session_id, {}).setdefault(name, {})[branch] = layers
-
-    def read(self, session_id: str, name: str, branch: str, layer: int) -> dict[str, torch.Tensor | bool]:
-        if not self.populated(session_id, name, branch):
-            raise StateError(
-                f"cross-attention cache {name!r} of session {session_id!r} branch {branch!r} read before it was populated"
+        assert self.contexts is not None
+        if name in self.contexts.names(session.session_id):  # a half-written one (a failed populate)
+            self.sessions.release_context(session, name)
+        rows = self.sessions.set_context(session, name, length)
+        if rows is None:
+            raise AdmissionError(
+                f"cross-attention cache {name!r} of session {session.session_id!r}: {length} tokens do not fit "
+                f"the context pool ({self.contexts.allocator.pool.num_free} blocks free)"
             )
-        k, v = self._pools[session_id][name][branch][layer]
+        worker = self.contexts.worker
+        try:
+            with worker.stepper() as runtime:
+                runtime.ensure_rows(rows)
+                for index, (k, v) in enumerate(layers):
+                    worker.forward(_layer_name(index), k, k, v)  # the write is what counts
+        except BaseException:
+            self.sessions.release_context(session, name)
+            raise
+
+    def read(self, session: Session, name: str, layer: int) -> dict[str, torch.Tensor | bool]:
+        if not self.populated(session, name):
+            raise StateError(
+                f"cross-attention cache {name!r} of session {session.session_id!r} read before it was populated"
+            )
+        k, v = read_context(self.sessions, session, name, _layer_name(layer))
         return {"is_init": True, "k": k.unsqueeze(0), "v": v.unsqueeze(0)}
 
-    def retain(self, session_id: str, names: Collection[str]) -> None:
-        session = self._pools.get(session_id, {})
-        for name in [n for n in session if n not in set(names)]:
-            del session[name]
-        if not session:
-            self._pools.pop(session_id, None)
+    def names(self, session: Session) -> tuple[str, ...]:
+        """The session's cross-attention contexts (not the first-block prefix)."""
+        if self.contexts is None:
+            return ()
+        return tuple(n for n in self.contexts.names(session.session_id) if n in self.lengths)
 
-    def release(self, session_id: str) -> None:
-        self._pools.pop(session_id, None)
+    def release(self, session: Session) -> None:
+        for name in self.names(session):
+            self.sessions.release_context(session, name)
 
-    def sessions(self) -> tuple[str, ...]:
-        return tuple(self._pools)
+
+def _context_store(
+    geometry: ARGeometry,
+    lengths: Mapping[str, int],
+    session_rows: int,
+    *,
+    platform: Any,
+    backend: str | None,
+    block_size: int,
+) -> SessionContexts:
+    """The contexts' own worker (one FULL layer per cross-attention layer) and pool: room for
+    every name of every resident KV-branch session."""
+    from diffusion_kv.platforms.cpu import CpuPlatform
+
+    rows = session_rows * len(lengths)
+    longest = max(lengths.values())
+    max_len = cdiv(longest, block_size) * block_size
+    worker = PagedWorker(
+        platform or CpuPlatform(),
+        RunnerConfig(
+            max_len, 1, rows, max(max_len, rows * max_len), device=torch.device("cpu"), backend=backend
+        ),
+    )
+    spec = PagedLayerSpec(
+        geometry.num_kv_heads,
+        geometry.num_kv_heads,
+        geometry.head_size,
+        geometry.dtype,
+        mode=AttentionMode.FULL,
+    )
+    worker.register_kv_cache_layers({_layer_name(i): spec for i in range(geometry.num_layers)})
+    num_blocks = session_rows * sum(cdiv(n, block_size) for n in lengths.values())
+    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=block_size)
+    allocator = DiffusionKVAllocator(
+        block_size=block_size,
+        max_model_len=max_len,
+        max_rows_per_request=1,
+        worker_rows=rows,
+        pool=FreeListPool(num_blocks),
+    )
+    return SessionContexts(worker, allocator)
 
 
 class DiffusionKVARCache:
@@ -184,6 +341,7 @@ class DiffusionKVARCache:
         block_size: int | None = None,
         platform: Any = None,
         backend: str | None = None,
+        context_block_size: int = 16,
     ) -> None:
         from diffusion_kv.platforms.cpu import CpuPlatform
 
@@ -228,14 +386,28 @@ class DiffusionKVARCache:
             worker_rows=rows,
             pool=self.pool,
         )
-        self.sessions = SessionCache(self.worker, self.allocator, self.policy)
-        self.cross = CrossAttentionStore(cross_attention_lengths or {}, geometry.num_layers, geometry.dtype)
-        self.cross_attention_lengths = dict(self.cross.lengths)
+        lengths = dict(cross_attention_lengths or {})
+        if PREFIX in lengths:
+            raise ValidationError(f"cross-attention cache name {PREFIX!r} is reserved for the first block")
+        self.prefix_tokens = geometry.prefix_frames * geometry.tokens_per_frame
+        sized = dict(lengths)
+        if self.prefix_tokens:
+            sized[PREFIX] = self.prefix_tokens
+        contexts = None
+        if sized:
+            contexts = _context_store(
+                geometry, sized, rows, platform=platform, backend=backend, block_size=context_block_size
+            )
+        self.sessions = SessionCache(self.worker, self.allocator, self.policy, contexts=contexts)
+        self.cross = CrossAttentionStore(self.sessions, lengths, geometry)
+        self.cross_attention_lengths = dict(lengths)
         self.block_size = block
         self._markers = [torch.zeros(1) for _ in range(geometry.num_layers)]
         for index, marker in enumerate(self._markers):
             _MARKERS[marker.data_ptr()] = (self, index)
         self.active: DiffusionKVARForward | None = None
+        self.prepared: dict[int, tuple[tuple[PagedRow, ...], Any]] = {}
+        """Per worker (by id), the rows and the batch last prepared for them (reused while fresh)."""
 
     def state(self, session_id: str) -> DiffusionKVARState:
         """A fresh session (one diffusion-kv session per KV branch)."""
@@ -252,34 +424,69 @@ class DiffusionKVARCache:
 
 class DiffusionKVARForward:
     """One KV branch forward (vLLM-Omni's ``ARDiffusionPagedForwardContext`` place): the
-    branch's open chunk and the worker stepper its layers run under."""
+    branch's open chunk (or its first-block prefix) and the worker stepper its layers run under.
 
-    def __init__(self, state: DiffusionKVARState, branch: str, chunk: Chunk, commit_current: bool) -> None:
+    Three ways a layer attends: a chunk alone (the session worker's forward); a chunk with keys
+    beside the session's pages -- action/state scratch K/V, a visible first-block prefix -- (the
+    worker's partial attention merged by log-sum-exp with each extra key set); the first-block
+    prefix itself (its context's FULL forward on the contexts' worker: it sees only itself)."""
+
+    def __init__(
+        self,
+        state: DiffusionKVARState,
+        branch: str,
+        chunk: Chunk | None,
+        commit_current: bool,
+        *,
+        prefix_rows: tuple[PagedRow, ...] | None = None,
+        prefix_visible: bool = False,
+    ) -> None:
         self.state = state
         self.cache = state.cache
         self.kv_branch = branch
+        self.session = state._session(branch)
         self.chunk = chunk
-        self.seq_len = chunk.tokens
+        self.prefix_rows = prefix_rows
+        if (chunk is None) == (prefix_rows is None):
+            raise ValidationError("an AR-diffusion forward writes either a chunk or the first-block prefix")
+        self.seq_len = chunk.tokens if chunk is not None else self.cache.prefix_tokens
+        self.end = chunk.end if chunk is not None else self.cache.prefix_tokens
+        self.prefix_visible = prefix_visible
         self.commit_current = commit_current
         self._prepared = False
         self._written: set[int] = set()
         self._stack: contextlib.ExitStack | None = None
         self._inputs: list[Any] = []
+        self.action_len = 0
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.chunk is None
 
     def prepare(self, device: torch.device, action_len: int, query_len: int) -> None:
         """Once per forward, before the layers (as upstream's): refuse what is not served, make
         this the cache's active forward, build the per-layer op inputs."""
         if self._prepared:
             return
-        if action_len:
-            raise UnsupportedFeatureError(
-                f"AR-diffusion action/state tokens ({action_len} per forward) are scratch K/V beside the "
-                "video K/V: not served by diffusion-kv sessions yet"
-            )
-        if query_len != self.seq_len:
+        if action_len < 0 or query_len != self.seq_len + action_len:
             raise ValidationError(
-                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len}"
+                f"AR-diffusion forward has {query_len} queries; its chunk holds {self.seq_len} video tokens "
+                f"and {action_len} action/state tokens"
             )
+        if action_len and self.is_prefix:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion first block with action/state tokens ({action_len}): not served (the host's "
+                "pipelines send none there)"
+            )
+        if action_len or self.prefix_visible:
+            missing = [b.name for b in self.cache.worker.backends if not b.capabilities.supports_dcp]
+            if missing:
+                raise UnsupportedFeatureError(
+                    "AR-diffusion keys beside the session's pages (action/state tokens, a first block) need "
+                    f"partial attention with its log-sum-exp (forward_partial); backend(s) {missing} do not "
+                    "declare it"
+                )
+        self.action_len = int(action_len)
         if torch.device(device).type != "cpu":
             raise UnsupportedFeatureError(f"DiffusionKVARCache serves CPU forwards; got device {device}")
         self.cache.active = self
@@ -299,7 +506,7 @@ class DiffusionKVARForward:
                 query_start_loc=meta,
                 seq_lens=meta,
                 max_query_len=int(query_len),
-                max_seq_len=int(self.chunk.end),
+                max_seq_len=int(self.end),
             )
             for i in range(self.cache.geometry.num_layers)
         ]
@@ -310,26 +517,119 @@ class DiffusionKVARForward:
             raise StateError("DiffusionKVARForward.layer_inputs() before prepare()")
         return self._inputs[layer_idx]
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """One layer: write the chunk's K/V into the session's pages and attend (the worker)."""
+    def _check(self, layer: int) -> None:
         if self.cache.active is not self:
             raise StateError(
-                f"AR-diffusion layer {layer} of session {self.chunk.session_id!r} called outside its forward"
+                f"AR-diffusion layer {layer} of session {self.session.session_id!r} called outside its forward"
             )
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One layer without scratch tokens: write this forward's K/V into its pages and attend."""
+        self._check(layer)
         if query.shape[0] != self.seq_len or key.shape[0] != self.seq_len:
             raise ValidationError(
                 f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys, chunk holds {self.seq_len}"
             )
-        if self._stack is None:
-            self._stack = contextlib.ExitStack()
-            runtime = self._stack.enter_context(self.cache.worker.stepper())
-            runtime.ensure_rows(self.chunk.rows())
+        if self.prefix_visible:
+            return self._merged(layer, query, key, value, [])
+        self._step()
         dtype = self.cache.geometry.dtype
-        out = self.cache.worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+        worker = self._worker()
+        out = worker.forward(_layer_name(layer), query.to(dtype), key.to(dtype), value.to(dtype))
+        self._wrote(layer)
+        return out.to(query.dtype)
+
+    def attend_with_scratch(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scratch_key: torch.Tensor,
+        scratch_value: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer of a forward with action/state tokens (DreamZero): ``query`` is the chunk's
+        video queries followed by ``A`` action/state queries; ``scratch_key``/``scratch_value``
+        (``[A, Hkv, D]``) are their K/V, seen by this forward only and never written to the
+        pages (vLLM-Omni's scratch blocks). Every query sees the session's keys the chunk sees
+        plus the scratch keys (non-causal, as the host's block table of visible video blocks +
+        scratch blocks)."""
+        self._check(layer)
+        t, a = self.seq_len, self.action_len
+        if query.shape[0] != t + a or key.shape[0] != t or scratch_key.shape[0] != a:
+            raise ValidationError(
+                f"AR-diffusion layer {layer}: {query.shape[0]} queries / {key.shape[0]} keys / "
+                f"{scratch_key.shape[0]} scratch keys; the forward holds {t} video + {a} action/state tokens"
+            )
+        return self._merged(layer, query, key, value, [(scratch_key, scratch_value)])
+
+    def _merged(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        extra: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The chunk's K/V written and attended through the worker's backend as partial
+        attention with its log-sum-exp (queries past the chunk's as the chunk's own), each extra
+        key set -- and a visible first block, read from its context -- attended densely, and
+        all merged (``merge_partial_attention``)."""
+        self._step()
+        dtype = self.cache.geometry.dtype
+        name = _layer_name(layer)
+        q = query.to(dtype)
+        outs_lses = [
+            _session_partial(self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len)
+        ]
+        sets = [(k.to(dtype), v.to(dtype)) for k, v in extra]
+        if self.prefix_visible:
+            sets.append(read_context(self.cache.sessions, self.session, PREFIX, name))
+        scale = self.cache.worker.layers[name].scale
+        outs_lses += [_dense_partial(q, k, v, scale) for k, v in sets]
+        out = merge_partial_attention([o for o, _ in outs_lses], [lse for _, lse in outs_lses])
+        self._wrote(layer)
+        return out.to(query.dtype)
+
+    def _worker(self) -> PagedWorker:
+        if self.prefix_rows is not None:
+            contexts = self.cache.sessions.contexts
+            assert contexts is not None
+            return contexts.worker
+        return self.cache.worker
+
+    def _step(self) -> None:
+        """Activate this forward's rows on its worker (once per forward, at the first layer).
+
+        The batch prepared for the same rows by the previous forward is activated again when
+        nothing changed since (no block table change, no other preparation: the translator
+        refuses a stale batch with :class:`StaleBatchError`): a chunk's probe forwards and its
+        committing forward prepare once between them."""
+        if self._stack is not None:
+            return
+        worker = self._worker()
+        rows = self.prefix_rows if self.chunk is None else self.chunk.rows()
+        assert rows is not None
+        translator = worker.translator
+        assert translator is not None
+        stack = contextlib.ExitStack()
+        cached = self.cache.prepared.get(id(worker))
+        if cached is not None and cached[0] == rows:
+            try:
+                stack.enter_context(translator.activate(cached[1]))
+                self._stack = stack
+                return
+            except StaleBatchError:
+                pass
+        batch = translator.prepare(rows)
+        self.cache.prepared[id(worker)] = (rows, batch)
+        stack.enter_context(translator.activate(batch))
+        self._stack = stack
+
+    def _wrote(self, layer: int) -> None:
         self._written.add(layer)
         if len(self._written) == self.cache.geometry.num_layers:
             self.finish()
-        return out.to(query.dtype)
 
     @property
     def complete(self) -> bool:
@@ -356,6 +656,9 @@ class DiffusionKVARState:
         self._sessions: dict[str, Session] = {}
         self._chunks: dict[str, Chunk | None] = {}
         self._pending: dict[str, DiffusionKVARForward | None] = {}
+        self._prefix: dict[str, str] = {}
+        """Per branch, the first-block prefix: none, open, committed or released."""
+        self._prefix_rows: dict[str, tuple[PagedRow, ...]] = {}
         self._closed = False
         self._begin()
 
@@ -364,6 +667,7 @@ class DiffusionKVARState:
             self._sessions[branch] = self.cache.sessions.begin_session(f"{self.session_id}/{branch}")
             self._chunks[branch] = None
             self._pending[branch] = None
+            self._prefix[branch] = "none"
 
     @property
     def kv_branch_names(self) -> tuple[str, ...]:
@@ -378,7 +682,13 @@ class DiffusionKVARState:
         return found
 
     def committed_tokens(self, branch: str) -> int:
+        """Committed tokens of the branch's chunks (a first block of another length not counted)."""
         return self._session(branch).committed_tokens
+
+    def first_block(self, branch: str) -> str:
+        """The branch's first-block prefix: ``none``, ``open``, ``committed`` or ``released``."""
+        self._session(branch)
+        return self._prefix[branch]
 
     # -- self-attention ------------------------------------------------------------------------
 
@@ -390,11 +700,20 @@ class DiffusionKVARState:
         session = self._session(kv_branch)
         if seq_len is None:
             raise ValidationError("AR-diffusion paged self-attention needs seq_len in get_kv_caches()")
-        if int(seq_len) != self.cache.chunk_tokens:
+        tokens = int(seq_len)
+        cache = self.cache
+        first = cache.prefix_tokens and self._prefix[kv_branch] in ("none", "open")
+        expected = cache.prefix_tokens if first else cache.chunk_tokens
+        if tokens != expected:
+            what = "its first AR block holds" if first else "diffusion-kv sessions take AR blocks of"
             raise UnsupportedFeatureError(
-                f"AR-diffusion forward of {seq_len} tokens in session {self.session_id!r}: diffusion-kv sessions "
-                f"take AR blocks of {self.cache.chunk_tokens} tokens (variable-length blocks are not served yet)"
+                f"AR-diffusion forward of {tokens} tokens in session {self.session_id!r} branch {kv_branch!r}: "
+                f"{what} {expected} tokens (ARGeometry.frames_per_block / first_block_frames)"
             )
+        visible = False
+        if cache.prefix_tokens and not first:
+            end_frames = (session.committed_tokens + cache.chunk_tokens) // cache.geometry.tokens_per_frame
+            visible = cache.geometry.prefix_visible(end_frames)  # refuses a window cutting a block
         previous = self._pending.get(kv_branch)
         if previous is not None:
             if previous.commit_current and previous.complete:
@@ -403,6 +722,42 @@ class DiffusionKVARState:
                     "committed (commit_paged_context) before the next one"
                 )
             previous.finish()
+        if first:
+            forward = self._prefix_forward(session, kv_branch, bool(commit_current))
+        else:
+            if cache.prefix_tokens and not visible and self._prefix[kv_branch] == "committed":
+                cache.sessions.release_context(session, PREFIX)  # out of every later block's window
+                self._prefix[kv_branch] = "released"
+            forward = self._chunk_forward(session, kv_branch, bool(commit_current), visible)
+        self._pending[kv_branch] = forward
+        paged = importlib.import_module(_PAGED_ATTENTION)
+        return [
+            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
+            for i in range(self.num_layers)
+        ]
+
+    def _prefix_forward(self, session: Session, kv_branch: str, commit_current: bool) -> DiffusionKVARForward:
+        """The stream's first block of another length: its K/V in the session's prefix context
+        (reserved at its first forward), attending over itself only."""
+        if self._prefix[kv_branch] == "none":
+            rows = self.cache.sessions.set_context(session, PREFIX, self.cache.prefix_tokens)
+            if rows is None:
+                contexts = self.cache.sessions.contexts
+                assert contexts is not None
+                raise AdmissionError(
+                    f"session {self.session_id!r} branch {kv_branch!r}: its first block's "
+                    f"{self.cache.prefix_tokens} tokens do not fit the context pool "
+                    f"({contexts.allocator.pool.num_free} blocks free)"
+                )
+            self._prefix_rows[kv_branch] = rows
+            self._prefix[kv_branch] = "open"
+        return DiffusionKVARForward(
+            self, kv_branch, None, commit_current, prefix_rows=self._prefix_rows[kv_branch]
+        )
+
+    def _chunk_forward(
+        self, session: Session, kv_branch: str, commit_current: bool, visible: bool
+    ) -> DiffusionKVARForward:
         chunk = self._chunks[kv_branch]
         if chunk is None:
             chunk = self.cache.sessions.append_chunk(session)
@@ -412,13 +767,7 @@ class DiffusionKVARState:
                     f"the pool ({self.cache.pool.num_free} of {self.cache.pool.num_total} blocks free)"
                 )
             self._chunks[kv_branch] = chunk
-        forward = DiffusionKVARForward(self, kv_branch, chunk, bool(commit_current))
-        self._pending[kv_branch] = forward
-        paged = importlib.import_module(_PAGED_ATTENTION)
-        return [
-            paged.ARDiffusionPagedLayerContext(layer_idx=i, forward_ctx=forward)
-            for i in range(self.num_layers)
-        ]
+        return DiffusionKVARForward(self, kv_branch, chunk, commit_current, prefix_visible=visible)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's chunk is committed (retention then
@@ -429,9 +778,11 @@ class DiffusionKVARState:
             return
         forward.finish()
         self._pending[kv_branch] = None
-        if forward.commit_current and forward.complete:
+        if forward.commit_current and forward.complete and forward.is_prefix:
+            self._prefix[kv_branch] = "committed"
+        elif forward.commit_current and forward.complete:
             chunk = self._chunks[kv_branch]
-            assert chunk is forward.chunk
+            assert chunk is not None and chunk is forward.chunk
             self.cache.sessions.commit(chunk)
             self._chunks[kv_branch] = None
 
@@ -447,29 +798,37 @@ class DiffusionKVARState:
             if chunk is not None:
                 self.cache.sessions.abort(chunk)
                 self._chunks[branch] = None
+            if self._prefix.get(branch) == "open":  # an uncommitted first block goes with it
+                self.cache.sessions.release_context(self._sessions[branch], PREFIX)
+                self._prefix[branch] = "none"
 
     # -- cross-attention -----------------------------------------------------------------------
 
     def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
-        self._session(kv_branch)
-        return self.cache.cross.populated(self.session_id, cache_name, kv_branch)
+        return self.cache.cross.populated(self._session(kv_branch), cache_name)
 
     def populate_cross_attention(
         self, kv_branch: str, cache_name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        self._session(kv_branch)
-        self.cache.cross.populate(self.session_id, cache_name, kv_branch, layer_kv)
+        """Write-once: the branch session's context ``cache_name`` (every layer's K/V)."""
+        session = self._session(kv_branch)
+        if self.cache.cross.populated(session, cache_name):
+            raise StateError(
+                f"cross-attention cache {cache_name!r} of session {self.session_id!r} branch {kv_branch!r} is "
+                "populated already (write-once; reset or clear_cross_attention first)"
+            )
+        self.cache.cross.populate(session, cache_name, layer_kv)
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor | bool]]:
-        self._session(kv_branch)
-        return [
-            self.cache.cross.read(self.session_id, cache_name, kv_branch, i) for i in range(self.num_layers)
-        ]
+        session = self._session(kv_branch)
+        return [self.cache.cross.read(session, cache_name, i) for i in range(self.num_layers)]
 
     def clear_cross_attention(self) -> None:
+        """Release every context of every branch session (the self-attention KV stays)."""
         if self._closed:
             raise StateError(f"AR-diffusion session {self.session_id!r} is closed")
-        self.cache.cross.release(self.session_id)
+        for session in self._sessions.values():
+            self.cache.cross.release(session)
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -480,25 +839,90 @@ class DiffusionKVARState:
         self._sessions.clear()
 
     def close(self) -> None:
-        """End every branch session (all blocks back to the pool) and release cross-attention."""
+        """End every branch session: all blocks and every context back to their pools."""
         if self._closed:
             return
         self._end()
-        self.cache.cross.release(self.session_id)
         self._closed = True
 
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
-        """Drop the self-attention history (fresh branch sessions at position 0), keeping the
-        named cross-attention caches (DreamZero's window reset keeps ``text``)."""
+        """Drop the self-attention history (positions restart at 0: ``SessionCache.reset``),
+        keeping the named cross-attention contexts (DreamZero's window reset keeps ``text``)
+        and releasing the others."""
         unknown = set(keep_cross_attention) - set(self.cache.cross_attention_lengths)
         if unknown:
             raise ValidationError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
         if self._closed:
             self._closed = False
-        else:
-            self._end()
-        self.cache.cross.retain(self.session_id, keep_cross_attention)
-        self._begin()
+            self._begin()
+            return
+        self.abort_pending()
+        for session in self._sessions.values():
+            keep = [n for n in self.cache.cross.names(session) if n in set(keep_cross_attention)]
+            self.cache.sessions.reset(session, keep_contexts=keep)  # the first block goes too
+        for branch in self.cache.kv_branches:
+            self._prefix[branch] = "none"
+
+
+def _session_partial(
+    worker: PagedWorker,
+    layer_name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the open chunk's K/V (``tokens`` of them) and attend every query in ``query``
+    over what the chunk sees, through the worker's backend: ``(out [Q, H, D], lse [Q, H])``.
+
+    The first ``tokens`` queries are the chunk's own; any after them attend as the chunk's
+    queries do -- under a chunk-causal mask every query of a chunk sees the same keys -- in
+    pieces of ``tokens`` rows over the same prepared metadata (the last piece zero-padded)."""
+    executor = worker.executor
+    if executor is None:
+        raise StateError("the AR-diffusion worker's paged KV cache is not initialised")
+    ctx = executor.context(layer_name, query[:tokens], key, value)
+    if ctx.plan is not None:
+        raise UnsupportedFeatureError(
+            f"AR-diffusion layer {layer_name!r}: piecewise spans are not served here"
+        )
+    backend = executor.backends[layer_name]
+    kv_cache = executor.kv_caches[layer_name]
+    if ctx.slots_valid:
+        backend.write_kv_valid(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    else:
+        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+    md = ctx.native_metadata
+    outs, lses = [], []
+    out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, md)
+    outs.append(out)
+    lses.append(lse)
+    extra = query[tokens:]
+    for start in range(0, extra.shape[0], tokens):
+        piece = extra[start : start + tokens]
+        n = piece.shape[0]
+        if n < tokens:
+            piece = torch.cat((piece, piece.new_zeros((tokens - n, *piece.shape[1:]))))
+        out, lse = backend.forward_partial(ctx.layer, piece.contiguous(), kv_cache, md)
+        outs.append(out[:n])
+        lses.append(lse[:n])
+    executor.translator.layer_done(layer_name)  # the write counts (commit checks every layer wrote)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _dense_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query over every one of a few keys (no mask), fp32: ``(out [Q, H, D], lse [Q, H])``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    k, v = key.float(), value.float()
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
+    return out.to(query.dtype), lse.transpose(0, 1).contiguous()
 
 
 def _kernel(
@@ -537,16 +961,13 @@ def _kernel(
     forward = cache.active
     if forward is None:
         raise StateError(f"AR-diffusion layer {layer} called with no prepared diffusion-kv forward")
-    if k_act is not None and k_act.shape[0] > 0:
-        raise UnsupportedFeatureError(
-            f"AR-diffusion action/state K/V ({k_act.shape[0]} tokens) in layer {layer}: not served by "
-            "diffusion-kv sessions yet"
-        )
     expected = forward.cache.geometry.head_size**-0.5
     if abs(softmax_scale - expected) > 1e-12 * expected:
         raise UnsupportedFeatureError(
             f"AR-diffusion layer {layer} softmax_scale {softmax_scale} differs from head_size**-0.5 = {expected}"
         )
+    if k_act is not None and v_act is not None and k_act.shape[0] > 0:
+        return forward.attend_with_scratch(layer, query, k_curr, v_curr, k_act, v_act)
     return forward.attend(layer, query, k_curr, v_curr)
 
 
@@ -561,10 +982,12 @@ def install_cpu_kernel() -> None:
 
 
 __all__ = [
+    "PREFIX",
     "ARGeometry",
     "CrossAttentionStore",
     "DiffusionKVARCache",
     "DiffusionKVARForward",
     "DiffusionKVARState",
     "install_cpu_kernel",
+    "read_context",
 ]
