@@ -28,7 +28,7 @@ from diffusion_kv.integrations.vllm_omni.native import LAYER_ATTR, PagedImpl, pa
 from tests.vllm_omni import tiny_dit
 from tests.vllm_omni.conftest import patched
 
-pytestmark = pytest.mark.skipif(patched(), reason="vLLM-Omni is patched here: module-replacement run")
+zero_patch = pytest.mark.skipif(patched(), reason="vLLM-Omni is patched here: module-replacement run")
 
 SHAPE = tiny_dit.Shape(dtype=torch.float16, block_size=32)
 TOL = tolerance(torch.float16)
@@ -69,6 +69,7 @@ def dense() -> tiny_dit.RunResult:
     return tiny_dit.run(SHAPE, paged=False)
 
 
+@zero_patch
 @pytest.mark.parametrize(("cache_dtype", "forced"), [("fp8", None), ("fp8_e4m3", "cpu:reference")])
 def test_fp8_pages_match_dense_over_the_stored_values(
     monkeypatch: pytest.MonkeyPatch,
@@ -104,6 +105,7 @@ def test_fp8_pages_match_dense_over_the_stored_values(
     assert near < gap
 
 
+@zero_patch
 @pytest.mark.parametrize("forced", ["cpu:sdpa", "cpu:vllm-cpu-attn"])
 def test_a_backend_without_e4m3_is_refused(monkeypatch: pytest.MonkeyPatch, forced: str) -> None:
     with_cache_dtype(monkeypatch, "fp8", forced)
@@ -114,6 +116,7 @@ def test_a_backend_without_e4m3_is_refused(monkeypatch: pytest.MonkeyPatch, forc
     assert f"`{forced}`" in text and "kv_cache_dtype=fp8_e4m3 (pages hold the compute dtype only)" in text
 
 
+@zero_patch
 def test_e5m2_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with_cache_dtype(monkeypatch, "fp8_e5m2", None)
     with pytest.raises(
@@ -135,3 +138,11 @@ def test_page_view_of_a_16_bit_cache_as_e4m3() -> None:
     assert raw[1, 0, 2, 3].item() == torch.tensor(1.5, dtype=FP8_E4M3).view(torch.uint8).item()
     assert raw[1, 1, 2, 8 + 7].item() == torch.tensor(-2.0, dtype=FP8_E4M3).view(torch.uint8).item()
     assert int(raw.count_nonzero()) == 2
+
+
+@pytest.mark.skipif(not patched(), reason="vLLM-Omni is unpatched here: zero-patch run")
+def test_the_module_replacement_refuses_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_cache_dtype(monkeypatch, "fp8", None)
+    with pytest.raises(UnsupportedFeatureError) as error:
+        tiny_dit.run(SHAPE, paged=True)
+    assert str(error.value).startswith("the module replacement does not serve kv_cache_dtype='fp8' yet")
