@@ -97,7 +97,7 @@ def test_fp8_pages_match_dense_over_the_stored_values(
         assert int(raw[..., 2 * d :].count_nonzero()) == 0
         assert int(raw[..., : 2 * d].count_nonzero()) > 0
     assert result.tokens_per_step == [160, 64, 64]
-    torch.testing.assert_close(result.output, dense_over_stored.output, **TOL)
+    torch.testing.assert_close(result.output, dense_over_stored.output, atol=TOL["atol"], rtol=TOL["rtol"])
     # the pages are quantised: the run is closer to the dense run over the rounded K/V than to the
     # unrounded one (measured: 2 and 4 float16 steps at the output's scale, 1.66)
     near = (result.output.float() - dense_over_stored.output.float()).abs().max().item()

@@ -25,6 +25,11 @@ view a plain strided view (:data:`~.hooks.PAGE_LAYOUT_KV_CACHE_LAYOUT`). Decode 
 parallelism is refused here (the partial attention would need a merge across ranks that this
 path has no group for); the module replacement (:mod:`.runner`) supports it.
 
+fp8 pages: vLLM's ``cache_config.cache_dtype`` ``fp8``/``fp8_e4m3`` (the ``kv_cache_dtype``
+vLLM-Omni passes the impl) gives each layer's geometry ``float8_e4m3fn`` pages and the core's
+per-KV-head scales, on a backend declaring e4m3 (the requirements refuse one that does not);
+:func:`page_view` reads the e4m3 pages out of the model-dtype cache vLLM-Omni allocates.
+
 vLLM is imported when a class is first built, never at module import.
 """
 
