@@ -53,7 +53,13 @@ from diffusion_kv.core.backend import KVPageLayout, PagedBackend
 from diffusion_kv.core.batch import PagedBatch
 from diffusion_kv.core.block_tables import BlockTables, block_table_width
 from diffusion_kv.core.capabilities import AttentionMode, MultipleOf, Requirements
-from diffusion_kv.core.errors import StateError, UnsupportedRequirementsError, ValidationError
+from diffusion_kv.core.errors import (
+    StateError,
+    UnsupportedFeatureError,
+    UnsupportedRequirementsError,
+    ValidationError,
+)
+from diffusion_kv.core.kv_quant import FP8_E4M3, is_unquantised, parse_kv_cache_dtype
 from diffusion_kv.platforms.interface import ENV_BACKEND, Platform, forced_backend
 
 CONFIG_KEY = "diffusion_kv_backend"
@@ -181,6 +187,34 @@ class OmniBlockTablesFactory:
 # --------------------------------------------------------------------------------------------
 
 
+FP8_NAMES = ("fp8", "fp8_e4m3")
+"""vLLM ``--kv-cache-dtype`` spellings of e4m3 pages a backend declaring ``float8_e4m3fn`` serves."""
+
+
+def cache_dtype_refusal(kv_cache_dtype: object) -> str | None:
+    """Why the paged path cannot take vLLM's ``cache_config.cache_dtype`` ``kv_cache_dtype``;
+    None when it can (``auto`` or e4m3: ``fp8``, ``fp8_e4m3``). e5m2 and a 16-bit cache dtype
+    other than the model's are refused (pages hold the layer's dtype or e4m3)."""
+    if is_unquantised(kv_cache_dtype):
+        return None
+    try:
+        parsed = parse_kv_cache_dtype(kv_cache_dtype)
+    except ValidationError:
+        parsed = None
+    if parsed == FP8_E4M3:
+        return None
+    return f"kv_cache_dtype={kv_cache_dtype!r} (served: auto, {', '.join(FP8_NAMES)}; fp8 pages are e4m3)"
+
+
+def group_cache_dtype(vllm_config: Any) -> torch.dtype | None:
+    """The pages' dtype vLLM's ``cache_config.cache_dtype`` asks for (None: the layer's own)."""
+    value = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    reason = cache_dtype_refusal(value)
+    if reason is not None:
+        raise UnsupportedFeatureError(f"diffusion-kv paged backends do not support {reason}")
+    return None if is_unquantised(value) else FP8_E4M3
+
+
 def group_causal(causal: bool | Mapping[int, bool], group: int, mode: AttentionMode) -> AttentionMode:
     """The mode of group ``group`` for one build, as upstream's ``causal`` asks (a mapping that
     omits the group: the group's own ``mode``): a piecewise segment's flag holds for every group,
@@ -298,6 +332,7 @@ class DiffusionKVPlatformHooks:
             dtype=dtype if isinstance(dtype, torch.dtype) else None,
             ulysses_degree=ulysses_degree,
             dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            kv_cache_dtype=group_cache_dtype(vllm_config),
         )
 
     def decide(self, requirements: Requirements) -> Decision:
@@ -400,6 +435,7 @@ class DiffusionKVPlatformHooks:
                 block_size=block,
                 ulysses_degree=requirements.ulysses_degree,
                 dcp_size=requirements.dcp_size,
+                kv_cache_dtype=requirements.kv_cache_dtype,
             )
         return self.decide(requirements)
 
@@ -427,12 +463,15 @@ class DiffusionKVPlatformHooks:
 
 __all__ = [
     "CONFIG_KEY",
+    "FP8_NAMES",
     "PAGE_LAYOUT_KV_CACHE_LAYOUT",
     "TOKEN_ALIGNMENT",
     "Decision",
     "DiffusionKVPlatformHooks",
     "OmniBlockTablesFactory",
+    "cache_dtype_refusal",
     "current_vllm_config",
+    "group_cache_dtype",
     "group_causal",
     "kernel_block_sizes_text",
     "kv_cache_layout_for",

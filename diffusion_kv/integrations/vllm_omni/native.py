@@ -25,11 +25,17 @@ view a plain strided view (:data:`~.hooks.PAGE_LAYOUT_KV_CACHE_LAYOUT`). Decode 
 parallelism is refused here (the partial attention would need a merge across ranks that this
 path has no group for); the module replacement (:mod:`.runner`) supports it.
 
+fp8 pages: vLLM's ``cache_config.cache_dtype`` ``fp8``/``fp8_e4m3`` (the ``kv_cache_dtype``
+vLLM-Omni passes the impl) gives each layer's geometry ``float8_e4m3fn`` pages and the core's
+per-KV-head scales, on a backend declaring e4m3 (the requirements refuse one that does not);
+:func:`page_view` reads the e4m3 pages out of the model-dtype cache vLLM-Omni allocates.
+
 vLLM is imported when a class is first built, never at module import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,23 +52,40 @@ from diffusion_kv.core.errors import (
     UnsupportedRequirementsError,
     ValidationError,
 )
-from diffusion_kv.core.kv_quant import is_unquantised
+from diffusion_kv.core.kv_quant import FP8_E4M3, KVScales
 from diffusion_kv.core.layout import CacheLayout
-from diffusion_kv.integrations.vllm_omni.hooks import paged_batch
+from diffusion_kv.integrations.vllm_omni.hooks import (
+    FP8_NAMES,
+    cache_dtype_refusal,
+    group_cache_dtype,
+    paged_batch,
+)
 from diffusion_kv.platforms.interface import Platform
 
 LAYER_ATTR = "_diffusion_kv_group"
 """Attribute of a vLLM-Omni layer adapter holding its :class:`BoundLayer` once built."""
 
 
-def page_view(kv_cache: KVCache, layout: KVPageLayout, head_size: int) -> KVCache:
+def page_view(
+    kv_cache: KVCache, layout: KVPageLayout, head_size: int, cache_dtype: torch.dtype | None = None
+) -> KVCache:
     """vLLM's per-layer ``[blocks, kv_heads, block, 2 * head_size]`` cache as ``layout`` pages.
 
     Zero-copy: the result is a strided view of the same storage (writes go to vLLM's tensor).
-    A cache already in page shape (5-D, or a tuple) is returned as it is.
+    A cache already in page shape (5-D, or a tuple) is returned as it is. ``cache_dtype``
+    ``float8_e4m3fn`` (fp8 pages): the cache's bytes as e4m3, each token's K and V in its first
+    ``2 * head_size`` bytes (vLLM-Omni sizes a paged layer's spec in the model dtype, so a
+    16-bit cache leaves the rest of each token's slot unused; a 1-byte cache is used whole).
     """
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.ndim != 4:
         return kv_cache
+    if cache_dtype == FP8_E4M3 and kv_cache.dtype != FP8_E4M3:
+        if kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1:
+            raise ValidationError(
+                f"KV cache view {tuple(kv_cache.shape)} (strides {kv_cache.stride()}) is not "
+                f"[blocks, kv_heads, block_size, 2*{head_size}] with contiguous channels"
+            )
+        kv_cache = kv_cache.view(torch.uint8)[..., : 2 * head_size].view(FP8_E4M3)
     if kv_cache.shape[-1] != 2 * head_size:
         raise ValidationError(
             f"KV cache view {tuple(kv_cache.shape)} is not [blocks, kv_heads, block_size, 2*{head_size}]"
@@ -148,14 +171,15 @@ class PagedImpl:
             )
             if value is not None
         ]
-        if not is_unquantised(kv_cache_dtype):
-            unsupported.append(f"kv_cache_dtype={kv_cache_dtype!r}")
+        reason = cache_dtype_refusal(kv_cache_dtype)
+        if reason is not None:
+            unsupported.append(reason)
         if str(attn_type).lower() not in ("decoder", "attentiontype.decoder"):
             unsupported.append(f"attn_type={attn_type!r}")
         if unsupported:
             raise UnsupportedFeatureError(
                 f"diffusion-kv paged backends do not support {unsupported} (the paged diffusion path is "
-                "unquantised decoder attention)"
+                "decoder attention, its pages unquantised or fp8_e4m3)"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -173,7 +197,7 @@ class PagedImpl:
     ) -> None:
         bound = _bound(layer)
         g = bound.geometry
-        pages = page_view(kv_cache, bound.backend.page_layout, g.head_size)
+        pages = page_view(kv_cache, bound.backend.page_layout, g.head_size, g.cache_dtype)
         bound.backend.write_kv(g, key, value, pages, slot_mapping.reshape(-1)[: key.shape[0]])
 
     def forward(
@@ -200,7 +224,7 @@ class PagedImpl:
             )
         bound = _bound(layer)
         g = bound.geometry
-        pages = page_view(kv_cache, bound.backend.page_layout, g.head_size)
+        pages = page_view(kv_cache, bound.backend.page_layout, g.head_size, g.cache_dtype)
         q = query.reshape(-1, g.num_heads, g.head_size)
         out = output.view(q.shape) if output is not None else None
         result = attn_metadata.backend.forward(g, q.contiguous(), pages, attn_metadata.native, out)
@@ -258,7 +282,9 @@ def vllm_attention_backend_for(backend: type[PagedBackend]) -> type:
         forward_includes_kv_cache_update: bool = False
         accept_output_buffer: bool = True
         supported_dtypes: ClassVar[list[torch.dtype]] = sorted(caps.dtypes, key=str)
-        supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+        supported_kv_cache_dtypes: ClassVar[list[str]] = (
+            ["auto", *FP8_NAMES] if FP8_E4M3 in caps.kv_cache_dtypes else ["auto"]
+        )
         paged_backend: ClassVar[type[PagedBackend]] = backend
 
         @staticmethod
@@ -316,6 +342,17 @@ def make_group_backend(
     group_spec = kv_cache_config.kv_cache_groups[group_index].kv_cache_spec
     layers = {name: forward_context[name] for name in builder.layer_names}
     geometry = tuple(layer_geometry(layer, name) for name, layer in layers.items())
+    cache_dtype = group_cache_dtype(vllm_config)
+    device = torch.device(builder.device)
+    if cache_dtype is not None:
+        geometry = tuple(
+            dataclasses.replace(
+                g,
+                cache_dtype=cache_dtype,
+                kv_scales=KVScales(g.num_kv_heads, device, layer=g.layer_name),
+            )
+            for g in geometry
+        )
     g0 = geometry[0]
     block_size = int(group_spec.block_size)
     kernel = int(getattr(builder, "kernel_block_size", None) or builder.kv_cache_spec.block_size)
@@ -337,6 +374,7 @@ def make_group_backend(
         num_kv_heads=g0.num_kv_heads,
         block_size=block_size,
         attention_modes=frozenset(modes),
+        kv_cache_dtype=cache_dtype,
     )
     reasons = platform.backend_reasons(backend, requirements)
     if reasons:
@@ -360,7 +398,7 @@ def make_group_backend(
         num_blocks=int(kv_cache_config.num_blocks),
         block_tables=block_tables,
         layout=layout,
-        device=torch.device(builder.device),
+        device=device,
         platform_name=platform.name,
     )
     instance = backend(context)

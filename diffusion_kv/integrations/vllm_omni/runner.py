@@ -72,7 +72,11 @@ from diffusion_kv.core.rows import PagedRow, Phase
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, ParallelConfig, RunnerConfig
 from diffusion_kv.core.runtime import BatchStepper
 from diffusion_kv.core.translate import PreparedBatch
-from diffusion_kv.integrations.vllm_omni.hooks import TOKEN_ALIGNMENT, DiffusionKVPlatformHooks
+from diffusion_kv.integrations.vllm_omni.hooks import (
+    TOKEN_ALIGNMENT,
+    DiffusionKVPlatformHooks,
+    group_cache_dtype,
+)
 from diffusion_kv.integrations.vllm_omni.native import page_view
 from diffusion_kv.integrations.vllm_omni.records import (
     DiffusionPagedAttentionMetadata,
@@ -500,6 +504,12 @@ class DiffusionKVModelRunnerBackend:
         """``{name: (layer, kv_cache_spec)}`` -> ``{name: spec with rank-local num_kv_heads}``."""
         if self.kv_cache_config is not None:
             raise StateError("Diffusion KV cache layers cannot be changed after physical initialization")
+        if layers and group_cache_dtype(self.vllm_config) is not None:
+            raise UnsupportedFeatureError(
+                f"the module replacement does not serve kv_cache_dtype="
+                f"{self.vllm_config.cache_config.cache_dtype!r} yet (fp8 pages of a spec sized in the model "
+                "dtype are not bound here); vLLM-Omni's own paged module (zero-patch) serves fp8_e4m3"
+            )
         specs: dict[str, PagedLayerSpec] = {}
         scales: dict[str, float] = {}
         for name, entry in layers.items():
