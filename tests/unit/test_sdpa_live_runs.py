@@ -11,15 +11,18 @@ def _group(rows: tuple[int, ...], live: tuple[int, ...]) -> SdpaRowGroup:
     return SdpaRowGroup(64, 320, rows, None, None, 16 * len(live), live=torch.tensor(live), live_host=live)
 
 
-def test_runs_follow_the_placement_in_live_order() -> None:
+def test_one_run_follows_the_placement() -> None:
     grp = _group((0,), (0, 1, 2, 5, 6))
-    assert live_runs(grp, ((10, 11, 12, 3, 4, 7, 8),), 1) == ((10, 3), (7, 2))
+    assert live_runs(grp, ((10, 11, 12, 3, 4, 13, 14),), 1) == ((10, 5),)
+    assert MAX_LIVE_RUNS == 1  # the live blocks in two runs: gathered
+    assert live_runs(grp, ((10, 11, 12, 3, 4, 7, 8),), 1) is None
 
 
-def test_runs_with_several_kernel_blocks_per_block() -> None:
-    grp = _group((0,), (0, 1, 2, 3, 5))
-    # scheduler blocks 5, 1, 9 hold kernel blocks 10-11, 2-3, 18-19
-    assert live_runs(grp, ((5, 1, 9),), 2) == ((10, 2), (2, 2), (19, 1))
+def test_one_run_with_several_kernel_blocks_per_block() -> None:
+    grp = _group((0,), (2, 3, 4, 5))
+    # scheduler blocks 5, 1, 2 hold kernel blocks 10-11, 2-3, 4-5
+    assert live_runs(grp, ((5, 1, 2),), 2) == ((2, 4),)
+    assert live_runs(_group((0,), (0, 1, 2, 3)), ((5, 1, 2),), 2) is None
 
 
 def test_no_runs_for_several_rows_unknown_placement_or_too_many_runs() -> None:
