@@ -371,11 +371,18 @@ class RowRegistry:
 
     @staticmethod
     def _released_tokens(install: RowInstall, g: int, tokens_per_block: int) -> list[tuple[int, int]]:
-        return [
-            (p * tokens_per_block, min((p + 1) * tokens_per_block, install.token_len))
-            for p, b in enumerate(install.block_ids[g])
-            if b == NULL_BLOCK
-        ]
+        """The token ranges of the row's released (null) blocks in group ``g``, adjacent ones
+        merged (a session's slid-out history is one run, however long it grew)."""
+        out: list[tuple[int, int]] = []
+        for p, b in enumerate(install.block_ids[g]):
+            if b != NULL_BLOCK:
+                continue
+            start, end = p * tokens_per_block, min((p + 1) * tokens_per_block, install.token_len)
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((start, end))
+        return out
 
     def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
         """Raise the error for the first invalid block id of ``ids`` (group ``g``)."""

@@ -83,6 +83,12 @@ class SdpaRowGroup:
     key_mask: torch.Tensor | None = None
     """A planned mask: ``[query_len, kv_len]`` bool on the device, which live key each query
     sees; None when every query sees every live key (FULL blocks only)."""
+    live_host: tuple[int, ...] = ()
+    """A planned mask: ``live`` on the host (the block-table columns the group reads)."""
+    live_runs: tuple[tuple[int, int], ...] | None = None
+    """A planned mask on the CPU, one row: ``(first kernel block, count)`` runs of the cache
+    holding the live blocks in ``live``'s order, set per batch from its placement: K/V are then
+    one view of the cache (one run) or a concatenation of a few slices, not an indexed gather."""
 
     @property
     def contiguous(self) -> bool:
@@ -228,9 +234,40 @@ def planned_row_groups(
                 int(key_pos.numel()),
                 live=to_device(live, device),
                 key_mask=key_mask,
+                live_host=tuple(int(b) for b in live.tolist()),
             )
         )
     return tuple(groups)
+
+
+MAX_LIVE_RUNS = 1
+"""At most this many runs of cache blocks are read as slices (more: the indexed gather). One: a
+single run is a view of the cache (nothing copied); a concatenation of several slices measured
+no faster than the gather on the CPU (20 blocks of 16 x 4 x 64 float32 in 3 runs: about 20 us
+either way, 1 thread)."""
+
+
+def live_runs(
+    grp: SdpaRowGroup, host_block_ids: tuple[tuple[int, ...], ...], ratio: int
+) -> tuple[tuple[int, int], ...] | None:
+    """``SdpaRowGroup.live_runs`` of a one-row planned group placed at ``host_block_ids``
+    (scheduler ids, ``ratio`` kernel blocks each); None for several rows, an unknown placement
+    or more than :data:`MAX_LIVE_RUNS` runs."""
+    if len(grp.rows) != 1 or not grp.live_host or not host_block_ids:
+        return None
+    ids = host_block_ids[grp.rows[0]]
+    if (grp.live_host[-1] // ratio) >= len(ids):
+        return None
+    runs: list[list[int]] = []
+    for col in grp.live_host:
+        block = ids[col // ratio] * ratio + col % ratio
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1][1] += 1
+        elif len(runs) == MAX_LIVE_RUNS:
+            return None
+        else:
+            runs.append([block, 1])
+    return tuple((a, n) for a, n in runs)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -353,6 +390,17 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
     )
 
 
+def _runs_of(cache: torch.Tensor, runs: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
+    """``[1, keys, Hkv, D]``: the first ``keys`` keys of the cache blocks ``runs`` (``(first,
+    count)``, in order): a view for one run, else one concatenation of the slices."""
+    if len(runs) == 1:
+        a, n = runs[0]
+        part = cache[a : a + n]
+    else:
+        part = torch.cat([cache[a : a + n] for a, n in runs])
+    return part.reshape(1, part.shape[0] * part.shape[1], cache.shape[2], cache.shape[3])[:, :keys]
+
+
 class TorchSdpaBackend(PagedBackend):
     """Paged attention by gather (or view) + torch SDPA, on any torch device.
 
@@ -418,7 +466,7 @@ class TorchSdpaBackend(PagedBackend):
                 seq,
                 KernelWay.SDPA,
                 self.sdpa_reason,
-                dict(sdpa_groups=self._planned_groups(batch, qsl, seq, device)),
+                dict(sdpa_groups=self._placed(batch, self._planned_groups(batch, qsl, seq, device), device)),
             )
         if self.cp_size > 1:
             local, local_dev = self._dcp_local(batch, device)
@@ -460,6 +508,22 @@ class TorchSdpaBackend(PagedBackend):
                 del self._planned[next(iter(self._planned))]
             self._planned[key] = groups
         return groups
+
+    def _placed(
+        self, batch: PagedBatch, groups: tuple[SdpaRowGroup, ...], device: torch.device
+    ) -> tuple[SdpaRowGroup, ...]:
+        """On the CPU, the planned one-row groups with their ``live_runs`` from this batch's
+        placement (made per prepared batch, never cached by shape: the placement changes as a
+        session's window slides). Other devices keep the device-side gather, which a captured
+        graph replays over new block tables."""
+        if device.type != "cpu":
+            return groups
+        ratio = self.group.block_size // self.group.kernel_block_size
+        out = []
+        for grp in groups:
+            runs = live_runs(grp, batch.host_block_ids, ratio)
+            out.append(grp if runs is None else replace(grp, live_runs=runs))
+        return tuple(out)
 
     def _dcp_local(self, batch: PagedBatch, device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
         """Under DCP, the keys of each row on this rank: on the host and on ``device``."""
@@ -609,7 +673,10 @@ class TorchSdpaBackend(PagedBackend):
         nblk = cdiv(keys, md.page)
         R = len(rows)
         k_cache, v_cache = key_value_caches(kv_cache)
-        if grp.live is not None:  # a planned mask: the live blocks only, gathered
+        if grp.live_runs is not None:  # a planned mask on the CPU: the live blocks' runs, sliced
+            k = _runs_of(k_cache, grp.live_runs, keys)
+            v = _runs_of(v_cache, grp.live_runs, keys)
+        elif grp.live is not None:  # a planned mask: the live blocks only, gathered
             if grp.row_index is None:
                 table = md.block_table[rows[0] : rows[0] + R]
             else:
@@ -754,6 +821,10 @@ class TorchSdpaBackend(PagedBackend):
                 o = torch.ops.aten._scaled_dot_product_cudnn_attention(
                     qt, kt, vt, None, False, 0.0, is_causal, False, scale=layer.scale
                 )[0]
+            elif not qt.is_cuda:  # the priority order names CUDA kernels only: no context to enter
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
+                )
             else:
                 with sdpa_kernel(order, set_priority=True):
                     o = torch.nn.functional.scaled_dot_product_attention(
