@@ -125,6 +125,9 @@ class RowTransition(enum.Enum):
     REMOVE = "remove"
 
 
+_INSTALLED = frozenset({RowTransition.INSTALL})
+
+
 def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
     """``spans`` less ``[start, end)``."""
     out: list[tuple[int, int]] = []
@@ -234,6 +237,14 @@ class RowRegistry:
         self._writer: list[np.ndarray] = [np.zeros(layout.num_blocks, dtype=np.int32) for _ in layout.groups]
         self._sharers: list[dict[int, dict[Identity, None]]] = [{} for _ in layout.groups]
         self._identity_at: list[Identity | None] = [None] * block_tables.max_num_reqs  # row -> identity
+        # per group: tokens per block id (block_size x cp_size), blocks a row can hold
+        self._geometry = tuple(
+            (
+                g.block_size * block_tables.cp_size,
+                cdiv(layout.max_model_len, g.block_size * block_tables.cp_size),
+            )
+            for g in layout.groups
+        )
         self._claimed: dict[str, list[np.ndarray]] = {}
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
         # resolve()'s answers: each depends on _rows, _states and _written of its identity only,
@@ -424,6 +435,80 @@ class RowRegistry:
         raise ValidationError(f"row {identity!r} group {g} has invalid block ids {ids!r}")  # unreachable
 
     def _prepare(self, snapshot: RequestAllocation) -> list[RowInstall]:
+        plain = self._prepare_plain(snapshot)
+        return plain[0] if plain is not None else self._prepare_checked(snapshot)
+
+    def _prepare_plain(self, snapshot: RequestAllocation) -> tuple[list[RowInstall], list[list[int]]] | None:
+        """The rows of the common snapshot -- sequences only, no released places, no block
+        listed twice in the request, every check of :meth:`_prepare_checked` passing -- with
+        O(1) Python work per row and group (the per-block checks run in C), and per group every
+        block the rows list; ``None`` for anything else, which the checked path then validates
+        (or refuses, naming the offence)."""
+        if type(snapshot) is not RequestAllocation or snapshot.contexts:
+            return None
+        rid = snapshot.request_id
+        gen = snapshot.allocation_generation
+        sequences = snapshot.sequences
+        if (
+            type(rid) is not str
+            or not rid
+            or type(gen) is not int
+            or gen < 0
+            or not sequences
+            or len(sequences) > self.layout.max_rows_per_request
+        ):
+            return None
+        geometry = self._geometry
+        num_blocks = self.layout.num_blocks
+        seen: set[int] = set()
+        installs: list[RowInstall] = []
+        listed: list[list[int]] = [[] for _ in geometry]
+        for seq in sequences:
+            sid, seq_len, cached, block_ids = (
+                seq.sequence_id,
+                seq.seq_len,
+                seq.cached_prefix_len,
+                seq.block_ids,
+            )
+            prefix_len, target_len = seq.prefix_len, seq.target_len
+            if not (
+                type(sid) is int
+                and sid >= 0
+                and sid not in seen
+                and type(seq_len) is int
+                and type(prefix_len) is int
+                and type(target_len) is int
+                and type(cached) is int
+                and 0 <= cached <= prefix_len
+                and target_len >= 0
+                and prefix_len + target_len <= seq_len
+                and not seq.context_ids
+                and type(block_ids) is tuple
+                and len(block_ids) == len(geometry)
+            ):
+                return None
+            seen.add(sid)
+            for ids, (tokens_per_block, capacity), blocks in zip(block_ids, geometry, listed, strict=True):
+                if not (
+                    type(ids) is tuple
+                    and len(ids) == -(-seq_len // tokens_per_block) <= capacity
+                    and not cached % tokens_per_block
+                ):
+                    return None
+                if ids:
+                    if set(map(type, ids)) != _INT_ONLY:
+                        return None
+                    ordered = sorted(ids)  # (an int-only sort runs a specialised comparison)
+                    if ordered[0] < 0 or ordered[-1] >= num_blocks:
+                        return None  # NULL_BLOCK (released places) lands here too
+                    blocks += ids
+            installs.append(RowInstall((rid, sid, None), seq_len, block_ids, None, cached))
+        for blocks in listed:
+            if len(set(blocks)) != len(blocks):
+                return None  # listed twice in a row (refused) or by two rows (ownership decides)
+        return installs, listed
+
+    def _prepare_checked(self, snapshot: RequestAllocation) -> list[RowInstall]:
         if not isinstance(snapshot, RequestAllocation):
             raise ValidationError(f"expected a RequestAllocation; got {type(snapshot).__name__}")
         rid = snapshot.request_id
@@ -488,12 +573,23 @@ class RowRegistry:
             )
         return installs
 
-    def _check_ownership(self, installs: Sequence[RowInstall]) -> list[tuple[np.ndarray, list[int]]]:
+    def _check_ownership(
+        self, installs: Sequence[RowInstall], listed: list[list[int]] | None = None
+    ) -> list[tuple[np.ndarray, list[int]]]:
         """Refuse any block a new row writes that another live (or new) row holds, and any
         cached-prefix block another row writes (module rules). Returns, per group, the blocks
         the rows write (one array, row after row, released places dropped) and how many each
-        row writes (what :meth:`_claim` records)."""
+        row writes (what :meth:`_claim` records). ``listed``: from :meth:`_prepare_plain`."""
         claims: list[tuple[np.ndarray, list[int]]] = []
+        if listed is not None and not any(install.read_only_tokens for install in installs):
+            # every listed block is written, no place is released, none is listed twice
+            for g, every in enumerate(listed):
+                array = np.fromiter(every, dtype=np.intp, count=len(every))
+                claims.append((array, [len(install.block_ids[g]) for install in installs]))
+                sharers = self._sharers[g]
+                if self._writer[g][array].any() or (sharers and not sharers.keys().isdisjoint(every)):
+                    self._explain_ownership(g, self._geometry[g][0], installs)
+            return claims
         for g, (tokens_per_block, written, counts, shared) in enumerate(self._held_blocks(installs)):
             blocks = np.fromiter(written, dtype=np.intp, count=len(written))
             claims.append((blocks, counts))
@@ -589,21 +685,25 @@ class RowRegistry:
 
     # -- mutation -----------------------------------------------------------------------------
 
-    def _write_rows(self, rows: list[int], block_ids: list[tuple[tuple[int, ...], ...]]) -> None:
-        """Stage and apply rows; on failure restore staged writes and ``num_blocks``."""
+    def _write_rows(
+        self, rows: list[int], block_ids: list[tuple[tuple[int, ...], ...]], released: bool = True
+    ) -> None:
+        """Stage and apply rows; on failure restore staged writes and ``num_blocks``.
+        ``released=False``: no place of ``block_ids`` is ``NULL_BLOCK`` (nothing to map)."""
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
         counts = getattr(bt.num_blocks, "np", None)  # NumPy view of the host counts, where offered
-        previous = counts[:, rows].copy() if counts is not None else bt.num_blocks.cpu[:, rows]
+        # (the whole host array: a copy of a few hundred ints is cheaper than a column gather)
+        previous = counts.copy() if counts is not None else bt.num_blocks.cpu[:, rows]
         try:
             for row, ids in zip(rows, block_ids, strict=True):
                 # a released place reads as the null entry (block 0, as past a row's end)
                 bt.append_block_ids(
                     row,
-                    tuple(
-                        [max(b, 0) for b in group] if NULL_BLOCK in group else list(group) for group in ids
-                    ),
+                    tuple([max(b, 0) for b in group] if NULL_BLOCK in group else list(group) for group in ids)
+                    if released
+                    else tuple(map(list, ids)),
                     overwrite=True,
                 )
             bt.apply_staged_writes()
@@ -611,7 +711,7 @@ class RowRegistry:
             for table in bt.block_tables:
                 table.clear_staged_writes()
             if counts is not None:
-                counts[:, rows] = previous
+                counts[...] = previous  # only the rows written here changed
             else:
                 bt.num_blocks.cpu[:, rows] = previous
             bt.num_blocks.copy_to_uva()
@@ -624,7 +724,8 @@ class RowRegistry:
         """Install a snapshot; ``True`` when rows were newly installed (see module rules)."""
         if self.mode is not KVCacheMode.PAGED:
             raise ValidationError("dense execution must not install paged KV allocation snapshots")
-        installs = self._prepare(snapshot)
+        plain = self._prepare_plain(snapshot)
+        installs, listed = plain if plain is not None else (self._prepare_checked(snapshot), None)
         rid, gen = snapshot.request_id, snapshot.allocation_generation
         state = self._states.get(rid)
         removed_at = self._removed.get(rid)
@@ -656,14 +757,14 @@ class RowRegistry:
         orphans = [i.identity for i in installs if i.identity in self._rows]
         if orphans:
             raise StateError(f"row registry holds orphaned identities for request {rid!r}: {orphans!r}")
-        claims = self._check_ownership(installs)
+        claims = self._check_ownership(installs, listed)
         if len(installs) > len(self._free):
             raise ValidationError(
                 f"request {rid!r} requires {len(installs)} rows, but only {len(self._free)} of "
                 f"{self.capacity} rows are free"
             )
         rows = [self._free[-1 - k] for k in range(len(installs))]
-        self._write_rows(rows, [i.block_ids for i in installs])
+        self._write_rows(rows, [i.block_ids for i in installs], released=listed is None)
         self._bindings.clear()
         del self._free[len(self._free) - len(installs) :]
         for install, row in zip(installs, rows, strict=True):
@@ -676,7 +777,7 @@ class RowRegistry:
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
         self._removed.pop(rid, None)
         self._high_water = max(self._high_water, gen)
-        self.last_transitions = frozenset({RowTransition.INSTALL})
+        self.last_transitions = _INSTALLED
         return True
 
     def seal(self, snapshot: RequestAllocation) -> bool:
@@ -952,7 +1053,7 @@ class RowRegistry:
             self._bindings.clear()
         if rows:
             empty = tuple(() for _ in self.layout.groups)
-            self._write_rows(rows, [empty] * len(rows))
+            self._write_rows(rows, [empty] * len(rows), released=False)
         for identity, row in doomed:
             del self._rows[identity]
             self._identity_at[row] = None

@@ -103,7 +103,7 @@ class DiffusionPagedAttentionMetadata:
 
 
 def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(group) for group in value)
+    return tuple(map(tuple, value))
 
 
 def allocation_from_metadata(metadata: Any) -> RequestAllocation:
