@@ -53,7 +53,7 @@ from dataclasses import replace as dc_replace
 import numpy as np
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.errors import (
     GenerationError,
     NativeBackendError,
@@ -237,6 +237,8 @@ class RowRegistry:
         self._writer: list[np.ndarray] = [np.zeros(layout.num_blocks, dtype=np.int32) for _ in layout.groups]
         self._sharers: list[dict[int, dict[Identity, None]]] = [{} for _ in layout.groups]
         self._identity_at: list[Identity | None] = [None] * block_tables.max_num_reqs  # row -> identity
+        # the core's own tables (not a subclass, which may stage differently) write whole rows at once
+        self._whole_rows = type(block_tables) is TorchBlockTables and block_tables._host_rows
         # per group: tokens per block id (block_size x cp_size), blocks a row can hold
         self._geometry = tuple(
             (
@@ -686,10 +688,16 @@ class RowRegistry:
     # -- mutation -----------------------------------------------------------------------------
 
     def _write_rows(
-        self, rows: list[int], block_ids: list[tuple[tuple[int, ...], ...]], released: bool = True
+        self,
+        rows: list[int],
+        block_ids: list[tuple[tuple[int, ...], ...]],
+        released: bool = True,
+        claims: list[tuple[np.ndarray, list[int]]] | None = None,
     ) -> None:
         """Stage and apply rows; on failure restore staged writes and ``num_blocks``.
-        ``released=False``: no place of ``block_ids`` is ``NULL_BLOCK`` (nothing to map)."""
+        ``released=False``: no place of ``block_ids`` is ``NULL_BLOCK`` (nothing to map).
+        ``claims``: the same ids as arrays (:meth:`_check_ownership` of a plain snapshot), which
+        the core's host tables copy without converting Python ints again."""
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
@@ -697,16 +705,27 @@ class RowRegistry:
         # (the whole host array: a copy of a few hundred ints is cheaper than a column gather)
         previous = counts.copy() if counts is not None else bt.num_blocks.cpu[:, rows]
         try:
-            for row, ids in zip(rows, block_ids, strict=True):
-                # a released place reads as the null entry (block 0, as past a row's end)
-                bt.append_block_ids(
-                    row,
-                    tuple([max(b, 0) for b in group] if NULL_BLOCK in group else list(group) for group in ids)
-                    if released
-                    else tuple(map(list, ids)),
-                    overwrite=True,
-                )
-            bt.apply_staged_writes()
+            if released:  # a released place reads as the null entry (block 0, as past a row's end)
+                block_ids = [
+                    tuple(tuple(max(b, 0) for b in group) if NULL_BLOCK in group else group for group in ids)
+                    for ids in block_ids
+                ]
+            if self._whole_rows:
+                if claims is not None:  # each row's run of each group's array (no int conversion)
+                    runs: list[list[np.ndarray]] = []
+                    for blocks, sizes in claims:
+                        runs.append([])
+                        start = 0
+                        for count in sizes:
+                            runs[-1].append(blocks[start : start + count])
+                            start += count
+                    bt.write_rows(rows, list(zip(*runs, strict=True)))  # type: ignore[attr-defined]
+                    return
+                bt.write_rows(rows, block_ids)  # type: ignore[attr-defined]
+            else:
+                for row, ids in zip(rows, block_ids, strict=True):
+                    bt.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
+                bt.apply_staged_writes()
         except Exception as exc:
             for table in bt.block_tables:
                 table.clear_staged_writes()
@@ -764,7 +783,13 @@ class RowRegistry:
                 f"{self.capacity} rows are free"
             )
         rows = [self._free[-1 - k] for k in range(len(installs))]
-        self._write_rows(rows, [i.block_ids for i in installs], released=listed is None)
+        self._write_rows(
+            rows,
+            [i.block_ids for i in installs],
+            released=listed is None,
+            # the claimed blocks are every block of the rows when none has a cached prefix
+            claims=claims if listed is not None and not any(i.read_only_tokens for i in installs) else None,
+        )
         self._bindings.clear()
         del self._free[len(self._free) - len(installs) :]
         for install, row in zip(installs, rows, strict=True):
