@@ -98,6 +98,32 @@ class SequenceAllocation:
             )
         object.__setattr__(self, "context_ids", tuple(self.context_ids))
 
+    @classmethod
+    def normalised(
+        cls,
+        sequence_id: int,
+        prefix_len: int,
+        target_len: int,
+        seq_len: int,
+        block_ids: BlockIds,
+        context_ids: tuple[str, ...],
+        cached_prefix_len: int,
+    ) -> SequenceAllocation:
+        """The record of fields already in normal form (``block_ids`` a tuple of tuples,
+        ``context_ids`` a tuple), without re-normalising them: what a converter that built
+        them calls per request. Equal to the constructor's record of the same fields."""
+        self = object.__new__(cls)
+        vars(self).update(
+            sequence_id=sequence_id,
+            prefix_len=prefix_len,
+            target_len=target_len,
+            seq_len=seq_len,
+            block_ids=block_ids,
+            context_ids=context_ids,
+            cached_prefix_len=cached_prefix_len,
+        )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "sequence_id": self.sequence_id,

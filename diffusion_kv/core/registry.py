@@ -49,6 +49,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -142,9 +143,8 @@ def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class RowInstall:
-    """One validated row of a snapshot."""
+class RowInstall(NamedTuple):
+    """One validated row of a snapshot (a named tuple: an install builds one per row)."""
 
     identity: Identity
     token_len: int
