@@ -8,6 +8,7 @@ request makes around its forward are timed on the host, each the median of ``--r
 * ``prepare_prefill``: activating the request's rows and preparing step 0 (prefill rows:
   validation, positions, block-table gather, slot mapping, native metadata);
 * ``step_switch``: the first denoise step's activation (denoise rows prepared);
+* ``idle_step``: a later denoise step's ``ensure_active`` (the same rows: nothing to prepare);
 * ``remove``: ``remove_diffusion_kv_requests`` after the runtime is closed;
 * ``slot_mapping`` / ``gather``: the BlockTables' two data-plane calls alone, on the prefill
   rows (the part of prepare the BlockTables own).
@@ -88,7 +89,16 @@ def main() -> None:
     backend = runner.diffusion_kv_backend
     module = type(backend).__module__
     timings: dict[str, list[float]] = {
-        k: [] for k in ("install", "prepare_prefill", "step_switch", "remove", "slot_mapping", "gather")
+        k: []
+        for k in (
+            "install",
+            "prepare_prefill",
+            "step_switch",
+            "idle_step",
+            "remove",
+            "slot_mapping",
+            "gather",
+        )
     }
 
     def timed(key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -114,6 +124,7 @@ def main() -> None:
                 for name in sorted(translator._layer_names):
                     translator.layer_done(name)
             timed("step_switch", runtime.ensure_active, 1)
+            timed("idle_step", runtime.ensure_active, 2)  # same rows: what every later step calls
             tables = backend.block_tables
             rows = torch.tensor(
                 [int(backend.get_diffusion_kv_row(rid, c)) for c in range(shape.cfg)], dtype=torch.int32

@@ -87,12 +87,42 @@ class SequenceAllocation:
     cached_prefix_len: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", _block_ids(self.block_ids, f"sequence {self.sequence_id!r}"))
+        block_ids = self.block_ids
+        if type(block_ids) is not tuple or not all(type(group) is tuple for group in block_ids):
+            object.__setattr__(self, "block_ids", _block_ids(block_ids, f"sequence {self.sequence_id!r}"))
+        if type(self.context_ids) is tuple:
+            return  # already normalised (the common case)
         if isinstance(self.context_ids, str) or not isinstance(self.context_ids, Iterable):
             raise ValidationError(
                 f"sequence {self.sequence_id!r} context_ids must be a sequence of strings; got {self.context_ids!r}"
             )
         object.__setattr__(self, "context_ids", tuple(self.context_ids))
+
+    @classmethod
+    def normalised(
+        cls,
+        sequence_id: int,
+        prefix_len: int,
+        target_len: int,
+        seq_len: int,
+        block_ids: BlockIds,
+        context_ids: tuple[str, ...],
+        cached_prefix_len: int,
+    ) -> SequenceAllocation:
+        """The record of fields already in normal form (``block_ids`` a tuple of tuples,
+        ``context_ids`` a tuple), without re-normalising them: what a converter that built
+        them calls per request. Equal to the constructor's record of the same fields."""
+        self = object.__new__(cls)
+        vars(self).update(
+            sequence_id=sequence_id,
+            prefix_len=prefix_len,
+            target_len=target_len,
+            seq_len=seq_len,
+            block_ids=block_ids,
+            context_ids=context_ids,
+            cached_prefix_len=cached_prefix_len,
+        )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +152,13 @@ class RequestAllocation:
     contexts: tuple[ContextAllocation, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if (
+            type(self.sequences) is tuple
+            and type(self.contexts) is tuple
+            and all(type(item) is SequenceAllocation for item in self.sequences)
+            and all(type(item) is ContextAllocation for item in self.contexts)
+        ):
+            return  # already normalised (the common case)
         for name, kind in (("sequences", SequenceAllocation), ("contexts", ContextAllocation)):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

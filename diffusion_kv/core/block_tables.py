@@ -436,6 +436,10 @@ class TorchBlockTables:
         ]
         self.num_blocks = HostCounts(len(block_sizes), max_num_reqs, self.device)
         self.init_block_table_layout_tensors()
+        self._host_rows = all(r == 1 for r in self.blocks_per_kv_block) and all(
+            table._host is not None for table in self.block_tables
+        )
+        """``write_rows`` writes host slices directly (one kernel block per manager block)."""
 
     @classmethod
     def from_geometry(cls, geometry: BlockTablesGeometry) -> Self:
@@ -473,6 +477,38 @@ class TorchBlockTables:
     def apply_staged_writes(self) -> None:
         for table in self.block_tables:
             table.apply_write()
+        self.num_blocks.copy_to_uva()
+
+    def write_rows(self, rows: Sequence[int], block_ids: Sequence[tuple[Any, ...]]) -> None:
+        """Overwrite whole rows: what ``append_block_ids(row, ids, overwrite=True)`` for each
+        row and then ``apply_staged_writes()`` do, with the same checks first (nothing changes
+        when one fails), in one pass on a host table (a slice write per row and group). Kernel
+        blocks smaller than the manager's, a device table or writes already staged take exactly
+        those calls. A group's ids may be any sequence of ints, a NumPy array too."""
+        tables = self.block_tables
+        if not self._host_rows or any(table._staged for table in tables):
+            for row, ids in zip(rows, block_ids, strict=True):
+                self.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
+            self.apply_staged_writes()
+            return
+        max_num_reqs, num_groups = self.max_num_reqs, len(tables)
+        for row, ids in zip(rows, block_ids, strict=True):
+            if type(row) is not int or not 0 <= row < max_num_reqs:
+                raise ValidationError(f"row {row!r} is outside [0, {max_num_reqs})")
+            if len(ids) != num_groups:
+                raise ValidationError(f"row {row}: {len(ids)} block groups given; expected {num_groups}")
+            for g, group in enumerate(ids):
+                if len(group) > tables[g].width:
+                    raise ValidationError(
+                        f"row {row} group {g}: {len(group)} kernel blocks exceed the table width {tables[g].width}"
+                    )
+        counts = self.num_blocks.np
+        for row, ids in zip(rows, block_ids, strict=True):
+            for g, group in enumerate(ids):
+                n = len(group)
+                if n:
+                    tables[g]._host[row, :n] = group  # type: ignore[index]
+                counts[g, row] = n
         self.num_blocks.copy_to_uva()
 
     def clear_staged_writes(self) -> None:

@@ -46,12 +46,15 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
+from typing import NamedTuple
+
+import numpy as np
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
-from diffusion_kv.core.block_tables import BlockTables
+from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.errors import (
     GenerationError,
     NativeBackendError,
@@ -123,6 +126,9 @@ class RowTransition(enum.Enum):
     REMOVE = "remove"
 
 
+_INSTALLED = frozenset({RowTransition.INSTALL})
+
+
 def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
     """``spans`` less ``[start, end)``."""
     out: list[tuple[int, int]] = []
@@ -137,9 +143,8 @@ def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class RowInstall:
-    """One validated row of a snapshot."""
+class RowInstall(NamedTuple):
+    """One validated row of a snapshot (a named tuple: an install builds one per row)."""
 
     identity: Identity
     token_len: int
@@ -224,8 +229,25 @@ class RowRegistry:
         self._rows: dict[Identity, int] = {}
         self._states: dict[str, _RequestState] = {}
         self._free: list[int] = list(range(block_tables.max_num_reqs - 1, -1, -1))  # pop() gives lowest
-        # Per group: block id -> {holding identity: writes it}.
-        self._holders: list[dict[int, dict[Identity, bool]]] = [{} for _ in layout.groups]
+        # Block ownership per group, kept so install and remove do a few array operations per
+        # row instead of Python work per block: 1 + the worker row that writes each block (0:
+        # none), and the rows holding a block read-only (cached-prefix blocks only), in the
+        # order they took it. _claimed: per installed request and group, the blocks its rows
+        # write (what removal releases).
+        self._writer: list[np.ndarray] = [np.zeros(layout.num_blocks, dtype=np.int32) for _ in layout.groups]
+        self._sharers: list[dict[int, dict[Identity, None]]] = [{} for _ in layout.groups]
+        self._identity_at: list[Identity | None] = [None] * block_tables.max_num_reqs  # row -> identity
+        # the core's own tables (not a subclass, which may stage differently) write whole rows at once
+        self._whole_rows = type(block_tables) is TorchBlockTables and block_tables._host_rows
+        # per group: tokens per block id (block_size x cp_size), blocks a row can hold
+        self._geometry = tuple(
+            (
+                g.block_size * block_tables.cp_size,
+                cdiv(layout.max_model_len, g.block_size * block_tables.cp_size),
+            )
+            for g in layout.groups
+        )
+        self._claimed: dict[str, list[np.ndarray]] = {}
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
         # resolve()'s answers: each depends on _rows, _states and _written of its identity only,
         # and is dropped whenever one of them changes (install, record_writes, remove).
@@ -276,7 +298,26 @@ class RowRegistry:
 
     def holders_of(self, group: int, block_id: int) -> dict[Identity, bool]:
         """The live rows holding ``block_id`` in KV-cache ``group``, each with whether it writes it."""
-        return dict(self._holders[group].get(block_id, {}))
+        writer, sharers = self._writer[group], self._sharers[group]
+        if type(block_id) is not int or not 0 <= block_id < len(writer):
+            return {}
+        label = int(writer[block_id])
+        if label:
+            return {self._identity_at[label - 1]: True}  # type: ignore[dict-item]
+        return dict.fromkeys(sharers.get(block_id, ()), False)
+
+    @property
+    def _holders(self) -> list[dict[int, dict[Identity, bool]]]:
+        """Every held block per group, ``{block id: holders_of(group, block id)}`` (a view)."""
+        out: list[dict[int, dict[Identity, bool]]] = []
+        for writer, sharers in zip(self._writer, self._sharers, strict=True):
+            group: dict[int, dict[Identity, bool]] = {
+                int(b): {self._identity_at[int(writer[b]) - 1]: True}  # type: ignore[dict-item]
+                for b in np.flatnonzero(writer)
+            }
+            group.update({b: dict.fromkeys(holders, False) for b, holders in sharers.items()})
+            out.append(group)
+        return out
 
     def written_spans(self, identity: Identity) -> TokenSpans:
         """Tokens of an installed row that may be read (written since install, or declared)."""
@@ -403,6 +444,80 @@ class RowRegistry:
         raise ValidationError(f"row {identity!r} group {g} has invalid block ids {ids!r}")  # unreachable
 
     def _prepare(self, snapshot: RequestAllocation) -> list[RowInstall]:
+        plain = self._prepare_plain(snapshot)
+        return plain[0] if plain is not None else self._prepare_checked(snapshot)
+
+    def _prepare_plain(self, snapshot: RequestAllocation) -> tuple[list[RowInstall], list[list[int]]] | None:
+        """The rows of the common snapshot -- sequences only, no released places, no block
+        listed twice in the request, every check of :meth:`_prepare_checked` passing -- with
+        O(1) Python work per row and group (the per-block checks run in C), and per group every
+        block the rows list; ``None`` for anything else, which the checked path then validates
+        (or refuses, naming the offence)."""
+        if type(snapshot) is not RequestAllocation or snapshot.contexts:
+            return None
+        rid = snapshot.request_id
+        gen = snapshot.allocation_generation
+        sequences = snapshot.sequences
+        if (
+            type(rid) is not str
+            or not rid
+            or type(gen) is not int
+            or gen < 0
+            or not sequences
+            or len(sequences) > self.layout.max_rows_per_request
+        ):
+            return None
+        geometry = self._geometry
+        num_blocks = self.layout.num_blocks
+        seen: set[int] = set()
+        installs: list[RowInstall] = []
+        listed: list[list[int]] = [[] for _ in geometry]
+        for seq in sequences:
+            sid, seq_len, cached, block_ids = (
+                seq.sequence_id,
+                seq.seq_len,
+                seq.cached_prefix_len,
+                seq.block_ids,
+            )
+            prefix_len, target_len = seq.prefix_len, seq.target_len
+            if not (
+                type(sid) is int
+                and sid >= 0
+                and sid not in seen
+                and type(seq_len) is int
+                and type(prefix_len) is int
+                and type(target_len) is int
+                and type(cached) is int
+                and 0 <= cached <= prefix_len
+                and target_len >= 0
+                and prefix_len + target_len <= seq_len
+                and not seq.context_ids
+                and type(block_ids) is tuple
+                and len(block_ids) == len(geometry)
+            ):
+                return None
+            seen.add(sid)
+            for ids, (tokens_per_block, capacity), blocks in zip(block_ids, geometry, listed, strict=True):
+                if not (
+                    type(ids) is tuple
+                    and len(ids) == -(-seq_len // tokens_per_block) <= capacity
+                    and not cached % tokens_per_block
+                ):
+                    return None
+                if ids:
+                    if set(map(type, ids)) != _INT_ONLY:
+                        return None
+                    ordered = sorted(ids)  # (an int-only sort runs a specialised comparison)
+                    if ordered[0] < 0 or ordered[-1] >= num_blocks:
+                        return None  # NULL_BLOCK (released places) lands here too
+                    blocks += ids
+            installs.append(RowInstall((rid, sid, None), seq_len, block_ids, None, cached))
+        for blocks in listed:
+            if len(set(blocks)) != len(blocks):
+                return None  # listed twice in a row (refused) or by two rows (ownership decides)
+        return installs, listed
+
+    def _prepare_checked(self, snapshot: RequestAllocation) -> list[RowInstall]:
         if not isinstance(snapshot, RequestAllocation):
             raise ValidationError(f"expected a RequestAllocation; got {type(snapshot).__name__}")
         rid = snapshot.request_id
@@ -467,75 +582,162 @@ class RowRegistry:
             )
         return installs
 
-    def _check_ownership(self, installs: Sequence[RowInstall]) -> None:
+    def _check_ownership(
+        self, installs: Sequence[RowInstall], listed: list[list[int]] | None = None
+    ) -> list[tuple[np.ndarray, list[int]]]:
         """Refuse any block a new row writes that another live (or new) row holds, and any
-        cached-prefix block another row writes (module rules)."""
+        cached-prefix block another row writes (module rules). Returns, per group, the blocks
+        the rows write (one array, row after row, released places dropped) and how many each
+        row writes (what :meth:`_claim` records). ``listed``: from :meth:`_prepare_plain`."""
+        claims: list[tuple[np.ndarray, list[int]]] = []
+        if listed is not None and not any(install.read_only_tokens for install in installs):
+            # every listed block is written, no place is released, none is listed twice
+            for g, every in enumerate(listed):
+                array = np.fromiter(every, dtype=np.intp, count=len(every))
+                claims.append((array, [len(install.block_ids[g]) for install in installs]))
+                sharers = self._sharers[g]
+                if self._writer[g][array].any() or (sharers and not sharers.keys().isdisjoint(every)):
+                    self._explain_ownership(g, self._geometry[g][0], installs)
+            return claims
+        for g, (tokens_per_block, written, counts, shared) in enumerate(self._held_blocks(installs)):
+            blocks = np.fromiter(written, dtype=np.intp, count=len(written))
+            claims.append((blocks, counts))
+            # the common case in a few C-level passes: no written block is held by anybody or
+            # listed twice, no shared block is written by a live or new row
+            writer, sharers = self._writer[g], self._sharers[g]
+            if (
+                not writer[blocks].any()
+                and (not sharers or sharers.keys().isdisjoint(written))
+                and (len(installs) == 1 or len(set(written)) == len(written))
+                and (
+                    not shared
+                    or (
+                        not writer[np.fromiter(shared, dtype=np.intp)].any()
+                        and set(shared).isdisjoint(written)
+                    )
+                )
+            ):
+                continue
+            self._explain_ownership(g, tokens_per_block, installs)
+        return claims
+
+    def _held_blocks(
+        self, installs: Sequence[RowInstall]
+    ) -> Iterator[tuple[int, list[int], list[int], list[int]]]:
+        """Per group: tokens per block, the blocks ``installs`` write (row after row, released
+        places dropped), how many each row writes, and their cached-prefix blocks."""
+        cp = self.block_tables.cp_size
         for g, group in enumerate(self.layout.groups):
-            tokens_per_block = group.block_size * self.block_tables.cp_size
-            live = self._holders[g]
-            proposed: dict[int, tuple[Identity, bool]] = {}
+            tokens_per_block = group.block_size * cp
+            written: list[int] = []
+            counts: list[int] = []
+            shared: list[int] = []
             for install in installs:
-                read_only_blocks = install.read_only_tokens // tokens_per_block
                 ids = install.block_ids[g]
-                real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
-                if live.keys().isdisjoint(real) and proposed.keys().isdisjoint(real):
-                    # nobody else holds any of these blocks (the common case): nothing to refuse;
-                    # record them (a released place, NULL_BLOCK, is held by nobody)
-                    shared, written = ids[:read_only_blocks], ids[read_only_blocks:]
-                    if shared:
-                        proposed.update(dict.fromkeys(shared, (install.identity, False)))
-                    proposed.update(dict.fromkeys(written, (install.identity, True)))
-                    proposed.pop(NULL_BLOCK, None)
+                read_only_blocks = install.read_only_tokens // tokens_per_block
+                if read_only_blocks:
+                    shared += ids[:read_only_blocks]
+                    ids = ids[read_only_blocks:]
+                if NULL_BLOCK in ids:  # a released place is held by nobody
+                    ids = tuple(b for b in ids if b != NULL_BLOCK)
+                written += ids
+                counts.append(len(ids))
+            yield tokens_per_block, written, counts, shared
+
+    def _claim(
+        self, rid: str, claims: list[tuple[np.ndarray, list[int]]], installs: Sequence[RowInstall]
+    ) -> None:
+        """Record the blocks of request ``rid``'s rows (``claims`` from :meth:`_check_ownership`
+        over ``installs``, every row of the request, installed)."""
+        rows = [self._rows[install.identity] + 1 for install in installs]
+        for writer, (blocks, counts) in zip(self._writer, claims, strict=True):
+            if len(rows) == 1:
+                writer[blocks] = rows[0]
+                continue
+            start = 0
+            for label, count in zip(rows, counts, strict=True):
+                writer[blocks[start : start + count]] = label
+                start += count
+        self._claimed[rid] = [blocks for blocks, _ in claims]
+        for install in installs:
+            if install.read_only_tokens:
+                self._share(install)
+
+    def _explain_ownership(self, g: int, tokens_per_block: int, installs: Sequence[RowInstall]) -> None:
+        """Raise the error for the first block of group ``g`` that ``installs`` may not hold."""
+        proposed: dict[int, tuple[Identity, bool]] = {}
+        for install in installs:
+            read_only_blocks = install.read_only_tokens // tokens_per_block
+            for position, block_id in enumerate(install.block_ids[g]):
+                if block_id == NULL_BLOCK:
                     continue
-                for position, block_id in enumerate(ids):
-                    if block_id == NULL_BLOCK:
-                        continue
-                    writes = position >= read_only_blocks
-                    holders = dict(live.get(block_id, {}))
-                    if block_id in proposed:
-                        other, other_writes = proposed[block_id]
-                        holders[other] = other_writes
-                    for owner, owner_writes in holders.items():
-                        if writes:
-                            raise ValidationError(
-                                f"row {install.identity!r} group {g}: block {block_id} backs tokens this row "
-                                f"writes, but row {owner!r} of request {owner[0]!r} holds it; a written block "
-                                "belongs to one live row"
-                            )
-                        if owner_writes:
-                            raise ValidationError(
-                                f"row {install.identity!r} group {g}: block {block_id} lies in its cached prefix, "
-                                f"but row {owner!r} of request {owner[0]!r} writes it; only blocks no live row "
-                                "writes may be shared"
-                            )
-                    if block_id not in proposed or writes:
-                        proposed[block_id] = (install.identity, writes)
+                writes = position >= read_only_blocks
+                holders = self.holders_of(g, block_id)
+                if block_id in proposed:
+                    other, other_writes = proposed[block_id]
+                    holders[other] = other_writes
+                for owner, owner_writes in holders.items():
+                    if writes:
+                        raise ValidationError(
+                            f"row {install.identity!r} group {g}: block {block_id} backs tokens this row "
+                            f"writes, but row {owner!r} of request {owner[0]!r} holds it; a written block "
+                            "belongs to one live row"
+                        )
+                    if owner_writes:
+                        raise ValidationError(
+                            f"row {install.identity!r} group {g}: block {block_id} lies in its cached prefix, "
+                            f"but row {owner!r} of request {owner[0]!r} writes it; only blocks no live row "
+                            "writes may be shared"
+                        )
+                if block_id not in proposed or writes:
+                    proposed[block_id] = (install.identity, writes)
 
     # -- mutation -----------------------------------------------------------------------------
 
-    def _write_rows(self, rows: list[int], block_ids: list[tuple[tuple[int, ...], ...]]) -> None:
-        """Stage and apply rows; on failure restore staged writes and ``num_blocks``."""
+    def _write_rows(
+        self,
+        rows: list[int],
+        block_ids: list[tuple[tuple[int, ...], ...]],
+        released: bool = True,
+        claims: list[tuple[np.ndarray, list[int]]] | None = None,
+    ) -> None:
+        """Stage and apply rows; on failure restore staged writes and ``num_blocks``.
+        ``released=False``: no place of ``block_ids`` is ``NULL_BLOCK`` (nothing to map).
+        ``claims``: the same ids as arrays (:meth:`_check_ownership` of a plain snapshot), which
+        the core's host tables copy without converting Python ints again."""
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
         counts = getattr(bt.num_blocks, "np", None)  # NumPy view of the host counts, where offered
-        previous = counts[:, rows].copy() if counts is not None else bt.num_blocks.cpu[:, rows]
+        # (the whole host array: a copy of a few hundred ints is cheaper than a column gather)
+        previous = counts.copy() if counts is not None else bt.num_blocks.cpu[:, rows]
         try:
-            for row, ids in zip(rows, block_ids, strict=True):
-                # a released place reads as the null entry (block 0, as past a row's end)
-                bt.append_block_ids(
-                    row,
-                    tuple(
-                        [max(b, 0) for b in group] if NULL_BLOCK in group else list(group) for group in ids
-                    ),
-                    overwrite=True,
-                )
-            bt.apply_staged_writes()
+            if released:  # a released place reads as the null entry (block 0, as past a row's end)
+                block_ids = [
+                    tuple(tuple(max(b, 0) for b in group) if NULL_BLOCK in group else group for group in ids)
+                    for ids in block_ids
+                ]
+            if self._whole_rows:
+                if claims is not None:  # each row's run of each group's array (no int conversion)
+                    runs: list[list[np.ndarray]] = []
+                    for blocks, sizes in claims:
+                        runs.append([])
+                        start = 0
+                        for count in sizes:
+                            runs[-1].append(blocks[start : start + count])
+                            start += count
+                    bt.write_rows(rows, list(zip(*runs, strict=True)))  # type: ignore[attr-defined]
+                    return
+                bt.write_rows(rows, block_ids)  # type: ignore[attr-defined]
+            else:
+                for row, ids in zip(rows, block_ids, strict=True):
+                    bt.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
+                bt.apply_staged_writes()
         except Exception as exc:
             for table in bt.block_tables:
                 table.clear_staged_writes()
             if counts is not None:
-                counts[:, rows] = previous
+                counts[...] = previous  # only the rows written here changed
             else:
                 bt.num_blocks.cpu[:, rows] = previous
             bt.num_blocks.copy_to_uva()
@@ -548,7 +750,8 @@ class RowRegistry:
         """Install a snapshot; ``True`` when rows were newly installed (see module rules)."""
         if self.mode is not KVCacheMode.PAGED:
             raise ValidationError("dense execution must not install paged KV allocation snapshots")
-        installs = self._prepare(snapshot)
+        plain = self._prepare_plain(snapshot)
+        installs, listed = plain if plain is not None else (self._prepare_checked(snapshot), None)
         rid, gen = snapshot.request_id, snapshot.allocation_generation
         state = self._states.get(rid)
         removed_at = self._removed.get(rid)
@@ -580,26 +783,33 @@ class RowRegistry:
         orphans = [i.identity for i in installs if i.identity in self._rows]
         if orphans:
             raise StateError(f"row registry holds orphaned identities for request {rid!r}: {orphans!r}")
-        self._check_ownership(installs)
+        claims = self._check_ownership(installs, listed)
         if len(installs) > len(self._free):
             raise ValidationError(
                 f"request {rid!r} requires {len(installs)} rows, but only {len(self._free)} of "
                 f"{self.capacity} rows are free"
             )
         rows = [self._free[-1 - k] for k in range(len(installs))]
-        self._write_rows(rows, [i.block_ids for i in installs])
+        self._write_rows(
+            rows,
+            [i.block_ids for i in installs],
+            released=listed is None,
+            # the claimed blocks are every block of the rows when none has a cached prefix
+            claims=claims if listed is not None and not any(i.read_only_tokens for i in installs) else None,
+        )
         self._bindings.clear()
         del self._free[len(self._free) - len(installs) :]
         for install, row in zip(installs, rows, strict=True):
             self._rows[install.identity] = row
+            self._identity_at[row] = install.identity
             self._serial += 1
             declared: TokenSpans = ((0, install.read_only_tokens),) if install.read_only_tokens else ()
             self._written[install.identity] = (self._serial, declared)
-            self._hold(install)
+        self._claim(rid, claims, installs)
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
         self._removed.pop(rid, None)
         self._high_water = max(self._high_water, gen)
-        self.last_transitions = frozenset({RowTransition.INSTALL})
+        self.last_transitions = _INSTALLED
         return True
 
     def seal(self, snapshot: RequestAllocation) -> bool:
@@ -792,37 +1002,50 @@ class RowRegistry:
                 for start, end in self._released_tokens(install, g, group.block_size * cp):
                     spans = remove_span(spans, start, end)
             self._written[install.identity] = (entry[0], spans)
+        self._claimed[rid] = [
+            np.fromiter(written, dtype=np.intp, count=len(written))
+            for _, written, _, _ in self._held_blocks(installs)
+        ]
         self._states[rid] = _RequestState(snapshot.allocation_generation, snapshot, tuple(installs))
         self._bindings.clear()
         self._high_water = max(self._high_water, snapshot.allocation_generation)
         self.last_transitions = transitions
 
-    def _hold(self, install: RowInstall, release: bool = False) -> None:
+    def _share(self, install: RowInstall, release: bool = False) -> None:
+        """Record (or, ``release``, drop) ``install``'s row as a read-only holder of its
+        cached-prefix blocks."""
+        cp = self.block_tables.cp_size
         identity = install.identity
         for g, group in enumerate(self.layout.groups):
-            read_only_blocks = install.read_only_tokens // (group.block_size * self.block_tables.cp_size)
-            holders = self._holders[g]
-            ids = install.block_ids[g]
-            shared, written = ids[:read_only_blocks], ids[read_only_blocks:]
-            if NULL_BLOCK in written:
-                written = tuple(b for b in written if b != NULL_BLOCK)
-            if release:
-                for block_id in written:  # a written block has this row as its only holder
-                    holders.pop(block_id, None)
-                for block_id in shared:
-                    entry = holders.get(block_id)
+            read_only_blocks = install.read_only_tokens // (group.block_size * cp)
+            sharers = self._sharers[g]
+            for block_id in install.block_ids[g][:read_only_blocks]:
+                if release:
+                    entry = sharers.get(block_id)
                     if entry is not None:
                         entry.pop(identity, None)
                         if not entry:
-                            del holders[block_id]
-                continue
-            holders.update({block_id: {identity: True} for block_id in written})
-            for block_id in shared:
-                entry = holders.get(block_id)
-                if entry is None:
-                    holders[block_id] = {identity: False}
+                            del sharers[block_id]
                 else:
-                    entry[identity] = False
+                    sharers.setdefault(block_id, {})[identity] = None
+
+    def _hold(self, install: RowInstall, release: bool = False) -> None:
+        """Record (or, ``release``, drop) the blocks one installed row holds (a transition
+        re-holds its changed rows; :meth:`_claim` records whole requests)."""
+        label = 0 if release else self._rows[install.identity] + 1
+        for writer, (_, written, _, _) in zip(self._writer, self._held_blocks((install,)), strict=True):
+            if written:
+                writer[np.fromiter(written, dtype=np.intp, count=len(written))] = label
+        if install.read_only_tokens:
+            self._share(install, release)
+
+    def _release(self, rid: str, installs: Sequence[RowInstall]) -> None:
+        """Drop every block request ``rid``'s rows (``installs``) hold."""
+        for writer, blocks in zip(self._writer, self._claimed.pop(rid), strict=True):
+            writer[blocks] = 0
+        for install in installs:
+            if install.read_only_tokens:
+                self._share(install, release=True)
 
     def record_writes(self, spans: Iterable[WrittenSpan]) -> None:
         """Mark tokens as written (the translator calls this when every paged layer of a batch
@@ -862,14 +1085,14 @@ class RowRegistry:
             self._bindings.clear()
         if rows:
             empty = tuple(() for _ in self.layout.groups)
-            self._write_rows(rows, [empty] * len(rows))
-        for identity, _ in doomed:
+            self._write_rows(rows, [empty] * len(rows), released=False)
+        for identity, row in doomed:
             del self._rows[identity]
+            self._identity_at[row] = None
             self._written.pop(identity, None)
         for rid in targets:
             state = self._states.pop(rid)
-            for install in state.installs:
-                self._hold(install, release=True)
+            self._release(rid, state.installs)
             self._remember_removed(rid, state.generation)
         self._free.extend(rows)
         self._free.sort(reverse=True)

@@ -19,6 +19,8 @@ from diffusion_kv.core.errors import StateError, ValidationError
 from diffusion_kv.core.rows import PagedRow, Phase, PhaseRows
 from diffusion_kv.core.translate import PreparedBatch, Translator
 
+_PREFILL = Phase.PREFILL  # (a module constant: an idle step compares against it)
+
 
 class BatchStepper:
     """Activates prepared batches as steps advance (see the module docstring).
@@ -43,9 +45,11 @@ class BatchStepper:
             raise ValidationError("BatchStepper takes phases or phase_rows, not both")
         self.translator = translator
         self.phases = phases
-        self._phase_rows = phase_rows
+        self.phase_rows = phase_rows
         self._activation_of = activation if activation is not None else translator.activate
-        self._phase: Phase | None = None
+        self.phase: Phase | None = None
+        """The phase whose rows :meth:`ensure_active` activated (None: none is active, or the
+        runtime is closed); read-only for callers."""
         self._rows: tuple[PagedRow, ...] | None = None  # the composition ensure_rows activated
         self._activation: AbstractContextManager[Any] | None = None
         self._closed = False
@@ -57,16 +61,19 @@ class BatchStepper:
 
     def ensure_active(self, step: int) -> PreparedBatch:
         """Activate the rows of ``step``'s phase (preparing them on a phase change)."""
+        active = self.phase  # (None once closed or deactivated)
+        if active is not None and type(step) is int and step >= 0 and (step == 0) is (active is _PREFILL):
+            return self._active_batch()  # an idle step: this phase's rows are active
         if self._closed:
             raise StateError("the paged runtime is closed")
-        if self.phases is None and self._phase_rows is None:
+        if self.phases is None and self.phase_rows is None:
             raise StateError("this runtime steps explicit rows (ensure_rows); it has no phase rows")
         phase = Phase.of_step(step)
-        if self._phase is phase:
+        if self.phase is phase:
             return self._active_batch()
-        rows = self.phases.rows_for(phase) if self.phases is not None else self._phase_rows(phase)  # type: ignore[misc]
+        rows = self.phases.rows_for(phase) if self.phases is not None else self.phase_rows(phase)  # type: ignore[misc]
         batch = self._activate(tuple(rows))
-        self._phase = phase
+        self.phase = phase
         return batch
 
     def ensure_rows(self, rows: Sequence[PagedRow]) -> PreparedBatch:
@@ -101,7 +108,7 @@ class BatchStepper:
         self._deactivate()
 
     def _deactivate(self) -> None:
-        activation, self._activation, self._phase, self._rows = self._activation, None, None, None
+        activation, self._activation, self.phase, self._rows = self._activation, None, None, None
         if activation is not None:
             activation.__exit__(None, None, None)
 

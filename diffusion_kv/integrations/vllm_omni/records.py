@@ -103,7 +103,39 @@ class DiffusionPagedAttentionMetadata:
 
 
 def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(group) for group in value)
+    return tuple(map(tuple, value))
+
+
+_ID_LISTS = (list, tuple)
+
+
+def _sequence(s: Any) -> SequenceAllocation:
+    """One ``DiffusionKVSequenceMetadata`` as a record (the common shape -- block ids as lists or
+    tuples per group, context ids a tuple -- without normalising it twice)."""
+    block_ids, context_ids = s.block_ids, getattr(s, "context_ids", ()) or ()
+    if (
+        type(block_ids) in _ID_LISTS
+        and type(context_ids) is tuple
+        and all(type(g) in _ID_LISTS for g in block_ids)
+    ):
+        return SequenceAllocation.normalised(
+            s.sequence_id,
+            s.prefix_len,
+            s.target_len,
+            s.seq_len,
+            tuple(map(tuple, block_ids)),
+            context_ids,
+            getattr(s, "cached_prefix_len", 0),
+        )
+    return SequenceAllocation(
+        sequence_id=s.sequence_id,
+        prefix_len=s.prefix_len,
+        target_len=s.target_len,
+        seq_len=s.seq_len,
+        block_ids=_block_ids(block_ids),
+        context_ids=tuple(context_ids),
+        cached_prefix_len=getattr(s, "cached_prefix_len", 0),
+    )
 
 
 def allocation_from_metadata(metadata: Any) -> RequestAllocation:
@@ -111,18 +143,7 @@ def allocation_from_metadata(metadata: Any) -> RequestAllocation:
     if isinstance(metadata, RequestAllocation):
         return metadata
     try:
-        sequences = tuple(
-            SequenceAllocation(
-                sequence_id=s.sequence_id,
-                prefix_len=s.prefix_len,
-                target_len=s.target_len,
-                seq_len=s.seq_len,
-                block_ids=_block_ids(s.block_ids),
-                context_ids=tuple(getattr(s, "context_ids", ()) or ()),
-                cached_prefix_len=getattr(s, "cached_prefix_len", 0),
-            )
-            for s in metadata.sequences
-        )
+        sequences = tuple(map(_sequence, metadata.sequences))
         contexts = tuple(
             ContextAllocation(
                 context_id=c.context_id,

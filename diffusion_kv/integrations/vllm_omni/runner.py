@@ -338,6 +338,9 @@ class DiffusionPagedAttentionAdapter:
         return context.layer.impl.forward(context.layer, query, key, value, None, omni_attn_metadata)
 
 
+_PREFILL = Phase.PREFILL  # (a module constant: an idle step compares against it)
+
+
 class DiffusionPagedAttentionRuntime:
     """Activates the runner's rows as the denoise loop advances (upstream's runtime), on the
     core's :class:`~diffusion_kv.core.runtime.BatchStepper`.
@@ -362,6 +365,14 @@ class DiffusionPagedAttentionRuntime:
         return tuple(paged_row(r) for r in rows)
 
     def ensure_active(self, step_idx: int | None) -> DiffusionPagedAttentionAdapter:
+        active = self._runtime.phase  # (None once closed or deactivated)
+        if (
+            active is not None
+            and type(step_idx) is int
+            and step_idx >= 0
+            and (step_idx == 0) is (active is _PREFILL)
+        ):
+            return self.adapter  # an idle step: this phase's rows are active, nothing to prepare
         if self._runtime.closed:
             raise StateError("Paged attention runtime is already closed")
         if type(step_idx) is not int or step_idx < 0:
