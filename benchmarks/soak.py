@@ -1020,23 +1020,48 @@ def main(argv: list[str] | None = None) -> int:
     result = soak(args, None if args.json else sys.stderr)
     write_out(result, args)
     if not args.json:
-        s, e = result.summary, result.end_state
-        print(
-            f"soak: {args.requests} requests measured after {args.warmup} warm-up, {s['wall_s']:.0f} s wall\n"
-            f"  outcomes {s['outcomes']}, {s['checked_rows']} rows checked against dense, "
-            f"{s['mismatches']} mismatches (max |err| {s['max_abs_error']:.2e})\n"
-            f"  RSS slope {s['rss_slope_mib_per_1000']:.3f} MiB/1000 (end {s['rss_mib_end']:.1f} MiB), heap slope "
-            + (f"{s['heap_slope_mib_per_1000']:.4f}" if s["heap_slope_mib_per_1000"] is not None else "n/a")
-            + f" MiB/1000 (end {s['heap_mib_end']:.2f} MiB)\n"
-            f"  host time per step: first tenth {s['step_ms_first_tenth']:.3f} ms, last tenth "
-            f"{s['step_ms_last_tenth']:.3f} ms (ratio {s['step_time_ratio_last_over_first']:.3f}); "
-            f"{s['host_ms_per_request']:.3f} ms per request\n"
-            f"  end: pool {e['pool_used_blocks']}/{e['pool_blocks']} used, prefix cache {e['prefix_cache']}, "
-            f"maps {e['maps']}"
-        )
-        for line in result.bounds["missed"]:
-            print(f"  MISSED: {line}")
+        print_summary(result, args, ONE_SHOT_TEXT)
     return 0 if result.bounds["ok"] else 1
+
+
+@dataclass(frozen=True)
+class SummaryText:
+    """What the one-shot and the session summary print differently; ``checked`` is formatted
+    with the run's summary, ``end`` with its end state."""
+
+    title: str
+    unit: str  # the measured unit, singular: its count is ``args.<unit>s``
+    checked: str  # what was served and checked, before "checked against dense"
+    end: str  # end-state fields between the pool and the maps
+
+
+ONE_SHOT_TEXT = SummaryText(
+    "soak", "request", "outcomes {outcomes}, {checked_rows} rows", "prefix cache {prefix_cache}, "
+)
+SESSION_TEXT = SummaryText(
+    "session soak", "session", "{outcomes}, {ticks} ticks; {checked_chunk_rows} chunk rows", ""
+)
+
+
+def print_summary(result: Soak, args: argparse.Namespace, text: SummaryText) -> None:
+    """The run's summary as text (the JSON's figures), then every bound it missed."""
+    s, e, unit = result.summary, result.end_state, text.unit
+    heap = s["heap_slope_mib_per_1000"]
+    print(
+        f"{text.title}: {getattr(args, unit + 's')} {unit}s measured after {args.warmup} warm-up, "
+        f"{s['wall_s']:.0f} s wall\n"
+        f"  {text.checked.format(**s)} checked against dense, "
+        f"{s['mismatches']} mismatches (max |err| {s['max_abs_error']:.2e})\n"
+        f"  RSS slope {s['rss_slope_mib_per_1000']:.3f} MiB/1000 (end {s['rss_mib_end']:.1f} MiB), heap slope "
+        + (f"{heap:.4f}" if heap is not None else "n/a")
+        + f" MiB/1000 (end {s['heap_mib_end']:.2f} MiB)\n"
+        f"  host time per step: first tenth {s['step_ms_first_tenth']:.3f} ms, last tenth "
+        f"{s['step_ms_last_tenth']:.3f} ms (ratio {s['step_time_ratio_last_over_first']:.3f}); "
+        f"{s[f'host_ms_per_{unit}']:.3f} ms per {unit}\n"
+        f"  end: pool {e['pool_used_blocks']}/{e['pool_blocks']} used, {text.end.format(**e)}maps {e['maps']}"
+    )
+    for line in result.bounds["missed"]:
+        print(f"  MISSED: {line}")
 
 
 def write_out(result: Soak, args: argparse.Namespace) -> None:
@@ -1081,21 +1106,7 @@ def session_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result = session_soak(args, None if args.json else sys.stderr)
     write_out(result, args)
     if not args.json:
-        s, e = result.summary, result.end_state
-        print(
-            f"session soak: {args.sessions} sessions measured after {args.warmup} warm-up, {s['wall_s']:.0f} s wall\n"
-            f"  {s['outcomes']}, {s['ticks']} ticks; {s['checked_chunk_rows']} chunk rows checked against dense, "
-            f"{s['mismatches']} mismatches (max |err| {s['max_abs_error']:.2e})\n"
-            f"  RSS slope {s['rss_slope_mib_per_1000']:.3f} MiB/1000 (end {s['rss_mib_end']:.1f} MiB), heap slope "
-            + (f"{s['heap_slope_mib_per_1000']:.4f}" if s["heap_slope_mib_per_1000"] is not None else "n/a")
-            + f" MiB/1000 (end {s['heap_mib_end']:.2f} MiB)\n"
-            f"  host time per step: first tenth {s['step_ms_first_tenth']:.3f} ms, last tenth "
-            f"{s['step_ms_last_tenth']:.3f} ms (ratio {s['step_time_ratio_last_over_first']:.3f}); "
-            f"{s['host_ms_per_session']:.3f} ms per session\n"
-            f"  end: pool {e['pool_used_blocks']}/{e['pool_blocks']} used, maps {e['maps']}"
-        )
-        for line in result.bounds["missed"]:
-            print(f"  MISSED: {line}")
+        print_summary(result, args, SESSION_TEXT)
     return 0 if result.bounds["ok"] else 1
 
 

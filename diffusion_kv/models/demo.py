@@ -22,7 +22,7 @@ from diffusion_kv.core.kv_quant import cache_dtype_name
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
-from diffusion_kv.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffusion_kv.models.tiny_dit import TinyDiT
 from diffusion_kv.platforms.interface import Platform
 
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 6e-2, torch.bfloat16: 2.5e-1, torch.float64: 1e-8}
@@ -360,15 +360,7 @@ def _corrupt(runner: PagedWorker, block_id: int) -> None:
 
 
 def build_model(cfg: DemoConfig, device: torch.device) -> TinyDiT:
-    model_cfg = TinyDiTConfig(
-        hidden=cfg.hidden,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        layers=cfg.layers,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-    )
-    return TinyDiT(model_cfg).to(device).eval()
+    return TinyDiT.build(cfg, device)
 
 
 def make_result(

@@ -42,7 +42,6 @@ from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import Chunk, SessionCache, SessionPolicy
 from diffusion_kv.models.demo import combine_guidance, served_by
 from diffusion_kv.models.session_dit import CrossContext, SessionDiT, cross_attention_context
-from diffusion_kv.models.tiny_dit import TinyDiTConfig
 from diffusion_kv.platforms.interface import Platform
 
 MODES = ("paged", "recompute", "concat")
@@ -660,15 +659,7 @@ class ContiguousStream(_Base):
 
 
 def build_session_model(cfg: SessionConfig, device: torch.device) -> SessionDiT:
-    mc = TinyDiTConfig(
-        hidden=cfg.hidden,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        layers=cfg.layers,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-    )
-    return SessionDiT(mc).to(device).eval()
+    return SessionDiT.build(cfg, device)
 
 
 def session_inputs(cfg: SessionConfig, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:

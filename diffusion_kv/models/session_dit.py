@@ -19,7 +19,6 @@ so a chunk's K/V written at its last denoise step are what later chunks attend t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffusion_kv.models.tiny_dit import Block, RopeTables, TinyDiTConfig, rope_tables
+from diffusion_kv.models.tiny_dit import Block, DiTBase, RopeTables, TinyDiTConfig, rope_tables
 
 AttentionFn = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(layer_name, q [B, L, H, D], k [B, L, Hkv, D], v) -> [B, L, H, D]``: self-attention."""
@@ -88,33 +87,15 @@ class SessionBlock(Block):
         return x + F.linear(F.gelu(F.linear(h, up.weight, up.bias)), down.weight, down.bias)
 
 
-class SessionDiT(nn.Module):
-    """The chunk-causal DiT (module docstring); weights drawn from ``cfg.seed``."""
+class SessionDiT(DiTBase):
+    """The chunk-causal DiT (module docstring): :class:`~diffusion_kv.models.tiny_dit.DiTBase`
+    with :class:`SessionBlock` layers; weights drawn from ``cfg.seed``."""
 
-    def __init__(self, cfg: TinyDiTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        state = torch.random.get_rng_state()
-        torch.manual_seed(cfg.seed)
-        self.time_embed = nn.Sequential(
-            nn.Linear(16, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, cfg.hidden)
-        )
-        self.blocks = nn.ModuleList(SessionBlock(cfg, i) for i in range(cfg.layers))
-        self.final_norm = nn.LayerNorm(cfg.hidden)
-        self.final = nn.Linear(cfg.hidden, cfg.hidden)
-        torch.random.set_rng_state(state)
-        self.to(cfg.dtype)
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [f"blocks.{i}.attn" for i in range(len(self.blocks))]
+    block_type = SessionBlock
 
     def embed(self, latent: torch.Tensor, t: float) -> torch.Tensor:
         """The model's input for ``latent [B, L, hidden]`` at noise level ``t``."""
-        freqs = torch.exp(-math.log(1000.0) * torch.arange(8, device=latent.device, dtype=torch.float32) / 8)
-        feats = torch.cat([torch.sin(t * 1000 * freqs), torch.cos(t * 1000 * freqs)])
-        emb: torch.Tensor = self.time_embed(feats.to(self.cfg.dtype))
-        return latent + emb
+        return latent + self.timestep(t, latent.device)
 
     def run(
         self,

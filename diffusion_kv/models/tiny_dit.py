@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,33 @@ class Block(nn.Module):
         return self.post(x, attention(self.name, q, k, v))
 
 
-class TinyDiT(nn.Module):
+class ModelShape(Protocol):
+    """The model's fields of a run's configuration (the demo's, the session demo's)."""
+
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def seed(self) -> int: ...
+
+
+DiT = TypeVar("DiT", bound="DiTBase")
+
+
+class DiTBase(nn.Module):
+    """What the tiny DiTs share: the timestep embedding, ``cfg.layers`` blocks of
+    :attr:`block_type`, the final norm and projection, drawn from ``cfg.seed`` in that order (the
+    global RNG state is left as it was), and the layers' names."""
+
+    block_type: ClassVar[type[Block]] = Block
+
     def __init__(self, cfg: TinyDiTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -133,11 +159,24 @@ class TinyDiT(nn.Module):
         self.time_embed = nn.Sequential(
             nn.Linear(16, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, cfg.hidden)
         )
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.blocks = nn.ModuleList(self.block_type(cfg, i) for i in range(cfg.layers))
         self.final_norm = nn.LayerNorm(cfg.hidden)
         self.final = nn.Linear(cfg.hidden, cfg.hidden)
         torch.random.set_rng_state(gen_state)
         self.to(cfg.dtype)
+
+    @classmethod
+    def build(cls: type[DiT], shape: ModelShape, device: torch.device) -> DiT:
+        """The model of ``shape``'s fields on ``device``, in eval mode."""
+        cfg = TinyDiTConfig(
+            hidden=shape.hidden,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            layers=shape.layers,
+            dtype=shape.dtype,
+            seed=shape.seed,
+        )
+        return cls(cfg).to(device).eval()
 
     @property
     def layer_names(self) -> list[str]:
@@ -148,6 +187,10 @@ class TinyDiT(nn.Module):
         freqs = torch.exp(-math.log(1000.0) * torch.arange(8, device=device, dtype=torch.float32) / 8)
         feats = torch.cat([torch.sin(t * 1000 * freqs), torch.cos(t * 1000 * freqs)])
         return self.time_embed(feats.to(self.cfg.dtype))  # type: ignore[no-any-return]
+
+
+class TinyDiT(DiTBase):
+    """The prefix-and-target DiT (module docstring): dense and paged steps."""
 
     def run(
         self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionFn, target_len: int
