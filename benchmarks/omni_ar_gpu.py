@@ -37,6 +37,7 @@ importable (the lane's venv on CPU; ``/tmp/site`` on the GPU machine)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -46,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -478,35 +480,52 @@ def run_stream(
     """Every path request by request, taking turns, on the same inputs; the pipeline's window
     reset (text K/V kept) when the next block would start at or past the window. Per request:
     its start frame, each path's wall time and each diffusion-kv path's max abs difference of
-    latents and actions from vLLM-Omni's."""
+    latents and actions from vLLM-Omni's. A path that raises is recorded (``errors``, one line)
+    and left out of the later requests; the others go on."""
     window = inputs.shape.window_frames
     frame, observed = 0, None
     rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
     for index in range(requests):
+        live = {name: state for name, state in states.items() if name not in errors}
+        if not live:
+            break
         if frame >= window:  # DreamZero's "inference" reset: history dropped, the text K/V kept
-            for state in states.values():
+            for state in live.values():
                 state.reset(keep_cross_attention=("text",))
             frame, observed = 0, None
         row: dict[str, Any] = {"index": index, "start_frame": frame, "ms": {}, "max_abs_diff": {}}
         outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        next_frame = frame
-        for name, state in states.items():
-            _sync(inputs.device)
-            t0 = time.perf_counter()
-            latents, act, next_frame = request(model, state, inputs, index, frame, observed, steps)
-            _sync(inputs.device)
+        next_frame = frame + inputs.shape.frames_per_block + (1 if frame == 0 else 0)
+        for name, state in live.items():
+            try:
+                _sync(inputs.device)
+                t0 = time.perf_counter()
+                latents, act, next_frame = request(model, state, inputs, index, frame, observed, steps)
+                _sync(inputs.device)
+            except Exception as exc:
+                errors[name] = f"request {index}: {type(exc).__name__}: {_one_line(exc)}"[:2000]
+                continue
             row["ms"][name] = (time.perf_counter() - t0) * 1e3
             outputs[name] = (latents, act)
-        ref_latents, ref_act = outputs["vllm_omni"]
-        for name, (latents, act) in outputs.items():
-            if name != "vllm_omni":
-                row["max_abs_diff"][name] = max(
-                    (latents.float() - ref_latents.float()).abs().max().item(),
-                    (act.float() - ref_act.float()).abs().max().item(),
-                )
+        if "vllm_omni" in outputs:
+            ref_latents, ref_act = outputs["vllm_omni"]
+            for name, (latents, act) in outputs.items():
+                if name != "vllm_omni":
+                    row["max_abs_diff"][name] = max(
+                        (latents.float() - ref_latents.float()).abs().max().item(),
+                        (act.float() - ref_act.float()).abs().max().item(),
+                    )
         rows.append(row)
-        frame, observed = next_frame, ref_latents
-    return {"requests": rows}
+        frame = next_frame
+        observed = (
+            outputs["vllm_omni"][0] if "vllm_omni" in outputs else next(iter(outputs.values()), (None,))[0]
+        )
+    return {"requests": rows, "errors": errors}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def summarise(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
@@ -522,16 +541,18 @@ def summarise(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         "frame0_requests": [r["index"] for r in fresh],
     }
     for name in names:
-        med = statistics.median(r["ms"][name] for r in steady) if steady else float("nan")
+        timed = [r["ms"][name] for r in steady if name in r["ms"]]
         out[name] = {
-            "steady_ms_median": med,
-            "steady_ms_min": min(r["ms"][name] for r in steady) if steady else float("nan"),
-            "frame0_ms_median": statistics.median(r["ms"][name] for r in fresh),
+            "steady_ms_median": _median(timed),
+            "steady_ms_min": min(timed) if timed else float("nan"),
+            "frame0_ms_median": _median([r["ms"][name] for r in fresh if name in r["ms"]]),
         }
+    host = out["vllm_omni"]["steady_ms_median"] if "vllm_omni" in out else float("nan")
+    for name in names:
         if name != "vllm_omni":
-            host = out["vllm_omni"]["steady_ms_median"]
-            out[name]["steady_ratio_vs_vllm_omni"] = med / host if host else float("nan")
-            out[name]["max_abs_diff"] = max(r["max_abs_diff"][name] for r in rows)
+            diffs = [r["max_abs_diff"][name] for r in rows if name in r["max_abs_diff"]]
+            out[name]["steady_ratio_vs_vllm_omni"] = out[name]["steady_ms_median"] / host
+            out[name]["max_abs_diff"] = max(diffs) if diffs else float("nan")
     return out
 
 
@@ -585,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for field in dataclasses.fields(Shape):
         parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=int, default=None)
     parser.add_argument("--hunyuan", action="store_true", help="also run HunyuanImage3 (cuda only)")
-    parser.add_argument("--hunyuan-timeout", type=float, default=180.0)
+    parser.add_argument("--hunyuan-timeout", type=float, default=150.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -599,6 +620,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = tuple(1000.0 * (1 - i / steps_n) for i in range(steps_n))
     if device.type == "cpu":
         torch.set_num_threads(1)
+    if args.hunyuan and device.type != "cuda":
+        raise SystemExit("omni_ar_gpu: --hunyuan runs on --device cuda")
     try:
         for backend in backends:
             check_backend(backend, device)
@@ -606,16 +629,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report = measure(shape, device, dtype, backends, args.requests, steps)
     except SetupError as exc:
         raise SystemExit(f"omni_ar_gpu: {exc}") from None
+    except Exception as exc:  # recorded; the HunyuanImage3 run still goes ahead
+        traceback.print_exc()
+        report = {"errors": {"dreamzero": f"{type(exc).__name__}: {_one_line(exc)}"[:2000]}, "summary": {}}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     _print(report)
     if args.hunyuan:
-        if device.type != "cuda":
-            raise SystemExit("omni_ar_gpu: --hunyuan runs on --device cuda")
         report["hunyuan_image3"] = hunyuan(args.hunyuan_timeout)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
         print(json.dumps({"hunyuan_image3": report["hunyuan_image3"]}, indent=1))
+    if report["errors"]:
+        raise SystemExit("omni_ar_gpu: " + "; ".join(f"{k}: {v}" for k, v in report["errors"].items()))
     return report
 
 
@@ -669,7 +695,8 @@ def measure(
         report["backends"] = chosen
         stream = run_stream(model, states, inputs, requests, steps)
         for state in states.values():
-            state.close()
+            with contextlib.suppress(Exception):  # a path that failed may hold a half-done forward
+                state.close()
     report.update(stream)
     report["summary"] = summarise(stream["requests"], list(states))
     return report
@@ -677,7 +704,10 @@ def measure(
 
 def _print(report: dict[str, Any]) -> None:
     summary = report["summary"]
-    print(f"{report['device']}, {report['dtype']}, shape {report['shape']}")
+    if "device" in report:
+        print(f"{report['device']}, {report['dtype']}, shape {report['shape']}")
+    for name, error in report["errors"].items():
+        print(f"{name:28s} FAILED: {error}")
     for name, r in summary.items():
         if not isinstance(r, dict):
             continue

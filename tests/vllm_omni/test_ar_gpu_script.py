@@ -35,7 +35,7 @@ def test_the_cpu_path_agrees_with_vllm_omnis_own_across_the_window_reset(script:
     shape = dataclasses.replace(script.CPU_SHAPE, layers=1)
     report = script.measure(shape, torch.device("cpu"), torch.float32, ["cpu:sdpa"], 4, (1000.0, 500.0))
     name = "diffusion_kv[cpu:sdpa]"
-    assert report["backends"] == {name: ["sdpa"]}
+    assert report["backends"] == {name: ["sdpa"]} and report["errors"] == {}
     # window 2 x 2 + 1 = 5 frames: frame 0 + block [1, 3), then [3, 5); the next would start at 5: reset
     assert [r["start_frame"] for r in report["requests"]] == [0, 3, 0, 3]
     assert report["forwards_per_request"] == 6  # a commit and 2 denoise forwards per CFG branch
