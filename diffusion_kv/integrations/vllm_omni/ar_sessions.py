@@ -10,9 +10,10 @@ without editing vLLM-Omni:
   ``close``, and read ``kv_cache.cross_attention_lengths``. :class:`DiffusionKVARState` answers
   them from a :class:`DiffusionKVARCache`: one diffusion-kv ``SessionCache`` session per KV branch;
 * **the attention op** every paged layer calls, ``torch.ops.vllm_omni.ar_diffusion_paged_write_attn``
-  (a ``torch.library.custom_op``). :func:`install_cpu_kernel` registers a CPU kernel for it
-  (``torch.library.register_kernel``): a call whose pools are a :class:`DiffusionKVARCache`'s
-  markers is served by diffusion-kv's worker (write the chunk's K/V into the session's pages,
+  (a ``torch.library.custom_op``). :func:`install_kernel` registers a kernel for it on the
+  cache's device type (``torch.library.register_kernel``; ``cpu``, or ``cuda`` for a cache built
+  on a CUDA device): a call whose pools are a :class:`DiffusionKVARCache`'s markers is served by
+  diffusion-kv's worker (write the chunk's K/V into the session's pages,
   attend under the session's chunk-causal + window + sink mask); any other call runs vLLM-Omni's
   own body (``_paged_write_attn_impl``) unchanged, so both paths share a process.
 
@@ -55,7 +56,7 @@ released with the session; ``reset(keep_cross_attention=...)`` keeps the named o
 (``SessionCache.reset(keep_contexts=)``). They are read through :func:`read_context` (today the
 core's gather, ``SessionCache.context_kv``).
 
-Importing this module imports neither vLLM nor vLLM-Omni; :func:`install_cpu_kernel` and
+Importing this module imports neither vLLM nor vLLM-Omni; :func:`install_kernel` and
 :meth:`DiffusionKVARForward.layer_inputs` import vLLM-Omni lazily.
 """
 
@@ -89,7 +90,8 @@ _PAGED_ATTENTION = "vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention
 _MARKERS: dict[int, tuple[DiffusionKVARCache, int]] = {}
 """Marker tensor data pointer -> (cache, layer index): how the op's kernel recognises our layers."""
 
-_INSTALLED = False
+_INSTALLED: set[str] = set()
+"""Device types whose kernel of the op is registered (:func:`install_kernel`)."""
 
 
 def _layer_name(index: int) -> str:
@@ -290,19 +292,16 @@ def _context_store(
     platform: Any,
     backend: str | None,
     block_size: int,
+    device: torch.device,
 ) -> SessionContexts:
     """The contexts' own worker (one FULL layer per cross-attention layer) and pool: room for
     every name of every resident KV-branch session."""
-    from diffusion_kv.platforms.cpu import CpuPlatform
-
     rows = session_rows * len(lengths)
     longest = max(lengths.values())
     max_len = cdiv(longest, block_size) * block_size
     worker = PagedWorker(
-        platform or CpuPlatform(),
-        RunnerConfig(
-            max_len, 1, rows, max(max_len, rows * max_len), device=torch.device("cpu"), backend=backend
-        ),
+        platform or _default_platform(device),
+        RunnerConfig(max_len, 1, rows, max(max_len, rows * max_len), device=device, backend=backend),
     )
     spec = PagedLayerSpec(
         geometry.num_kv_heads,
@@ -324,10 +323,26 @@ def _context_store(
     return SessionContexts(worker, allocator)
 
 
+def _default_platform(device: torch.device) -> Any:
+    """diffusion-kv's platform for a device type when the caller names none: ``cpu`` or ``cuda``."""
+    if device.type == "cpu":
+        from diffusion_kv.platforms.cpu import CpuPlatform
+
+        return CpuPlatform()
+    if device.type == "cuda":
+        from diffusion_kv.platforms.cuda import CudaPlatform
+
+        return CudaPlatform()
+    raise UnsupportedFeatureError(
+        f"DiffusionKVARCache device {device}: no default platform for device type {device.type!r} "
+        "(cpu or cuda; pass platform=)"
+    )
+
+
 class DiffusionKVARCache:
     """One model's AR-diffusion KV on diffusion-kv: a worker whose layers attend under the
     session mask, its allocator and a :class:`SessionCache` (vLLM-Omni's ``ARDiffusionKVCache``'s
-    place)."""
+    place), on ``device`` (default CPU; the model's device: its forwards must run there)."""
 
     def __init__(
         self,
@@ -342,9 +357,8 @@ class DiffusionKVARCache:
         platform: Any = None,
         backend: str | None = None,
         context_block_size: int = 16,
+        device: torch.device | str | None = None,
     ) -> None:
-        from diffusion_kv.platforms.cpu import CpuPlatform
-
         if not kv_branches or len(set(kv_branches)) != len(kv_branches):
             raise ValidationError(f"kv_branches must be distinct names; got {kv_branches!r}")
         self.geometry = geometry
@@ -354,17 +368,19 @@ class DiffusionKVARCache:
         block = block_size or geometry.tokens_per_frame
         max_model_len = max_frames * geometry.tokens_per_frame
         rows = max_sessions * len(self.kv_branches)
+        wanted = torch.device(device) if device is not None else torch.device("cpu")
         self.worker = PagedWorker(
-            platform or CpuPlatform(),
+            platform or _default_platform(wanted),
             RunnerConfig(
                 max_model_len,
                 1,
                 rows,
                 max(max_model_len, self.chunk_tokens * rows),
-                device=torch.device("cpu"),
+                device=wanted,
                 backend=backend,
             ),
         )
+        self.device: torch.device = self.worker.device
         mask = self.policy.mask
         spec = PagedLayerSpec(
             geometry.num_kv_heads, geometry.num_kv_heads, geometry.head_size, geometry.dtype, mode=mask
@@ -396,13 +412,19 @@ class DiffusionKVARCache:
         contexts = None
         if sized:
             contexts = _context_store(
-                geometry, sized, rows, platform=platform, backend=backend, block_size=context_block_size
+                geometry,
+                sized,
+                rows,
+                platform=platform,
+                backend=backend,
+                block_size=context_block_size,
+                device=self.device,
             )
         self.sessions = SessionCache(self.worker, self.allocator, self.policy, contexts=contexts)
         self.cross = CrossAttentionStore(self.sessions, lengths, geometry)
         self.cross_attention_lengths = dict(lengths)
         self.block_size = block
-        self._markers = [torch.zeros(1) for _ in range(geometry.num_layers)]
+        self._markers = [torch.zeros(1, device=self.device) for _ in range(geometry.num_layers)]
         for index, marker in enumerate(self._markers):
             _MARKERS[marker.data_ptr()] = (self, index)
         self.active: DiffusionKVARForward | None = None
@@ -487,12 +509,15 @@ class DiffusionKVARForward:
                     "declare it"
                 )
         self.action_len = int(action_len)
-        if torch.device(device).type != "cpu":
-            raise UnsupportedFeatureError(f"DiffusionKVARCache serves CPU forwards; got device {device}")
+        here = self.cache.device
+        if torch.device(device).type != here.type:
+            raise UnsupportedFeatureError(
+                f"AR-diffusion forward on device {device}: this DiffusionKVARCache serves forwards on {here}"
+            )
         self.cache.active = self
         paged = importlib.import_module(_PAGED_ATTENTION)
-        empty = torch.empty(0, dtype=torch.long)
-        meta = torch.zeros(1, dtype=torch.int32)
+        empty = torch.empty(0, dtype=torch.long, device=here)
+        meta = torch.zeros(1, dtype=torch.int32, device=here)
         self._inputs = [
             paged.ARDiffusionPagedLayerInputs(
                 layer_idx=paged._layer_idx_tensor(i),
@@ -947,7 +972,7 @@ def _kernel(
     reuse_history: bool = False,
     stage_first_block: int = 0,
 ) -> torch.Tensor:
-    """The op's CPU kernel: diffusion-kv's layers by their markers, upstream's body otherwise."""
+    """The op's kernel (CPU, or CUDA): diffusion-kv's layers by their markers, upstream's body otherwise."""
     found = _MARKERS.get(key_pool.data_ptr())
     if found is None:
         upstream = importlib.import_module(_PAGED_ATTENTION)._paged_write_attn_impl
@@ -971,14 +996,24 @@ def _kernel(
     return forward.attend(layer, query, k_curr, v_curr)
 
 
-def install_cpu_kernel() -> None:
-    """Register :func:`_kernel` as the CPU kernel of vLLM-Omni's AR-diffusion paged op (once)."""
-    global _INSTALLED
-    if _INSTALLED:
+def install_kernel(device_type: str = "cpu") -> None:
+    """Register :func:`_kernel` as vLLM-Omni's AR-diffusion paged op's kernel for ``device_type``
+    (``cpu`` or ``cuda``; once per type). Calls on other layers run upstream's own body, which on
+    CUDA is its FlashAttention path, so both paths share a process."""
+    if device_type not in ("cpu", "cuda"):
+        raise UnsupportedFeatureError(
+            f"AR-diffusion op kernel for device type {device_type!r}: served on 'cpu' and 'cuda'"
+        )
+    if device_type in _INSTALLED:
         return
     importlib.import_module(_PAGED_ATTENTION)  # defines the op
-    torch.library.register_kernel(OP_NAME, "cpu", _kernel)
-    _INSTALLED = True
+    torch.library.register_kernel(OP_NAME, device_type, _kernel)
+    _INSTALLED.add(device_type)
+
+
+def install_cpu_kernel() -> None:
+    """Register :func:`_kernel` as the CPU kernel of vLLM-Omni's AR-diffusion paged op (once)."""
+    install_kernel("cpu")
 
 
 __all__ = [
@@ -989,5 +1024,6 @@ __all__ = [
     "DiffusionKVARForward",
     "DiffusionKVARState",
     "install_cpu_kernel",
+    "install_kernel",
     "read_context",
 ]
