@@ -40,6 +40,7 @@ __all__ = [
     "contiguous_run",
     "dcp_causal_mask",
     "page_view",
+    "planned_blocks",
     "planned_row_groups",
     "planned_tokens",
     "row_shapes",
@@ -105,6 +106,10 @@ class SdpaRowGroup:
     the visible keys, row after row, made per batch at ``build`` from its block table (never
     cached by shape: the placement changes as a session's window slides). One ``index_select``
     per K and V per layer reads them."""
+    blocks: torch.Tensor | None = None
+    """A planned group read by block: ``[rows * len(live)]`` device kernel-block ids of its live
+    blocks, row after row, made per batch at ``build`` from its block table (never cached by
+    shape), so a layer's gather is one ``index_select`` per K and V."""
     token_view: tuple[int, int] | None = None
     """With ``tokens``, on the CPU, one row: ``(first slot, count)`` when the visible keys fill one
     run of cache slots: K/V are then a view of the cache, nothing gathered."""
@@ -334,6 +339,18 @@ def planned_tokens(grp: SdpaRowGroup, block_table: torch.Tensor, page: int) -> t
         table = block_table.index_select(0, grp.row_index)
     cols = torch.div(grp.key_pos, page, rounding_mode="floor")
     return (table.index_select(1, cols).long() * page + grp.key_pos % page).reshape(-1)
+
+
+def planned_blocks(grp: SdpaRowGroup, block_table: torch.Tensor) -> torch.Tensor:
+    """``SdpaRowGroup.blocks`` of a planned group read by block over this batch's
+    ``block_table``: device ops only, no host synchronisation."""
+    assert grp.live is not None
+    R = len(grp.rows)
+    if grp.row_index is None:
+        table = block_table[grp.rows[0] : grp.rows[0] + R]
+    else:
+        table = block_table.index_select(0, grp.row_index)
+    return table.index_select(1, grp.live).reshape(-1).long()
 
 
 def token_view(tokens: torch.Tensor) -> tuple[int, int] | None:
@@ -671,7 +688,8 @@ class TorchSdpaBackend(PagedBackend):
         * a ``key_runs`` group: its visible keys' cache slots (``tokens``), device ops on the
           batch's block table (no host synchronisation; a captured graph is bound to its batch),
           and on the CPU, one row, ``token_view`` when they are one run of slots;
-        * on the CPU, a one-row group read by block: ``live_runs``.
+        * a group read by block: on the CPU, one row, ``live_runs`` where its live blocks are
+          one run of the cache; else its live blocks' ids (``blocks``), device ops as above.
 
         On the CPU a token gather of the visible keys measured no slower than a view of whole
         live blocks with the mask (``benchmarks/profile_session_gpu.py`` docstring), so a view is
@@ -685,9 +703,10 @@ class TorchSdpaBackend(PagedBackend):
                 tokens = planned_tokens(grp, batch.block_table, page)
                 view = token_view(tokens) if cpu and len(grp.rows) == 1 else None
                 out.append(replace(grp, tokens=tokens, token_view=view))
-            elif cpu:
-                runs = live_runs(grp, batch.host_block_ids, ratio)
-                out.append(grp if runs is None else replace(grp, live_runs=runs))
+            elif cpu and (runs := live_runs(grp, batch.host_block_ids, ratio)) is not None:
+                out.append(replace(grp, live_runs=runs))
+            elif grp.live is not None:
+                out.append(replace(grp, blocks=planned_blocks(grp, batch.block_table)))
             else:
                 out.append(grp)
         return tuple(out)
@@ -851,11 +870,7 @@ class TorchSdpaBackend(PagedBackend):
             k = _runs_of(k_cache, grp.live_runs, keys)
             v = _runs_of(v_cache, grp.live_runs, keys)
         elif grp.live is not None:  # a planned mask: the live blocks only, gathered
-            if grp.row_index is None:
-                table = md.block_table[rows[0] : rows[0] + R]
-            else:
-                table = md.block_table[grp.row_index]
-            flat = table.index_select(1, grp.live).reshape(-1).long()
+            flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
             n_live = grp.live.shape[0]
             k = k_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
             v = v_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]

@@ -26,6 +26,7 @@ from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.torch_sdpa import (
     CudaPagedMetadata,
     SdpaRowGroup,
+    planned_blocks,
     planned_row_groups,
     planned_tokens,
     token_view,
@@ -99,6 +100,8 @@ def test_a_chunk_cutting_blocks_is_one_group_without_mask_over_its_visible_keys(
     (grp_a,) = planned_row_groups((0, 32), (192,), plan_a, torch.device("cpu"))
     assert grp_a.key_runs == () and grp_a.key_pos is None and grp_a.key_mask is None
     assert grp_a.live_host == (0, 1, 6, 7, 8, 9, 10, 11) and grp_a.kv_len == 128
+    table_a = torch.arange(100, 112, dtype=torch.int32)[None]
+    assert planned_blocks(grp_a, table_a).tolist() == [100, 101, 106, 107, 108, 109, 110, 111]
 
 
 def test_rows_of_one_shape_share_the_slots_of_their_own_tables() -> None:
@@ -163,6 +166,8 @@ def test_a_session_past_the_slide_on_cpu_sdpa_reads_unmasked_and_matches_dense()
                 if grp.key_runs:  # a block is cut: this batch's slots, made at build
                     cut += 1
                     assert grp.tokens is not None and grp.tokens.numel() == grp.keys
+                else:  # whole blocks: one run of the cache (a view) or their ids, made at build
+                    assert (grp.live_runs is None) != (grp.blocks is None)
                 for name in worker.layers:
                     q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
                     out = worker.forward(name, q, k, v)
