@@ -88,9 +88,7 @@ def _table(prof: Any, key: str, limit: int) -> tuple[str, list[dict[str, Any]]]:
                 "name": e.key,
                 "count": e.count,
                 "self_cpu_us": e.self_cpu_time_total,
-                "self_device_us": getattr(
-                    e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)
-                ),
+                "self_device_us": getattr(e, "self_device_time_total", 0.0),
             }
         )
     return text, rows
@@ -157,7 +155,7 @@ def run_way(
             with profile(activities=acts) as prof:
                 chunk(i)
                 _sync(device)
-            dev_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             dev_text, dev_rows = _table(prof, dev_key, args.top)
             cpu_text, cpu_rows = _table(prof, "self_cpu_time_total", args.top)
             name = way.replace(":", "-")
