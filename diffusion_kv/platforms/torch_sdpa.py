@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from diffusion_kv.core.attention import AttentionMode, BlockPlan
+from diffusion_kv.core.attention import AttentionMode, BlockPlan, MaskSpec, key_bounds
 from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.capabilities import Requirements
@@ -40,11 +40,15 @@ __all__ = [
     "contiguous_run",
     "dcp_causal_mask",
     "page_view",
+    "planned_blocks",
     "planned_row_groups",
+    "planned_tokens",
     "row_shapes",
     "sdpa_row_groups",
     "sdpa_with_lse",
     "to_device",
+    "token_view",
+    "uniform_key_runs",
 ]
 
 ROW_SHAPES_CACHE_SIZE = 64
@@ -89,6 +93,26 @@ class SdpaRowGroup:
     """A planned mask on the CPU, one row: ``(first kernel block, count)`` runs of the cache
     holding the live blocks in ``live``'s order, set per batch from its placement: K/V are then
     one view of the cache (one run) or a concatenation of a few slices, not an indexed gather."""
+    key_runs: tuple[tuple[int, int], ...] = ()
+    """A planned mask under which every query of the group sees the same keys (one whole chunk,
+    block-causal by chunk) and some live block holds keys no query sees (a chunk boundary
+    inside a block): those keys as ``[start, end)`` position runs (at most two: the sink and the
+    window). The group then reads exactly them, token by token, with no mask (``key_mask``
+    None). Empty otherwise."""
+    key_pos: torch.Tensor | None = None
+    """With ``key_runs``: ``[kv_len]`` device positions of the visible keys, ascending."""
+    tokens: torch.Tensor | None = None
+    """With ``key_runs``: ``[rows * kv_len]`` device cache slots (kernel block x page + offset) of
+    the visible keys, row after row, made per batch at ``build`` from its block table (never
+    cached by shape: the placement changes as a session's window slides). One ``index_select``
+    per K and V per layer reads them."""
+    blocks: torch.Tensor | None = None
+    """A planned group read by block: ``[rows * len(live)]`` device kernel-block ids of its live
+    blocks, row after row, made per batch at ``build`` from its block table (never cached by
+    shape), so a layer's gather is one ``index_select`` per K and V."""
+    token_view: tuple[int, int] | None = None
+    """With ``tokens``, on the CPU, one row: ``(first slot, count)`` when the visible keys fill one
+    run of cache slots: K/V are then a view of the cache, nothing gathered."""
 
     @property
     def contiguous(self) -> bool:
@@ -180,6 +204,32 @@ def sdpa_row_groups(
     return tuple(groups)
 
 
+def uniform_key_runs(
+    mask: MaskSpec, query_offset: int, query_len: int, seq_len: int, live_from: int = 0
+) -> tuple[tuple[int, int], ...] | None:
+    """The keys every query of one row sees, as ascending ``[start, end)`` runs (at most two,
+    none empty), when every query sees the same keys; None when what they see differs.
+
+    A query sees ``[0, min(sink, hi)) u [lo, hi)`` (``key_bounds``); written canonically as
+    ``[0, a) u [b, c)`` with ``a < b`` or ``a == b == 0``, two queries see the same keys exactly
+    when their ``(a, b, c)`` agree. O(query_len), no dense mask."""
+    if query_len <= 0:
+        return None
+    lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, live_from=live_from)
+    sink_end = torch.clamp(hi, max=sink)
+    empty = lo >= hi  # no window keys: the sink part alone
+    merged = empty | (lo <= sink_end)  # one run from 0
+    a = torch.where(merged, 0, sink_end)
+    b = torch.where(merged, 0, lo)
+    c = torch.where(empty, sink_end, hi)
+    abc = torch.stack([a, b, c])
+    first = abc[:, :1]
+    if not bool((abc == first).all()):
+        return None
+    a0, b0, c0 = (int(x) for x in first.flatten().tolist())
+    return tuple((x, y) for x, y in ((0, a0), (b0, c0)) if y > x)
+
+
 def planned_row_groups(
     qsl: tuple[int, ...],
     seq: tuple[int, ...],
@@ -187,19 +237,32 @@ def planned_row_groups(
     device: torch.device,
     shapes: RowShapes | None = None,
 ) -> tuple[SdpaRowGroup, ...]:
-    """Rows grouped by shape under a planned mask (chunk, window, sink): each group reads only
-    its live blocks (the plan's FULL and PARTIAL ones, gathered), with the exact mask over the
-    keys they hold when some block is PARTIAL. Rows of one shape have one plan (a causal row's
-    queries are its last tokens), so a group shares its live blocks and its mask; everything is
-    made here, once per batch, so the per-layer path only launches work."""
+    """Rows grouped by shape under a planned mask (chunk, window, sink), each group reading
+    only what its queries see:
+
+    * every query sees the same keys (the session case: the queries are one whole chunk) and
+      they fill the live blocks (the last one cut at ``seq_len``): the live blocks, gathered
+      (or viewed), no mask;
+    * every query sees the same keys, but a chunk boundary cuts a live block: exactly those
+      keys (``key_runs``, ``key_pos``; the per-batch cache slots, ``tokens``, are made at
+      ``build`` by :meth:`TorchSdpaBackend._placed`), no mask, so the per-layer call is a dense
+      unmasked SDPA (cuDNN / FlashAttention on CUDA) over the visible keys;
+    * what the queries see differs: the live blocks with the exact ``key_mask`` over their keys.
+
+    Rows of one shape and one ``live_from`` have one plan (the plan of a row is a function of
+    the mask, its query offset ``seq_len - query_len``, its lengths and its ``live_from``), so a
+    group shares its live blocks and its mask; everything is made here, once per batch shape,
+    so the per-layer path only launches work."""
     if shapes is None:
         shapes = row_shapes(qsl, seq, device)
     page = plan.block_size
-    offsets = torch.arange(page, dtype=torch.long)
     split: list[tuple[int, int, tuple[int, ...], torch.Tensor | None]] = []
     for ql, sl, rows, index in shapes:
         # rows of one shape share a plan unless their live_from differs (a re-cache's window
         # forward beside other rows): each live_from is a group of its own
+        if not plan.live_from:
+            split.append((ql, sl, rows, index))
+            continue
         starts = {plan.row_live_from(r) for r in rows}
         if len(starts) == 1:
             split.append((ql, sl, rows, index))
@@ -209,20 +272,45 @@ def planned_row_groups(
             split.append((ql, sl, part, torch.tensor(part, dtype=torch.long).to(device, non_blocking=True)))
     groups = []
     for ql, sl, rows, index in split:
+        live_from = plan.row_live_from(rows[0])
         live = plan.live_blocks(rows[0])
-        for r in rows[1:]:
-            if not torch.equal(plan.live_blocks(r), live):  # same shape, same plan: a broken invariant
-                raise ValidationError(
-                    f"block plan rows {rows[0]} and {r} share shape (query_len {ql}, seq_len {sl}) "
-                    "but not their live blocks"
-                )
-        key_pos = (live[:, None] * page + offsets[None, :]).flatten()
-        key_pos = key_pos[key_pos < sl]  # ascending: only the last live block may pass seq_len
-        if key_pos.numel() == 0:
+        n_live = int(live.numel())
+        if n_live == 0:
             continue
+        live_host = tuple(live.tolist())
+        runs = uniform_key_runs(plan.mask, sl - ql, ql, sl, live_from)
+        if runs is not None:
+            kv_len = sum(e - s for s, e in runs)
+            # keys the live blocks hold below seq_len (only the last live block may pass it)
+            block_keys = n_live * page - max(0, (live_host[-1] + 1) * page - sl)
+            if kv_len == block_keys:  # the live blocks' keys, all of them: read by block
+                groups.append(
+                    SdpaRowGroup(
+                        ql, sl, rows, index, None, kv_len, live=to_device(live, device), live_host=live_host
+                    )
+                )
+                continue
+            pos = torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in runs])
+            groups.append(
+                SdpaRowGroup(
+                    ql,
+                    sl,
+                    rows,
+                    index,
+                    None,
+                    kv_len,
+                    live=to_device(live, device),
+                    live_host=live_host,
+                    key_runs=runs,
+                    key_pos=to_device(pos, device),
+                )
+            )
+            continue
+        key_pos = (live[:, None] * page + torch.arange(page, dtype=torch.long)[None, :]).flatten()
+        key_pos = key_pos[key_pos < sl]  # ascending: only the last live block may pass seq_len
         # over the gathered keys alone: a dense [query_len, seq_len] mask would grow with the
         # row's absolute length (a long session's released keys are most of it)
-        visible = plan.mask.key_mask(sl - ql, ql, sl, key_pos, live_from=plan.row_live_from(rows[0]))
+        visible = plan.mask.key_mask(sl - ql, ql, sl, key_pos, live_from=live_from)
         key_mask = None if bool(visible.all()) else to_device(visible, device)
         groups.append(
             SdpaRowGroup(
@@ -234,10 +322,47 @@ def planned_row_groups(
                 int(key_pos.numel()),
                 live=to_device(live, device),
                 key_mask=key_mask,
-                live_host=tuple(int(b) for b in live.tolist()),
+                live_host=live_host,
             )
         )
     return tuple(groups)
+
+
+def planned_tokens(grp: SdpaRowGroup, block_table: torch.Tensor, page: int) -> torch.Tensor:
+    """``SdpaRowGroup.tokens`` of a ``key_runs`` group over this batch's ``block_table`` (kernel
+    block ids per row): device ops only, no host synchronisation."""
+    assert grp.key_pos is not None
+    R = len(grp.rows)
+    if grp.row_index is None:
+        table = block_table[grp.rows[0] : grp.rows[0] + R]
+    else:
+        table = block_table.index_select(0, grp.row_index)
+    cols = torch.div(grp.key_pos, page, rounding_mode="floor")
+    return (table.index_select(1, cols).long() * page + grp.key_pos % page).reshape(-1)
+
+
+def planned_blocks(grp: SdpaRowGroup, block_table: torch.Tensor) -> torch.Tensor:
+    """``SdpaRowGroup.blocks`` of a planned group read by block over this batch's
+    ``block_table``: device ops only, no host synchronisation."""
+    assert grp.live is not None
+    R = len(grp.rows)
+    if grp.row_index is None:
+        table = block_table[grp.rows[0] : grp.rows[0] + R]
+    else:
+        table = block_table.index_select(0, grp.row_index)
+    return table.index_select(1, grp.live).reshape(-1).long()
+
+
+def token_view(tokens: torch.Tensor) -> tuple[int, int] | None:
+    """``SdpaRowGroup.token_view`` of one row's host ``tokens``: ``(first, count)`` when they are
+    consecutive slots, else None."""
+    n = int(tokens.numel())
+    if n == 0:
+        return None
+    first = int(tokens[0])
+    if int(tokens[-1]) - first != n - 1:  # rejects most placements at once
+        return None
+    return (first, n) if bool((tokens.diff() == 1).all()) else None
 
 
 MAX_LIVE_RUNS = 1
@@ -376,6 +501,11 @@ class CudaPagedMetadata:
     )
     """Per (layer cache address, row group): the K/V strided views of contiguous pages, made by
     the batch's first layer and reused by the others (a layer's cache never moves)."""
+    biases: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per (row group, query heads per KV head, dtype): a planned mask's additive bias for the
+    partial path, made by the batch's first call and reused by the others."""
 
 
 def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
@@ -390,6 +520,27 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
     )
 
 
+def _flat(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` ``[blocks, page, Hkv, D]``'s pages flatten into slots in place."""
+    return cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def _slot_range(cache: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """``[1, count, Hkv, D]``: the cache slots ``first ..`` (a view; the caller checked
+    :func:`_flat`)."""
+    nb, page = cache.shape[0], cache.shape[1]
+    return cache.view(nb * page, *cache.shape[2:])[first : first + count].unsqueeze(0)
+
+
+def _gather_slots(cache: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[len(tokens), Hkv, D]``: the cache slots ``tokens`` (block x page + offset), one indexed
+    gather (by block and offset where the pages do not flatten in place)."""
+    nb, page = cache.shape[0], cache.shape[1]
+    if _flat(cache):
+        return cache.view(nb * page, *cache.shape[2:]).index_select(0, tokens)
+    return cache[torch.div(tokens, page, rounding_mode="floor"), tokens % page]
+
+
 def _runs_of(cache: torch.Tensor, runs: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
     """``[1, keys, Hkv, D]``: the first ``keys`` keys of the cache blocks ``runs`` (``(first,
     count)``, in order): a view for one run, else one concatenation of the slices."""
@@ -399,6 +550,25 @@ def _runs_of(cache: torch.Tensor, runs: tuple[tuple[int, int], ...], keys: int) 
     else:
         part = torch.cat([cache[a : a + n] for a, n in runs])
     return part.reshape(1, part.shape[0] * part.shape[1], cache.shape[2], cache.shape[3])[:, :keys]
+
+
+def _planned_bias(md: CudaPagedMetadata, grp: SdpaRowGroup, per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, per_kv * query_len, keys]`` additive mask (0 or -inf, rows 16-aligned) of a
+    planned group's ``key_mask`` for the partial path, made by the batch's first call and reused
+    by every later layer (kept in ``md.biases``). Not made at ``build``: only a direct
+    ``forward_partial`` call reads it (the core calls it under DCP alone, which planned masks
+    refuse), and ``forward`` passes the bool mask itself, so a bias made for every batch would
+    double the mask's device memory for nothing."""
+    at = (id(grp), per_kv, dtype)
+    bias = md.biases.get(at)
+    if bias is None:
+        assert grp.key_mask is not None
+        keys = grp.keys
+        padded = cdiv(keys, BIAS_ALIGN) * BIAS_ALIGN
+        full = torch.zeros((per_kv * grp.query_len, padded), dtype=dtype, device=grp.key_mask.device)
+        full[:, :keys].masked_fill_(~grp.key_mask.repeat(per_kv, 1), float("-inf"))
+        bias = md.biases[at] = full[:, :keys][None, None]
+    return bias
 
 
 class TorchSdpaBackend(PagedBackend):
@@ -512,17 +682,33 @@ class TorchSdpaBackend(PagedBackend):
     def _placed(
         self, batch: PagedBatch, groups: tuple[SdpaRowGroup, ...], device: torch.device
     ) -> tuple[SdpaRowGroup, ...]:
-        """On the CPU, the planned one-row groups with their ``live_runs`` from this batch's
-        placement (made per prepared batch, never cached by shape: the placement changes as a
-        session's window slides). Other devices keep the device-side gather, which a captured
-        graph replays over new block tables."""
-        if device.type != "cpu":
-            return groups
+        """The planned groups with what this batch's placement decides (made per prepared batch,
+        never cached by shape: the placement changes as a session's window slides):
+
+        * a ``key_runs`` group: its visible keys' cache slots (``tokens``), device ops on the
+          batch's block table (no host synchronisation; a captured graph is bound to its batch),
+          and on the CPU, one row, ``token_view`` when they are one run of slots;
+        * a group read by block: on the CPU, one row, ``live_runs`` where its live blocks are
+          one run of the cache; else its live blocks' ids (``blocks``), device ops as above.
+
+        On the CPU a token gather of the visible keys measured no slower than a view of whole
+        live blocks with the mask (``benchmarks/profile_session_gpu.py`` docstring), so a view is
+        taken only where it needs no mask."""
         ratio = self.group.block_size // self.group.kernel_block_size
+        page = self.group.kernel_block_size
+        cpu = device.type == "cpu"
         out = []
         for grp in groups:
-            runs = live_runs(grp, batch.host_block_ids, ratio)
-            out.append(grp if runs is None else replace(grp, live_runs=runs))
+            if grp.key_pos is not None:
+                tokens = planned_tokens(grp, batch.block_table, page)
+                view = token_view(tokens) if cpu and len(grp.rows) == 1 else None
+                out.append(replace(grp, tokens=tokens, token_view=view))
+            elif cpu and (runs := live_runs(grp, batch.host_block_ids, ratio)) is not None:
+                out.append(replace(grp, live_runs=runs))
+            elif grp.live is not None:
+                out.append(replace(grp, blocks=planned_blocks(grp, batch.block_table)))
+            else:
+                out.append(grp)
         return tuple(out)
 
     def _dcp_local(self, batch: PagedBatch, device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -673,15 +859,18 @@ class TorchSdpaBackend(PagedBackend):
         nblk = cdiv(keys, md.page)
         R = len(rows)
         k_cache, v_cache = key_value_caches(kv_cache)
-        if grp.live_runs is not None:  # a planned mask on the CPU: the live blocks' runs, sliced
+        if grp.token_view is not None and _flat(k_cache) and _flat(v_cache):
+            # the visible keys fill one run of slots: a view, nothing gathered
+            k = _slot_range(k_cache, *grp.token_view)
+            v = _slot_range(v_cache, *grp.token_view)
+        elif grp.tokens is not None:  # exactly the visible keys, one gather per K and V
+            k = _gather_slots(k_cache, grp.tokens).view(R, keys, hkv, hd)
+            v = _gather_slots(v_cache, grp.tokens).view(R, keys, hkv, hd)
+        elif grp.live_runs is not None:  # a planned mask on the CPU: the live blocks' runs, sliced
             k = _runs_of(k_cache, grp.live_runs, keys)
             v = _runs_of(v_cache, grp.live_runs, keys)
         elif grp.live is not None:  # a planned mask: the live blocks only, gathered
-            if grp.row_index is None:
-                table = md.block_table[rows[0] : rows[0] + R]
-            else:
-                table = md.block_table[grp.row_index]
-            flat = table.index_select(1, grp.live).reshape(-1).long()
+            flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
             n_live = grp.live.shape[0]
             k = k_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
             v = v_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
@@ -732,11 +921,8 @@ class TorchSdpaBackend(PagedBackend):
             R, ql, keys = len(grp.rows), grp.query_len, grp.keys
             qf = q.reshape(R, ql, hkv, per_kv, hd).permute(0, 2, 3, 1, 4).reshape(R, hkv, per_kv * ql, hd)
             bias = None if grp.bias is None else grp.bias.expand(R, hkv, per_kv * ql, keys)
-            if grp.key_mask is not None:  # a planned mask (direct call: built here, per call)
-                padded = cdiv(keys, BIAS_ALIGN) * BIAS_ALIGN
-                full = torch.zeros((per_kv * ql, padded), dtype=query.dtype, device=query.device)
-                full[:, :keys].masked_fill_(~grp.key_mask.repeat(per_kv, 1), float("-inf"))
-                bias = full[:, :keys][None, None].expand(R, hkv, per_kv * ql, keys)
+            if grp.key_mask is not None:  # a planned mask that differs per query
+                bias = _planned_bias(md, grp, per_kv, query.dtype).expand(R, hkv, per_kv * ql, keys)
             o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), bias, layer.scale)
             o = o.reshape(R, hkv, per_kv, ql, hd).permute(0, 3, 1, 2, 4).reshape(R, ql, heads, hd)
             lg = lg.reshape(R, hkv, per_kv, ql).permute(0, 3, 1, 2).reshape(R, ql, heads)

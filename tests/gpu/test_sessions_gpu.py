@@ -104,3 +104,58 @@ def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page:
         sink=spec.sink,
     )
     torch.testing.assert_close(out.double().cpu(), torch.cat(refs), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["paged", "sdpa"])
+def test_chunks_cutting_blocks_take_unmasked_sdpa_over_their_visible_keys(backend: str) -> None:
+    """Chunks of 600 tokens over blocks of 128 (sink 1 chunk, window 2 chunks; ``paged`` takes the
+    gather + SDPA way from 512 queries): every chunk's group reads exactly its visible keys with
+    no mask (the cache slots made at build), and the output matches dense attention over the
+    whole history under the session mask."""
+    from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
+    from diffusion_kv.core.runner import PagedWorker, RunnerConfig
+    from diffusion_kv.core.sessions import SessionCache, SessionPolicy
+    from diffusion_kv.platforms.cuda import CudaPlatform
+    from diffusion_kv.platforms.torch_sdpa import uniform_key_runs
+
+    policy = SessionPolicy(chunk_tokens=24, window_chunks=2, sink_chunks=1)
+    heads, d, block, dtype, dev = 4, 64, 16, torch.bfloat16, torch.device("cuda")
+    worker = PagedWorker(CudaPlatform(), RunnerConfig(512, 1, 2, 512, device=dev, backend=backend))
+    worker.register_kv_cache_layers({"l0": PagedLayerSpec(heads, heads, d, dtype, mode=policy.mask)})
+    worker.initialize_kv_cache(num_blocks=24, block_size=block)
+    pool = FreeListPool(24)
+    alloc = DiffusionKVAllocator(
+        block_size=block, max_model_len=512, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
+    cache = SessionCache(worker, alloc, policy)
+    session = cache.begin_session("s", 1)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.zeros(0, heads, d), torch.zeros(0, heads, d)
+    cut = 0
+    for _index in range(8):
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            assert worker.translator is not None
+            batch = worker.translator.active_batch
+            assert batch is not None
+            md = batch.attn_metadata["l0"]
+            assert md.way.value == "sdpa"
+            (grp,) = md.sdpa_groups
+            runs = uniform_key_runs(policy.mask, chunk.start, chunk.tokens, chunk.end)
+            assert runs is not None
+            assert grp.key_mask is None and grp.keys == sum(b - a for a, b in runs)
+            if grp.key_runs:
+                cut += 1
+                assert grp.tokens is not None and grp.tokens.is_cuda and grp.tokens.numel() == grp.keys
+            q, k, v = (torch.randn(chunk.tokens, heads, d, generator=gen).to(dtype) for _ in range(3))
+            out = worker.forward("l0", q.to(dev), k.to(dev), v.to(dev))
+            keys, values = torch.cat([keys, k.float()]), torch.cat([values, v.float()])
+            mask = policy.mask.row_mask(chunk.start, chunk.tokens, chunk.end)
+            ref = dense_attention(q.float(), keys, values, mask, d**-0.5)
+            torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+        cache.commit(chunk)
+    assert cut == 4  # chunks 4 to 7: the sink ends inside block 4, the window starts past it
+    cache.end_session(session)
+    assert pool.num_free == pool.num_total

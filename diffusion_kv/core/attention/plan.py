@@ -51,6 +51,11 @@ def row_block_kinds(
     if query_len == 0 or n_blocks == 0:
         return torch.zeros(n_blocks, dtype=torch.int8)
     lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans, live_from)
+    # a block's kind depends on a query's (lo, hi) alone: one row per distinct pair (a chunk's
+    # queries share one), not one per query
+    width = max(seq_len, int(lo.max())) + 1  # 0 <= lo, hi < width: one int64 key per pair
+    pairs = torch.unique(lo * width + hi)
+    lo, hi = torch.div(pairs, width, rounding_mode="floor"), pairs % width
     # Only blocks meeting [0, min(sink, max hi)) or [min lo, max hi) can hold a visible key; every
     # other block is SKIP. Classifying just those keeps a long session's plan as cheap as a short
     # one's (its released blocks are most of the row).

@@ -324,7 +324,9 @@ class CudaPagedBackend(TorchSdpaBackend):
         plan = self._plan(qsl, seq, device)
         extra = plan.extra
         if plan.way is not KernelWay.TRITON and batch.block_plan is not None:  # live blocks only
-            extra = dict(sdpa_groups=self._planned_groups(batch, qsl, seq, device))
+            extra = dict(
+                sdpa_groups=self._placed(batch, self._planned_groups(batch, qsl, seq, device), device)
+            )
         elif plan.way is not KernelWay.TRITON:  # the page views depend on the placement, not only the shape
             g = self.group
             ratio, page = g.block_size // g.kernel_block_size, g.kernel_block_size
