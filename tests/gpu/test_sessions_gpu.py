@@ -118,14 +118,17 @@ def test_chunks_cutting_blocks_take_unmasked_sdpa_over_their_visible_keys(backen
     from diffusion_kv.platforms.cuda import CudaPlatform
     from diffusion_kv.platforms.torch_sdpa import uniform_key_runs
 
-    policy = SessionPolicy(chunk_tokens=24, window_chunks=2, sink_chunks=1)
-    heads, d, block, dtype, dev = 4, 64, 16, torch.bfloat16, torch.device("cuda")
-    worker = PagedWorker(CudaPlatform(), RunnerConfig(512, 1, 2, 512, device=dev, backend=backend))
+    policy = SessionPolicy(chunk_tokens=600, window_chunks=2, sink_chunks=1)
+    heads, d, block, dtype, dev = 4, 64, 128, torch.bfloat16, torch.device("cuda")
+    max_len = 8 * policy.chunk_tokens + block
+    worker = PagedWorker(
+        CudaPlatform(), RunnerConfig(max_len, 1, 2, policy.chunk_tokens, device=dev, backend=backend)
+    )
     worker.register_kv_cache_layers({"l0": PagedLayerSpec(heads, heads, d, dtype, mode=policy.mask)})
     worker.initialize_kv_cache(num_blocks=24, block_size=block)
     pool = FreeListPool(24)
     alloc = DiffusionKVAllocator(
-        block_size=block, max_model_len=512, max_rows_per_request=1, worker_rows=2, pool=pool
+        block_size=block, max_model_len=max_len, max_rows_per_request=1, worker_rows=2, pool=pool
     )
     cache = SessionCache(worker, alloc, policy)
     session = cache.begin_session("s", 1)
