@@ -19,7 +19,20 @@ Reported per path: the wall time of each request (CUDA-synchronised), the median
 requests (those after the first window cycle that continue a stream: not the ones starting at
 frame 0), the median of the frame-0 requests, and per diffusion-kv path the max abs difference of
 its outputs (video latents and actions) from vLLM-Omni's. The observed latents fed back are
-vLLM-Omni's (so a difference does not compound). JSON to ``--out`` (and a summary on stdout).
+vLLM-Omni's (so a difference does not compound across requests). JSON to ``--out`` (and a
+summary on stdout).
+
+Reading the agreement (bf16 rounding or a bug): within a request a difference compounds through
+16 denoise steps, each scaled by the CFG combination ``uncond + 5 (cond - uncond)`` (a rounding
+difference of one forward is amplified up to ~11x per step), so a raw max abs difference of
+the latents says little alone. Per request and path the report also gives the latents' max abs
+value (``max_abs``), the relative difference ``||x - ref|| / ||ref||`` (``rel_diff``), and the
+FIRST denoise forward's video output -- same inputs and the same committed history in both
+paths, before anything compounds -- its max abs value and difference (``first_forward_max_abs``,
+``first_forward_diff``). bf16 rounding shows as a first-forward difference of a few bf16 ulps of
+that output's magnitude (relative ~1e-2 or below) and a ``rel_diff`` of the same order growing
+with the steps; a bug (a missing key, another mask or rope offset) shows already in the first
+forward as a difference of the output's own magnitude, or a ``rel_diff`` near 1.
 
 On ``--device cuda`` vLLM's FA3 must import (``vllm/vllm_flash_attn/_vllm_fa3_C``): the script
 stops with a one-line error naming what is missing otherwise; upstream's cross-attention runs
@@ -433,12 +446,15 @@ def request(
     observed: torch.Tensor | None,
     steps: tuple[float, ...],
     guidance: float = 5.0,
+    trace: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One request (``_prefill_kv_cache`` then ``diffuse``), both CFG branches: at frame 0 the
     first frame alone is committed as the first AR block and the new block starts at frame 1;
     later the previous block's observed latents are committed at ``start_frame - F``; then one
     denoise forward per step and branch over the new block with its action and state tokens.
-    Returns the block's latents, its actions and the next start frame."""
+    Returns the block's latents, its actions and the next start frame; ``trace`` (a list)
+    receives the first denoise forward's video output (positive branch), before any error can
+    compound through the denoise loop."""
     f = inputs.shape.frames_per_block
     if start_frame == 0:
         populate_cross(model, state, inputs)
@@ -460,6 +476,8 @@ def request(
             model, state, inputs, latents, t, True, start_frame, False, (act, robot_state)
         )
         assert cond_a is not None and uncond_a is not None
+        if trace is not None and not trace:
+            trace.append(cond.detach().clone())
         latents = latents - (t / 1000.0) * (uncond + guidance * (cond - uncond))
         act = act - (t / 1000.0) * (uncond_a + guidance * (cond_a - uncond_a))
     return latents, act, start_frame + f
@@ -494,20 +512,37 @@ def run_stream(
             for state in live.values():
                 state.reset(keep_cross_attention=("text",))
             frame, observed = 0, None
-        row: dict[str, Any] = {"index": index, "start_frame": frame, "ms": {}, "max_abs_diff": {}}
+        row: dict[str, Any] = {
+            "index": index,
+            "start_frame": frame,
+            "ms": {},
+            "max_abs_diff": {},
+            "max_abs": {},
+            "rel_diff": {},
+            "first_forward_max_abs": {},
+            "first_forward_diff": {},
+        }
         outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        firsts: dict[str, torch.Tensor] = {}
         next_frame = frame + inputs.shape.frames_per_block + (1 if frame == 0 else 0)
         for name, state in live.items():
             try:
                 _sync(inputs.device)
                 t0 = time.perf_counter()
-                latents, act, next_frame = request(model, state, inputs, index, frame, observed, steps)
+                first: list[torch.Tensor] = []
+                latents, act, next_frame = request(
+                    model, state, inputs, index, frame, observed, steps, trace=first
+                )
                 _sync(inputs.device)
             except Exception as exc:
                 errors[name] = f"request {index}: {type(exc).__name__}: {_one_line(exc)}"[:2000]
                 continue
             row["ms"][name] = (time.perf_counter() - t0) * 1e3
             outputs[name] = (latents, act)
+            row["max_abs"][name] = latents.float().abs().max().item()
+            if first:
+                firsts[name] = first[0]
+                row["first_forward_max_abs"][name] = first[0].float().abs().max().item()
         if "vllm_omni" in outputs:
             ref_latents, ref_act = outputs["vllm_omni"]
             for name, (latents, act) in outputs.items():
@@ -516,12 +551,23 @@ def run_stream(
                         (latents.float() - ref_latents.float()).abs().max().item(),
                         (act.float() - ref_act.float()).abs().max().item(),
                     )
+                    row["rel_diff"][name] = _relative(latents, ref_latents)
+                    if name in firsts and "vllm_omni" in firsts:
+                        row["first_forward_diff"][name] = (
+                            (firsts[name].float() - firsts["vllm_omni"].float()).abs().max().item()
+                        )
         rows.append(row)
         frame = next_frame
         observed = (
             outputs["vllm_omni"][0] if "vllm_omni" in outputs else next(iter(outputs.values()), (None,))[0]
         )
     return {"requests": rows, "errors": errors}
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` (Frobenius, float32)."""
+    den = ref.float().norm().item()
+    return (x.float() - ref.float()).norm().item() / den if den else float("nan")
 
 
 def _median(values: list[float]) -> float:
@@ -553,6 +599,14 @@ def summarise(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             diffs = [r["max_abs_diff"][name] for r in rows if name in r["max_abs_diff"]]
             out[name]["steady_ratio_vs_vllm_omni"] = out[name]["steady_ms_median"] / host
             out[name]["max_abs_diff"] = max(diffs) if diffs else float("nan")
+            for key in ("rel_diff", "first_forward_diff"):
+                seen = [r[key][name] for r in rows if name in r.get(key, {})]
+                out[name][f"max_{key}"] = max(seen) if seen else float("nan")
+    for name in names:
+        seen = [r["max_abs"][name] for r in rows if name in r.get("max_abs", {})]
+        out[name]["max_abs"] = max(seen) if seen else float("nan")
+        seen = [r["first_forward_max_abs"][name] for r in rows if name in r.get("first_forward_max_abs", {})]
+        out[name]["first_forward_max_abs"] = max(seen) if seen else float("nan")
     return out
 
 
@@ -713,7 +767,11 @@ def _print(report: dict[str, Any]) -> None:
             continue
         line = f"{name:28s} steady {r['steady_ms_median']:9.2f} ms/request (min {r['steady_ms_min']:9.2f})  frame-0 {r['frame0_ms_median']:9.2f}"
         if "max_abs_diff" in r:
-            line += f"  x{r['steady_ratio_vs_vllm_omni']:.3f}  max|diff| {r['max_abs_diff']:.3g}"
+            line += (
+                f"  x{r['steady_ratio_vs_vllm_omni']:.3f}  max|diff| {r['max_abs_diff']:.3g}"
+                f"  rel {r['max_rel_diff']:.3g}  first forward |diff| {r['max_first_forward_diff']:.3g}"
+            )
+        line += f"  max|latents| {r['max_abs']:.3g}  max|first forward| {r['first_forward_max_abs']:.3g}"
         print(line)
 
 

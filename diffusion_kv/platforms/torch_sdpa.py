@@ -436,6 +436,33 @@ def dcp_causal_mask(
     return replace(grp, bias=bias, visible=visible)
 
 
+def _flash_serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention kernel (``aten::_scaled_dot_product_flash_attention``)
+    takes these CUDA inputs as they are: fp16/bf16, one dtype, equal heads, a head size that is a
+    multiple of 8 up to 256 (SDPA's dispatcher pads other sizes; a direct call does not), the
+    last dimension contiguous, and a device of compute capability 8.0 or newer."""
+    d = query.shape[-1]
+    if query.dtype not in (torch.float16, torch.bfloat16) or not (query.dtype == key.dtype == value.dtype):
+        return False
+    if d % 8 or d > 256 or key.shape[-1] != d or value.shape[-1] != d:
+        return False
+    if query.shape[1] != key.shape[1] or key.shape[1] != value.shape[1]:
+        return False
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    return _sm80_or_newer(query.device.index)
+
+
+_SM80: dict[int | None, bool] = {}
+
+
+def _sm80_or_newer(index: int | None) -> bool:
+    known = _SM80.get(index)
+    if known is None:
+        known = _SM80[index] = torch.cuda.get_device_capability(index)[0] >= 8
+    return known
+
+
 def sdpa_with_lse(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -446,15 +473,24 @@ def sdpa_with_lse(
     """``[B, H, M, D]`` over ``[B, H, N, D]`` -> ``(out [B, H, M, D], natural-log lse [B, H, M]
     float32)``, with an optional additive ``bias`` ``[B, H, M, N]`` in the query's dtype.
 
-    On CUDA: torch's memory-efficient kernel (cuDNN and FlashAttention take no such mask).
+    On CUDA without a bias: torch's FlashAttention kernel where it takes the inputs
+    (:func:`_flash_serves`: fp16/bf16, head size a multiple of 8 up to 256, sm80+), its
+    ``logsumexp`` natural-log ``[B, H, M]`` float32; otherwise (a bias, fp32, another head
+    size) torch's memory-efficient kernel (cuDNN and FlashAttention take no such mask).
     Elsewhere (the CPU, under Triton's interpreter in CI): torch's CPU flash kernel. A query
     whose keys are all masked has an undefined result here: the caller masks it out.
     """
+    m = query.shape[2]
     if query.device.type == "cuda":
+        if bias is None and _flash_serves(query, key, value):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, 0.0, False, False, scale=scale
+            )[:2]
+            return out, lse[..., :m]
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, True, 0.0, False, scale=scale
         )[:2]
-        return out, lse[..., : query.shape[2]]  # the kernel pads the LSE rows to a multiple of 32
+        return out, lse[..., :m]  # the kernel pads the LSE rows to a multiple of 32
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, False, attn_mask=bias, scale=scale
     )

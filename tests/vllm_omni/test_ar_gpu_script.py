@@ -41,11 +41,20 @@ def test_the_cpu_path_agrees_with_vllm_omnis_own_across_the_window_reset(script:
     assert report["forwards_per_request"] == 6  # a commit and 2 denoise forwards per CFG branch
     diffs = [r["max_abs_diff"][name] for r in report["requests"]]
     assert len(diffs) == 4 and max(diffs) <= TOLERANCE
+    for r in report["requests"]:  # the agreement read: magnitudes, relative and first-forward differences
+        assert r["max_abs"][name] > 0 and r["max_abs"]["vllm_omni"] > 0
+        assert r["rel_diff"][name] <= TOLERANCE and r["first_forward_diff"][name] <= TOLERANCE
+        assert r["first_forward_max_abs"][name] > 0
+    assert summary_keys(report["summary"][name]) >= {"max_rel_diff", "max_first_forward_diff", "max_abs"}
     summary = report["summary"]
     assert summary["steady_requests"] == [3] and summary["frame0_requests"] == [2]
     assert summary[name]["max_abs_diff"] == max(diffs)
     assert summary[name]["steady_ms_median"] == report["requests"][3]["ms"][name]
     assert summary["vllm_omni"]["steady_ms_median"] == report["requests"][3]["ms"]["vllm_omni"]
+
+
+def summary_keys(entry: dict[str, object]) -> set[str]:
+    return set(entry)
 
 
 def test_a_backend_of_another_platform_is_refused_before_anything_runs(script: ModuleType) -> None:

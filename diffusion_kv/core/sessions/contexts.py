@@ -16,7 +16,8 @@ allocator. A context is one request on that worker, one row per CFG branch, ``to
   reused by every layer and step while the context lives; ``reader`` also batches several
   sessions' contexts into one call per layer;
 * ``kv(session_id, name, layer, branch)`` gathers the context's K/V pages of one layer (a copy;
-  for a host that runs its own attention), refused until every layer wrote every token;
+  for a host that runs its own attention), refused until every layer wrote every token; the
+  device index of its blocks is made at the first read and reused until the context is released;
 * ``release`` / ``release_session`` return its blocks to the pool at once.
 
 :class:`~diffusion_kv.core.sessions.cache.SessionCache` owns one (its ``contexts`` keyword) and
@@ -116,6 +117,10 @@ class SessionContexts:
         self._staged: dict[tuple[str, str], Context] = {}
         self._serial = 0
         self._readers: dict[tuple[str, str, int], ContextReader] = {}
+        self._indices: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        """Per (context request, branch, device): its kernel-block index for :meth:`kv`."""
+        self._complete: set[str] = set()
+        """Context requests every branch of which was found fully written (until released)."""
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -194,12 +199,15 @@ class SessionContexts:
 
     def written(self, session_id: str, name: str) -> Context:
         context = self.get(session_id, name)
+        if context.request_id in self._complete:  # written spans only grow while it lives
+            return context
         gaps = self.unwritten(context)
         if gaps:
             raise StateError(
                 f"context {name!r} of session {session_id!r}: (branch, tokens) {gaps} were never written; run a "
                 "forward over its rows first"
             )
+        self._complete.add(context.request_id)
         return context
 
     def kv(
@@ -221,20 +229,30 @@ class SessionContexts:
             raise NotImplementedError(
                 f"reading context {name!r} of layer {layer!r}: gathering fp8 pages or DCP-sharded pages is not implemented"
             )
-        tables = self.worker.block_tables
-        assert tables is not None
-        ratio = tables.blocks_per_kv_block[0]
-        ids = self.worker.resolve(context.request_id, branch).block_ids[0]
-        kernel = torch.tensor([b * ratio + k for b in ids for k in range(ratio)], dtype=torch.long)
         keys, values = key_value_caches(self.worker.kv_caches[layer])
         if self.worker.backends[0].page_layout is KVPageLayout.HEAD_FIRST:
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        kernel = kernel.to(keys.device)
+        kernel = self._kernel_index(context, branch, keys.device)
         shape = (-1, geometry.num_kv_heads, geometry.head_size)
         return (
             keys.index_select(0, kernel).reshape(shape)[: context.tokens],
             values.index_select(0, kernel).reshape(shape)[: context.tokens],
         )
+
+    def _kernel_index(self, context: Context, branch: int, device: torch.device) -> torch.Tensor:
+        """The kernel-block index of one branch of a written context on ``device``, made once
+        and reused by every layer and forward while the context lives (its blocks never move:
+        contexts are not offloaded); dropped when the context is released or replaced."""
+        key = (context.request_id, branch, device)
+        found = self._indices.get(key)
+        if found is None:
+            tables = self.worker.block_tables
+            assert tables is not None
+            ratio = tables.blocks_per_kv_block[0]
+            ids = self.worker.resolve(context.request_id, branch).block_ids[0]
+            index = torch.tensor([b * ratio + k for b in ids for k in range(ratio)], dtype=torch.long)
+            found = self._indices[key] = index.to(device)
+        return found
 
     def reader(self, contexts: Sequence[tuple[str, str]], query_tokens: int) -> ContextReader:
         """A cross-attention reader over the written contexts ``(session_id, name)`` (each
@@ -348,5 +366,8 @@ class SessionContexts:
     def _free(self, context: Context) -> None:
         for key in [k for k, r in self._readers.items() if context in r.contexts]:
             del self._readers[key]
+        for index_key in [k for k in self._indices if k[0] == context.request_id]:
+            del self._indices[index_key]
+        self._complete.discard(context.request_id)
         self.worker.retire(context.request_id, self.allocator.generation)
         self.allocator.free(context.request_id)

@@ -935,11 +935,23 @@ def _session_partial(
     return torch.cat(outs), torch.cat(lses)
 
 
+DENSE_FUSED_MIN_KEYS = 16
+"""From this many extra keys on (off the CPU), :func:`_dense_partial` runs one fused attention
+kernel in the model's dtype (``sdpa_with_lse``) instead of float32 einsums."""
+
+
 def _dense_partial(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query over every one of a few keys (no mask), fp32: ``(out [Q, H, D], lse [Q, H])``."""
+    """Every query over every one of a set of keys (no mask): ``(out [Q, H, D], lse [Q, H])``.
+
+    On the CPU, and for a few keys, float32 einsums (exact against the reference). On a device,
+    a set of :data:`DENSE_FUSED_MIN_KEYS` keys or more (the first-block prefix: a frame of keys)
+    is one ``sdpa_with_lse`` call in the model's dtype -- no ``[H, Q, K]`` float32 scores -- the
+    ``G`` query heads of each KV head folded into its query rows (no K/V copy for GQA)."""
     heads, kv_heads = query.shape[1], key.shape[1]
+    if query.device.type != "cpu" and key.shape[0] >= DENSE_FUSED_MIN_KEYS:
+        return _fused_partial(query, key, value, scale)
     k, v = key.float(), value.float()
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -948,6 +960,25 @@ def _dense_partial(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v)
     return out.to(query.dtype), lse.transpose(0, 1).contiguous()
+
+
+def _fused_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_dense_partial` as one ``sdpa_with_lse`` call in the query's dtype: the ``G``
+    query heads of each KV head folded into its query rows, ``[1, Hkv, G * Q, D]``."""
+    from diffusion_kv.platforms.torch_sdpa import sdpa_with_lse
+
+    q_len, heads, d = query.shape
+    kv_heads = key.shape[1]
+    per_kv = heads // kv_heads
+    qf = query.reshape(q_len, kv_heads, per_kv, d).permute(1, 2, 0, 3).reshape(1, kv_heads, per_kv * q_len, d)
+    k = key.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    v = value.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    o, lg = sdpa_with_lse(qf, k, v, None, scale)
+    out = o.reshape(kv_heads, per_kv, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+    lse = lg.reshape(kv_heads, per_kv, q_len).permute(2, 0, 1).reshape(q_len, heads)
+    return out, lse.float()
 
 
 def _kernel(
