@@ -51,13 +51,14 @@ def test_flash_path_matches_efficient_kernel(dtype: torch.dtype, m: int, n: int,
 
 def test_bias_and_fp32_keep_the_efficient_kernel() -> None:
     q = torch.randn(1, 4, 40, 64, device="cuda")
-    k = torch.randn(1, 4, 50, 64, device="cuda")
-    v = torch.randn(1, 4, 50, 64, device="cuda")
+    k = torch.randn(1, 4, 64, 64, device="cuda")
+    v = torch.randn(1, 4, 64, 64, device="cuda")
     assert not torch_sdpa._flash_serves(q, k, v)  # fp32
-    bias = torch.zeros(1, 4, 40, 50, device="cuda")
-    bias[..., 25:] = float("-inf")
+    # the kernel wants the bias's row stride a multiple of 4 elements (64 keys; callers pad theirs)
+    bias = torch.zeros(1, 4, 40, 64, device="cuda")
+    bias[..., 32:] = float("-inf")
     out, lse = sdpa_with_lse(q, k, v, bias, 0.125)
-    ref_out, ref_lse = _reference(q, k[:, :, :25], v[:, :, :25], 0.125)
+    ref_out, ref_lse = _reference(q, k[:, :, :32], v[:, :, :32], 0.125)
     assert lse.shape == (1, 4, 40)
     assert (out - ref_out).abs().max().item() <= 1e-4
     assert (lse - ref_lse).abs().max().item() <= 1e-4
