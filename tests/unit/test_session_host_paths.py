@@ -1,0 +1,67 @@
+"""The session path's host fast paths give exactly what the general paths give (issue 38's CPU
+host work): the block plan in Python ints against the tensor path and the dense mask."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
+from diffusion_kv.core.attention.plan import _bound_runs, _row_block_kinds_tensor, row_block_kinds
+
+CHUNK = AttentionMode.CHUNK_CAUSAL
+
+
+def _dense_kinds(
+    spec: MaskSpec, offset: int, query_len: int, seq_len: int, block: int, live_from: int
+) -> list[int]:
+    dense = spec.row_mask(offset, query_len, seq_len, live_from=live_from)
+    out = []
+    for b in range(-(-seq_len // block)):
+        cols = dense[:, b * block : (b + 1) * block]
+        out.append(
+            int(BlockKind.SKIP if not cols.any() else BlockKind.FULL if cols.all() else BlockKind.PARTIAL)
+        )
+    return out
+
+
+def test_block_plan_fast_path_matches_the_tensor_path_and_the_dense_mask() -> None:
+    rng = random.Random(38)
+    served = 0
+    for _ in range(600):
+        kind = rng.choice([CHUNK, CHUNK, AttentionMode.FULL])
+        chunk = rng.randint(1, 9) if kind is CHUNK else None
+        window = rng.choice([None, rng.randint(1, 5) * (chunk or rng.randint(1, 7))])
+        sink = rng.randint(0, 12) if window is not None else 0
+        spec = MaskSpec(kind, chunk=chunk, window=window, sink=sink)
+        seq_len = rng.randint(1, 120)
+        query_len = rng.randint(1, seq_len)
+        offset = rng.randint(0, seq_len - query_len)
+        block = rng.randint(1, 16)
+        live_from = rng.choice([0, 0, rng.randint(0, seq_len)]) if window is not None else 0
+        assert _bound_runs(spec, offset, query_len, seq_len, live_from) is not None
+        fast = row_block_kinds(spec, offset, query_len, seq_len, block, live_from=live_from)
+        slow = _row_block_kinds_tensor(spec, offset, query_len, seq_len, block, live_from=live_from)
+        assert fast.dtype == slow.dtype == torch.int8
+        assert fast.tolist() == slow.tolist(), (spec, offset, query_len, seq_len, block, live_from)
+        assert fast.tolist() == _dense_kinds(spec, offset, query_len, seq_len, block, live_from)
+        served += 1
+    assert served == 600
+
+
+def test_block_plan_of_a_long_session_row() -> None:
+    """A chunk at position 640 of a sink 1 + window 3 session (64-token chunks, blocks of 16):
+    the sink's 4 blocks and the window's 16 blocks (three chunks and the chunk itself) are FULL,
+    the 20 released blocks between them SKIP."""
+    spec = MaskSpec(CHUNK, chunk=64, window=4 * 64, sink=64)
+    plan = build_block_plan(spec, [640], [64], [704], 16)
+    expected = [2] * 4 + [0] * 24 + [2] * 16
+    assert plan.kinds[0].tolist() == expected
+    assert _row_block_kinds_tensor(spec, 640, 64, 704, 16).tolist() == expected
+
+
+def test_causal_masks_take_the_tensor_path() -> None:
+    spec = MaskSpec(AttentionMode.CAUSAL, window=6, sink=2)
+    assert _bound_runs(spec, 10, 6, 16, 0) is None
+    assert row_block_kinds(spec, 10, 6, 16, 4).tolist() == _dense_kinds(spec, 10, 6, 16, 4, 0)
