@@ -368,7 +368,7 @@ class RowRegistry:
                     f"(max_model_len {self.layout.max_model_len})"
                 )
             # one pass in C for the common, valid case; the loop below names the first offence
-            real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
+            real = ids if NULL_BLOCK not in ids else tuple([b for b in ids if b != NULL_BLOCK])
             if real and not (
                 set(map(type, real)) == _INT_ONLY
                 and min(real) >= 0
@@ -414,15 +414,15 @@ class RowRegistry:
     def _released_tokens(install: RowInstall, g: int, tokens_per_block: int) -> list[tuple[int, int]]:
         """The token ranges of the row's released (null) blocks in group ``g``, adjacent ones
         merged (a session's slid-out history is one run, however long it grew)."""
+        ids = install.block_ids[g]
+        if NULL_BLOCK not in ids:
+            return []
+        # the runs of null places in C (a long session's row is mostly one run of them)
+        null = np.fromiter(ids, dtype=np.intp, count=len(ids)) == NULL_BLOCK
+        edges = np.flatnonzero(np.diff(null, prepend=False, append=False)).tolist()
         out: list[tuple[int, int]] = []
-        for p, b in enumerate(install.block_ids[g]):
-            if b != NULL_BLOCK:
-                continue
-            start, end = p * tokens_per_block, min((p + 1) * tokens_per_block, install.token_len)
-            if out and out[-1][1] == start:
-                out[-1] = (out[-1][0], end)
-            else:
-                out.append((start, end))
+        for first, stop in zip(edges[::2], edges[1::2], strict=True):
+            out.append((first * tokens_per_block, min(stop * tokens_per_block, install.token_len)))
         return out
 
     def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
@@ -639,7 +639,7 @@ class RowRegistry:
                     shared += ids[:read_only_blocks]
                     ids = ids[read_only_blocks:]
                 if NULL_BLOCK in ids:  # a released place is held by nobody
-                    ids = tuple(b for b in ids if b != NULL_BLOCK)
+                    ids = tuple([b for b in ids if b != NULL_BLOCK])
                 written += ids
                 counts.append(len(ids))
             yield tokens_per_block, written, counts, shared
@@ -714,7 +714,10 @@ class RowRegistry:
         try:
             if released:  # a released place reads as the null entry (block 0, as past a row's end)
                 block_ids = [
-                    tuple(tuple(max(b, 0) for b in group) if NULL_BLOCK in group else group for group in ids)
+                    tuple(
+                        tuple([b if b >= 0 else 0 for b in group]) if NULL_BLOCK in group else group
+                        for group in ids
+                    )
                     for ids in block_ids
                 ]
             if self._whole_rows:

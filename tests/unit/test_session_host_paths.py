@@ -1,5 +1,6 @@
 """The session path's host fast paths give exactly what the general paths give (issue 38's CPU
-host work): the block plan in Python ints against the tensor path and the dense mask."""
+host work): the block plan in Python ints against the tensor path and the dense mask, the
+registry's released runs against a place-by-place walk."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import random
 
 import torch
 
+from diffusion_kv.core.allocation import NULL_BLOCK
 from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
 from diffusion_kv.core.attention.plan import _bound_runs, _row_block_kinds_tensor, row_block_kinds
+from diffusion_kv.core.registry import RowInstall, RowRegistry
 
 CHUNK = AttentionMode.CHUNK_CAUSAL
 
@@ -65,3 +68,33 @@ def test_causal_masks_take_the_tensor_path() -> None:
     spec = MaskSpec(AttentionMode.CAUSAL, window=6, sink=2)
     assert _bound_runs(spec, 10, 6, 16, 0) is None
     assert row_block_kinds(spec, 10, 6, 16, 4).tolist() == _dense_kinds(spec, 10, 6, 16, 4, 0)
+
+
+def _released_naive(ids: tuple[int, ...], token_len: int, per_block: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for p, b in enumerate(ids):
+        if b != NULL_BLOCK:
+            continue
+        start, end = p * per_block, min((p + 1) * per_block, token_len)
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def test_released_token_runs_match_a_place_by_place_walk() -> None:
+    rng = random.Random(42)
+    for _ in range(300):
+        per_block = rng.randint(1, 16)
+        places = rng.randint(0, 60)
+        ids = tuple(NULL_BLOCK if rng.random() < 0.5 else rng.randint(0, 999) for _ in range(places))
+        token_len = max(0, (places - 1) * per_block + rng.randint(1, per_block)) if places else 0
+        install = RowInstall(("r", 0, None), token_len, (ids,))
+        assert RowRegistry._released_tokens(install, 0, per_block) == _released_naive(
+            ids, token_len, per_block
+        )
+    # a long session row: the sink, one run of released places, the live window
+    ids = (1, 2, 3, 4) + (NULL_BLOCK,) * 2396 + tuple(range(5, 25))
+    install = RowInstall(("s", 0, None), 2420 * 16, (ids,))
+    assert RowRegistry._released_tokens(install, 0, 16) == [(64, 2400 * 16)]
