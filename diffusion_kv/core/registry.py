@@ -418,12 +418,14 @@ class RowRegistry:
         if NULL_BLOCK not in ids:
             return []
         # the runs of null places in C (a long session's row is mostly one run of them)
-        null = np.fromiter(ids, dtype=np.intp, count=len(ids)) == NULL_BLOCK
-        edges = np.flatnonzero(np.diff(null, prepend=False, append=False)).tolist()
-        out: list[tuple[int, int]] = []
-        for first, stop in zip(edges[::2], edges[1::2], strict=True):
-            out.append((first * tokens_per_block, min(stop * tokens_per_block, install.token_len)))
-        return out
+        places = np.flatnonzero(np.fromiter(ids, dtype=np.intp, count=len(ids)) == NULL_BLOCK)
+        breaks = np.flatnonzero(places[1:] != places[:-1] + 1).tolist()  # a run ends before each
+        firsts = [int(places[0]), *(int(places[i + 1]) for i in breaks)]
+        lasts = [*(int(places[i]) for i in breaks), int(places[-1])]
+        return [
+            (first * tokens_per_block, min((last + 1) * tokens_per_block, install.token_len))
+            for first, last in zip(firsts, lasts, strict=True)
+        ]
 
     def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
         """Raise the error for the first invalid block id of ``ids`` (group ``g``)."""
@@ -505,8 +507,8 @@ class RowRegistry:
                 ):
                     return None
                 if ids:
-                    if set(map(type, ids)) != _INT_ONLY:
-                        return None
+                    if NULL_BLOCK in ids or set(map(type, ids)) != _INT_ONLY:
+                        return None  # released places (a session's slid row) take the checked path
                     ordered = sorted(ids)  # (an int-only sort runs a specialised comparison)
                     if ordered[0] < 0 or ordered[-1] >= num_blocks:
                         return None  # NULL_BLOCK (released places) lands here too
@@ -945,6 +947,9 @@ class RowRegistry:
             for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
                 if len(new_ids) > len(old_ids) and NULL_BLOCK in new_ids[len(old_ids) :]:
                     return None
+                common = min(len(old_ids), len(new_ids))
+                if old_ids[:common] == new_ids[:common]:
+                    continue  # no place changed (an EXTEND or TRUNCATE): compared in C
                 for before, after in zip(old_ids, new_ids, strict=False):  # the shorter list's places
                     if after == before:
                         continue
