@@ -8,10 +8,13 @@ import random
 
 import torch
 
-from diffusion_kv.core.allocation import NULL_BLOCK
+from diffusion_kv.core.allocation import NULL_BLOCK, SequenceAllocation
+from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
 from diffusion_kv.core.attention.plan import _bound_runs, _row_block_kinds_tensor, row_block_kinds
 from diffusion_kv.core.registry import RowInstall, RowRegistry
+from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.sessions import Chunk
 
 CHUNK = AttentionMode.CHUNK_CAUSAL
 
@@ -98,3 +101,43 @@ def test_released_token_runs_match_a_place_by_place_walk() -> None:
     ids = (1, 2, 3, 4) + (NULL_BLOCK,) * 2396 + tuple(range(5, 25))
     install = RowInstall(("s", 0, None), 2420 * 16, (ids,))
     assert RowRegistry._released_tokens(install, 0, 16) == [(64, 2400 * 16)]
+
+
+def test_allocator_row_changes_build_the_records_the_constructor_builds() -> None:
+    """extend, release and truncate build their sequence records without dataclasses.replace:
+    each equals the constructor's record of the same fields, and installs as before."""
+    allocator = DiffusionKVAllocator(
+        block_size=4, max_model_len=64, max_rows_per_request=2, worker_rows=4, pool=FreeListPool(24)
+    )
+    first = allocator.reserve(KVRequest("s", (SequenceRequest(0, 0, 8), SequenceRequest(1, 0, 8))))
+    assert first is not None
+    extended = allocator.extend("s", None, 8)
+    released = allocator.release("s", None, [0])
+    truncated = allocator.truncate("s", None, 4)
+    assert extended is not None
+    for snap in (extended, released, truncated):
+        for seq in snap.sequences:
+            rebuilt = SequenceAllocation(
+                seq.sequence_id,
+                seq.prefix_len,
+                seq.target_len,
+                seq.seq_len,
+                seq.block_ids,
+                seq.context_ids,
+                seq.cached_prefix_len,
+            )
+            assert rebuilt == seq and hash(rebuilt) == hash(seq)
+            assert type(seq.block_ids) is tuple and all(type(g) is tuple for g in seq.block_ids)
+    assert [s.seq_len for s in extended.sequences] == [16, 16]
+    assert [s.target_len for s in truncated.sequences] == [12, 12]
+    assert released.sequences[0].block_ids[0][0] == NULL_BLOCK
+    assert truncated.sequences[1].block_ids[0] == released.sequences[1].block_ids[0][:3]
+    assert allocator.generation == first.allocation_generation + 3
+
+
+def test_a_chunk_builds_its_rows_once() -> None:
+    chunk = Chunk("s", 3, 192, 64, 2)
+    rows = chunk.rows()
+    assert chunk.rows() is rows
+    assert rows == (PagedRow("s", 64, 256, 192, sequence_id=0), PagedRow("s", 64, 256, 192, sequence_id=1))
+    assert chunk == Chunk("s", 3, 192, 64, 2)  # the cached rows take no part in equality

@@ -116,6 +116,7 @@ class Chunk:
     tokens: int
     branches: int
     state: ChunkState = ChunkState.OPEN
+    _rows: tuple[PagedRow, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def end(self) -> int:
@@ -123,11 +124,15 @@ class Chunk:
 
     def rows(self) -> tuple[PagedRow, ...]:
         """One row per branch: the chunk's queries over every key up to its end (the mask keeps
-        the sink, the window and the chunk itself)."""
-        return tuple(
-            PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
-            for b in range(self.branches)
-        )
+        the sink, the window and the chunk itself). Built once per chunk: every denoise step
+        hands the same rows, so the runtime's ``ensure_rows`` finds them active and prepares
+        nothing."""
+        if self._rows is None:
+            self._rows = tuple(
+                PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
+                for b in range(self.branches)
+            )
+        return self._rows
 
 
 @dataclass
