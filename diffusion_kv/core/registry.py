@@ -377,8 +377,7 @@ class RowRegistry:
             ):
                 self._explain_block_ids(identity, g, real)
             if len(real) != len(ids):
-                released = [p for p, b in enumerate(ids) if b == NULL_BLOCK]
-                self._check_released(identity, g, released, read_only_tokens)
+                self._check_released(identity, g, ids, read_only_tokens)
             normalized.append(ids)
         if read_only_tokens:
             for g, group in enumerate(groups):
@@ -391,19 +390,23 @@ class RowRegistry:
         return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
 
     def _check_released(
-        self, identity: Identity, g: int, positions: list[int], read_only_tokens: int
+        self, identity: Identity, g: int, ids: tuple[int, ...], read_only_tokens: int
     ) -> None:
-        """``NULL_BLOCK`` places only where the group's mask releases keys: a window, outside
-        the sink and the cached prefix."""
+        """``NULL_BLOCK`` places of ``ids`` only where the group's mask releases keys: a window,
+        outside the sink and the cached prefix (the places are listed only for an error: a
+        long session's row is mostly released places)."""
         spec = self.layout.groups[g].spec
         tokens_per_block = self.layout.groups[g].block_size * self.block_tables.cp_size
         if not spec.mask.releases:
+            positions = [p for p, b in enumerate(ids) if b == NULL_BLOCK]
             raise ValidationError(
                 f"row {identity!r} group {g} releases blocks at positions {positions}, but the group's mask "
                 f"{spec.mask.describe()} keeps every key (only a windowed mask releases)"
             )
         first_free = max(-(-spec.mask.sink // tokens_per_block), -(-read_only_tokens // tokens_per_block))
-        pinned = [p for p in positions if p < first_free]
+        if NULL_BLOCK not in ids[:first_free]:
+            return
+        pinned = [p for p, b in enumerate(ids[:first_free]) if b == NULL_BLOCK]
         if pinned:
             raise ValidationError(
                 f"row {identity!r} group {g} releases blocks {pinned}, which hold sink or cached-prefix tokens "
@@ -950,12 +953,12 @@ class RowRegistry:
                 common = min(len(old_ids), len(new_ids))
                 if old_ids[:common] == new_ids[:common]:
                     continue  # no place changed (an EXTEND or TRUNCATE): compared in C
-                for before, after in zip(old_ids, new_ids, strict=False):  # the shorter list's places
-                    if after == before:
-                        continue
-                    if after != NULL_BLOCK:
-                        return None  # a place changed its block: a replacement, not a transition
-                    found.add(RowTransition.SLIDE)
+                # the shorter list's places, in C: each changed place must turn into NULL_BLOCK
+                before = np.fromiter(old_ids[:common], dtype=np.intp, count=common)
+                after = np.fromiter(new_ids[:common], dtype=np.intp, count=common)
+                if (after[before != after] != NULL_BLOCK).any():
+                    return None  # a place changed its block: a replacement, not a transition
+                found.add(RowTransition.SLIDE)
         if RowTransition.TRUNCATE in found and len(found) > 1:
             return None  # a truncation (an aborted chunk) comes alone
         return frozenset(found) if found else None

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from diffusion_kv.core.allocation import NULL_BLOCK, SequenceAllocation
+from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
 from diffusion_kv.core.attention.plan import _bound_runs, _row_block_kinds_tensor, row_block_kinds
-from diffusion_kv.core.registry import RowInstall, RowRegistry
+from diffusion_kv.core.errors import GenerationError, ValidationError
+from diffusion_kv.core.registry import RowInstall, RowRegistry, RowTransition
 from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import Chunk
+from diffusion_kv.platforms.cpu import CpuPlatform
 
 CHUNK = AttentionMode.CHUNK_CAUSAL
 
@@ -141,3 +145,40 @@ def test_a_chunk_builds_its_rows_once() -> None:
     assert chunk.rows() is rows
     assert rows == (PagedRow("s", 64, 256, 192, sequence_id=0), PagedRow("s", 64, 256, 192, sequence_id=1))
     assert chunk == Chunk("s", 3, 192, 64, 2)  # the cached rows take no part in equality
+
+
+def _session_worker(num_blocks: int) -> PagedWorker:
+    worker = PagedWorker(CpuPlatform(), RunnerConfig(64, 1, 2, 64, device=torch.device("cpu")))
+    spec = MaskSpec(CHUNK, chunk=4, window=8, sink=4)
+    worker.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 8, torch.float32, mode=spec)})
+    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=4)
+    return worker
+
+
+def _snapshot(gen: int, ids: tuple[int, ...]) -> RequestAllocation:
+    n = 4 * len(ids)
+    return RequestAllocation("s", gen, (SequenceAllocation(0, 0, n, n, (ids,)),))
+
+
+def test_slid_row_snapshots_are_told_apart_as_before() -> None:
+    """The registry's C-level comparisons of a slid row: an EXTEND and a SLIDE install; a place
+    that changes its block (a replacement) or a released sink place is refused, the row as it was."""
+    worker = _session_worker(16)
+    registry = worker.registry
+    assert registry is not None
+    worker.install(_snapshot(1, (3, 4, 5)))
+    worker.install(_snapshot(2, (3, 4, 5, 6, 7)))  # EXTEND
+    assert registry.last_transitions == frozenset({RowTransition.EXTEND})
+    worker.install(_snapshot(3, (3, NULL_BLOCK, NULL_BLOCK, 6, 7, 8)))  # SLIDE and EXTEND
+    assert registry.last_transitions == frozenset({RowTransition.SLIDE, RowTransition.EXTEND})
+    before = (registry.snapshot_of("s"), registry.holders_of(0, 4), registry.holders_of(0, 6))
+    with pytest.raises(GenerationError, match="conflicting allocation snapshot for installed request 's'"):
+        worker.install(_snapshot(4, (3, NULL_BLOCK, NULL_BLOCK, 9, 7, 8)))  # place 3: block 6 -> 9
+    with pytest.raises(GenerationError, match="conflicting allocation snapshot"):
+        worker.install(_snapshot(4, (3, NULL_BLOCK, 4, 6, 7, 8)))  # a released place holds a block again
+    with pytest.raises(
+        ValidationError, match=r"releases blocks \[0\], which hold sink or cached-prefix tokens"
+    ):
+        worker.install(_snapshot(4, (NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 6, 7, 8)))
+    assert (registry.snapshot_of("s"), registry.holders_of(0, 4), registry.holders_of(0, 6)) == before
+    assert registry.holders_of(0, 4) == {} and registry.holders_of(0, 6) == {("s", 0, None): True}

@@ -37,6 +37,7 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
@@ -637,14 +638,19 @@ class SessionCache:
     def _slide(self, session: Session) -> RequestAllocation | None:
         block = self.allocator.block_size
         keep = self.mask.retention(session.committed_tokens)
-        releasable = list(keep.releasable_blocks(block))
+        releasable = keep.releasable_blocks(block)  # a range: every place the window passed
         if not releasable:
             return None
         snapshot = self.worker.registry.snapshot_of(session.session_id) if self.worker.registry else None
         if snapshot is None:
             raise StateError(f"session {session.session_id!r} is not installed on the worker")
         row = snapshot.sequences[0].block_ids[0]
-        fresh = [p for p in releasable if p < len(row) and row[p] != NULL_BLOCK]
+        start, stop = releasable.start, min(releasable.stop, len(row))
+        if stop <= start:
+            return None
+        # the places still holding a block, found in C (a long session's row is mostly released)
+        held = np.fromiter(row[start:stop], dtype=np.intp, count=stop - start) != NULL_BLOCK
+        fresh = (np.flatnonzero(held) + start).tolist()
         if not fresh:
             return None
         return self.allocator.release(session.session_id, None, fresh, install=self.worker.install)
