@@ -4,6 +4,7 @@ registry's released runs against a place-by-place walk."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -182,3 +183,26 @@ def test_slid_row_snapshots_are_told_apart_as_before() -> None:
         worker.install(_snapshot(4, (NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 6, 7, 8)))
     assert (registry.snapshot_of("s"), registry.holders_of(0, 4), registry.holders_of(0, 6)) == before
     assert registry.holders_of(0, 4) == {} and registry.holders_of(0, 6) == {("s", 0, None): True}
+
+
+def test_the_medium_session_shape_runs_from_the_cli(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench --session-shape medium``: the second CPU shape's figures under its own name (its
+    sizes cut down here, its layers and window kept)."""
+    from diffusion_kv.bench import session
+    from diffusion_kv.cli import main
+
+    assert session.MEDIUM["hidden"] == 512 and session.MEDIUM["chunk_tokens"] == 128
+    assert session.MEDIUM["layers"] == 4 and session.SHAPES["medium"] is session.MEDIUM
+    tiny = dict(chunks=7, chunk_tokens=8, hidden=32, heads=2, kv_heads=2, text_tokens=4, steps=2, repeats=1)
+    monkeypatch.setitem(session.SHAPES, "medium", {**session.MEDIUM, **tiny})
+    argv = ["bench", "--sections", "session", "--session-shape", "medium", "--backend", "sdpa"]
+    assert main([*argv, "--json", "--no-progress"]) == 0
+    s = json.loads(capsys.readouterr().out)["session"]
+    assert s["shape_name"] == "medium" and s["backend"] == "sdpa"
+    assert (
+        s["shapes"]["layers"] == 4 and s["shapes"]["window_chunks"] == 3 and s["shapes"]["chunk_tokens"] == 8
+    )
+    assert s["agrees"] and s["pool_full_after"] and s["ideal_vs_recompute"] == 5.0
+    assert s["bytes_copied_per_chunk"] == s["chunk_kv_bytes"] == 8 * 4 * 2 * 2 * 16 * 4
