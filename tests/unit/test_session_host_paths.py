@@ -206,3 +206,30 @@ def test_the_medium_session_shape_runs_from_the_cli(
     )
     assert s["agrees"] and s["pool_full_after"] and s["ideal_vs_recompute"] == 5.0
     assert s["bytes_copied_per_chunk"] == s["chunk_kv_bytes"] == 8 * 4 * 2 * 2 * 16 * 4
+
+
+def test_key_mask_by_query_runs_matches_the_per_query_tensor_path() -> None:
+    rng = random.Random(6)
+    for _ in range(400):
+        kind = rng.choice([CHUNK, CHUNK, AttentionMode.FULL, AttentionMode.CAUSAL])
+        chunk = rng.randint(1, 9) if kind is CHUNK else None
+        window = rng.choice([None, rng.randint(1, 5) * (chunk or rng.randint(1, 7))])
+        sink = rng.randint(0, 12) if window is not None else 0
+        spec = MaskSpec(kind, chunk=chunk, window=window, sink=sink)
+        seq_len = rng.randint(1, 120)
+        query_len = rng.randint(1, seq_len)
+        offset = rng.randint(0, seq_len - query_len)
+        live_from = rng.choice([0, rng.randint(0, offset)]) if window is not None else 0
+        keys = torch.tensor(sorted(rng.sample(range(seq_len), rng.randint(1, seq_len))), dtype=torch.int32)
+        fast = spec.key_mask(offset, query_len, seq_len, keys, live_from=live_from)
+        slow = spec._key_mask_tensor(offset, query_len, seq_len, keys, live_from=live_from)
+        assert fast.dtype == torch.bool and fast.shape == (query_len, keys.numel()) and fast.is_contiguous()
+        assert torch.equal(fast, slow), (spec, offset, query_len, seq_len, live_from)
+        dense = spec.row_mask(offset, query_len, seq_len, live_from=live_from)
+        assert torch.equal(fast, dense[:, keys.long()])
+    assert MaskSpec(CHUNK, chunk=4, window=8, sink=4)._query_runs(6, 7, 13) == [
+        (2, 0, 8),
+        (4, 4, 12),
+        (1, 8, 13),
+    ]
+    assert MaskSpec(AttentionMode.CAUSAL, window=4)._query_runs(0, 3, 3) is None
