@@ -1173,9 +1173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--session-shape",
-        choices=("small", "wan13b"),
+        choices=("small", "medium", "wan13b"),
         default=None,
-        help="the session section's shape (default: wan13b with full sizes, else small; wan13b is a GPU shape: "
+        help="the session section's shape (default: wan13b with full sizes, else small; medium is a second CPU "
+        "shape: hidden 512, 128-token chunks, 4 layers; wan13b is a GPU shape: "
         "30 layers, 12 heads x 128, 1560 tokens per frame, 3-frame chunks, sink 1, window 4)",
     )
     b.add_argument(

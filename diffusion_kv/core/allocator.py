@@ -203,6 +203,23 @@ class _Reservation:
     """Per sequence, the cached keys it holds a reference to (hit or published), in order."""
 
 
+def _resized(
+    alloc: SequenceAllocation, target_len: int, seq_len: int, block_ids: tuple[tuple[int, ...], ...]
+) -> SequenceAllocation:
+    """``replace(alloc, target_len=..., seq_len=..., block_ids=...)`` for fields already in
+    normal form, without ``dataclasses.replace``'s per-call field walk (a session's every
+    append, commit and abort builds one per branch)."""
+    return SequenceAllocation.normalised(
+        alloc.sequence_id,
+        alloc.prefix_len,
+        target_len,
+        seq_len,
+        block_ids,
+        alloc.context_ids,
+        alloc.cached_prefix_len,
+    )
+
+
 def _check_id(request_id: object, call: str) -> None:
     if type(request_id) is not str or not request_id:
         raise ValidationError(f"{call} takes a non-empty request id string; got {request_id!r}")
@@ -678,7 +695,9 @@ class DiffusionKVAllocator:
                 )
             for p in positions:
                 row[p] = NULL_BLOCK
-            sequences[index] = replace(alloc, block_ids=(tuple(row),) * self.num_groups)
+            sequences[index] = _resized(
+                alloc, alloc.target_len, alloc.seq_len, (tuple(row),) * self.num_groups
+            )
             freed.extend(mine)
         snapshot = self._publish_rows(res, sequences, install)
         self._give_back(res, freed)
@@ -718,11 +737,8 @@ class DiffusionKVAllocator:
             n = cdiv(alloc.seq_len + tokens, self.block_size) - len(alloc.block_ids[0])
             row = (*alloc.block_ids[0], *taken[cursor : cursor + n])
             cursor += n
-            sequences[index] = replace(
-                alloc,
-                target_len=alloc.target_len + tokens,
-                seq_len=alloc.seq_len + tokens,
-                block_ids=(row,) * self.num_groups,
+            sequences[index] = _resized(
+                alloc, alloc.target_len + tokens, alloc.seq_len + tokens, (row,) * self.num_groups
             )
         try:
             snapshot = self._publish_rows(res, sequences, install)
@@ -760,11 +776,8 @@ class DiffusionKVAllocator:
             keep = cdiv(alloc.seq_len - tokens, self.block_size)
             row = alloc.block_ids[0]
             dropped.extend(b for b in row[keep:] if b != NULL_BLOCK)
-            sequences[index] = replace(
-                alloc,
-                target_len=alloc.target_len - tokens,
-                seq_len=alloc.seq_len - tokens,
-                block_ids=(row[:keep],) * self.num_groups,
+            sequences[index] = _resized(
+                alloc, alloc.target_len - tokens, alloc.seq_len - tokens, (row[:keep],) * self.num_groups
             )
         snapshot = self._publish_rows(res, sequences, install)
         self._give_back(res, dropped)

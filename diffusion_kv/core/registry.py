@@ -368,7 +368,7 @@ class RowRegistry:
                     f"(max_model_len {self.layout.max_model_len})"
                 )
             # one pass in C for the common, valid case; the loop below names the first offence
-            real = ids if NULL_BLOCK not in ids else tuple(b for b in ids if b != NULL_BLOCK)
+            real = ids if NULL_BLOCK not in ids else tuple([b for b in ids if b != NULL_BLOCK])
             if real and not (
                 set(map(type, real)) == _INT_ONLY
                 and min(real) >= 0
@@ -377,8 +377,7 @@ class RowRegistry:
             ):
                 self._explain_block_ids(identity, g, real)
             if len(real) != len(ids):
-                released = [p for p, b in enumerate(ids) if b == NULL_BLOCK]
-                self._check_released(identity, g, released, read_only_tokens)
+                self._check_released(identity, g, ids, read_only_tokens)
             normalized.append(ids)
         if read_only_tokens:
             for g, group in enumerate(groups):
@@ -391,19 +390,23 @@ class RowRegistry:
         return RowInstall(identity, token_len, tuple(normalized), cache_role, read_only_tokens)
 
     def _check_released(
-        self, identity: Identity, g: int, positions: list[int], read_only_tokens: int
+        self, identity: Identity, g: int, ids: tuple[int, ...], read_only_tokens: int
     ) -> None:
-        """``NULL_BLOCK`` places only where the group's mask releases keys: a window, outside
-        the sink and the cached prefix."""
+        """``NULL_BLOCK`` places of ``ids`` only where the group's mask releases keys: a window,
+        outside the sink and the cached prefix (the places are listed only for an error: a
+        long session's row is mostly released places)."""
         spec = self.layout.groups[g].spec
         tokens_per_block = self.layout.groups[g].block_size * self.block_tables.cp_size
         if not spec.mask.releases:
+            positions = [p for p, b in enumerate(ids) if b == NULL_BLOCK]
             raise ValidationError(
                 f"row {identity!r} group {g} releases blocks at positions {positions}, but the group's mask "
                 f"{spec.mask.describe()} keeps every key (only a windowed mask releases)"
             )
         first_free = max(-(-spec.mask.sink // tokens_per_block), -(-read_only_tokens // tokens_per_block))
-        pinned = [p for p in positions if p < first_free]
+        if NULL_BLOCK not in ids[:first_free]:
+            return
+        pinned = [p for p, b in enumerate(ids[:first_free]) if b == NULL_BLOCK]
         if pinned:
             raise ValidationError(
                 f"row {identity!r} group {g} releases blocks {pinned}, which hold sink or cached-prefix tokens "
@@ -414,16 +417,18 @@ class RowRegistry:
     def _released_tokens(install: RowInstall, g: int, tokens_per_block: int) -> list[tuple[int, int]]:
         """The token ranges of the row's released (null) blocks in group ``g``, adjacent ones
         merged (a session's slid-out history is one run, however long it grew)."""
-        out: list[tuple[int, int]] = []
-        for p, b in enumerate(install.block_ids[g]):
-            if b != NULL_BLOCK:
-                continue
-            start, end = p * tokens_per_block, min((p + 1) * tokens_per_block, install.token_len)
-            if out and out[-1][1] == start:
-                out[-1] = (out[-1][0], end)
-            else:
-                out.append((start, end))
-        return out
+        ids = install.block_ids[g]
+        if NULL_BLOCK not in ids:
+            return []
+        # the runs of null places in C (a long session's row is mostly one run of them)
+        places = np.flatnonzero(np.fromiter(ids, dtype=np.intp, count=len(ids)) == NULL_BLOCK)
+        breaks = np.flatnonzero(places[1:] != places[:-1] + 1).tolist()  # a run ends before each
+        firsts = [int(places[0]), *(int(places[i + 1]) for i in breaks)]
+        lasts = [*(int(places[i]) for i in breaks), int(places[-1])]
+        return [
+            (first * tokens_per_block, min((last + 1) * tokens_per_block, install.token_len))
+            for first, last in zip(firsts, lasts, strict=True)
+        ]
 
     def _explain_block_ids(self, identity: Identity, g: int, ids: tuple[object, ...]) -> None:
         """Raise the error for the first invalid block id of ``ids`` (group ``g``)."""
@@ -505,8 +510,8 @@ class RowRegistry:
                 ):
                     return None
                 if ids:
-                    if set(map(type, ids)) != _INT_ONLY:
-                        return None
+                    if NULL_BLOCK in ids or set(map(type, ids)) != _INT_ONLY:
+                        return None  # released places (a session's slid row) take the checked path
                     ordered = sorted(ids)  # (an int-only sort runs a specialised comparison)
                     if ordered[0] < 0 or ordered[-1] >= num_blocks:
                         return None  # NULL_BLOCK (released places) lands here too
@@ -639,7 +644,7 @@ class RowRegistry:
                     shared += ids[:read_only_blocks]
                     ids = ids[read_only_blocks:]
                 if NULL_BLOCK in ids:  # a released place is held by nobody
-                    ids = tuple(b for b in ids if b != NULL_BLOCK)
+                    ids = tuple([b for b in ids if b != NULL_BLOCK])
                 written += ids
                 counts.append(len(ids))
             yield tokens_per_block, written, counts, shared
@@ -714,7 +719,10 @@ class RowRegistry:
         try:
             if released:  # a released place reads as the null entry (block 0, as past a row's end)
                 block_ids = [
-                    tuple(tuple(max(b, 0) for b in group) if NULL_BLOCK in group else group for group in ids)
+                    tuple(
+                        tuple([b if b >= 0 else 0 for b in group]) if NULL_BLOCK in group else group
+                        for group in ids
+                    )
                     for ids in block_ids
                 ]
             if self._whole_rows:
@@ -942,12 +950,15 @@ class RowRegistry:
             for old_ids, new_ids in zip(a.block_ids, b.block_ids, strict=True):
                 if len(new_ids) > len(old_ids) and NULL_BLOCK in new_ids[len(old_ids) :]:
                     return None
-                for before, after in zip(old_ids, new_ids, strict=False):  # the shorter list's places
-                    if after == before:
-                        continue
-                    if after != NULL_BLOCK:
-                        return None  # a place changed its block: a replacement, not a transition
-                    found.add(RowTransition.SLIDE)
+                common = min(len(old_ids), len(new_ids))
+                if old_ids[:common] == new_ids[:common]:
+                    continue  # no place changed (an EXTEND or TRUNCATE): compared in C
+                # the shorter list's places, in C: each changed place must turn into NULL_BLOCK
+                before = np.fromiter(old_ids[:common], dtype=np.intp, count=common)
+                after = np.fromiter(new_ids[:common], dtype=np.intp, count=common)
+                if (after[before != after] != NULL_BLOCK).any():
+                    return None  # a place changed its block: a replacement, not a transition
+                found.add(RowTransition.SLIDE)
         if RowTransition.TRUNCATE in found and len(found) > 1:
             return None  # a truncation (an aborted chunk) comes alone
         return frozenset(found) if found else None

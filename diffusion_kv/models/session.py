@@ -347,7 +347,18 @@ class PagedStream(_Base):
 
     def _count_writes(self) -> None:
         """Count the bytes every backend's K/V writer is handed (tokens x K and V rows in the
-        cache's dtype): what the paged path copies into its cache."""
+        cache's dtype): what the paged path copies into its cache. The caches' element sizes
+        are looked up once per cache object, so the count costs the timed path next to
+        nothing."""
+        sizes: dict[int, int] = {}
+
+        def bytes_per_element(kv_cache: Any) -> int:
+            size = sizes.get(id(kv_cache))
+            if size is None:
+                kc, vc = key_value_caches(kv_cache)
+                size = sizes[id(kv_cache)] = kc.element_size() + vc.element_size()
+            return size
+
         for backend in dict.fromkeys(self.worker.backends):
 
             def counted(
@@ -357,9 +368,9 @@ class PagedStream(_Base):
                     layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slots: torch.Tensor
                 ) -> None:
                     inner(layer, key, value, kv_cache, slots)
+                    per_token = key.numel() // key.shape[0] if key.shape[0] else 0
                     n = key.shape[0] if valid else int((slots.reshape(-1)[: key.shape[0]] >= 0).sum())
-                    kc, vc = key_value_caches(kv_cache)
-                    self.written += n * key[0].numel() * (kc.element_size() + vc.element_size())
+                    self.written += n * per_token * bytes_per_element(kv_cache)
 
                 return write
 

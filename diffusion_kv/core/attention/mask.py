@@ -196,6 +196,56 @@ class MaskSpec:
         follows the keys it reads, not the row's absolute length."""
         if spans and not self.spans:
             raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
+        runs = None if spans else self._query_runs(query_offset, query_len, seq_len)
+        if runs:  # a few distinct bounds: one row of the mask per run, repeated down its queries
+            k = keys.to(torch.long)
+            rows = []
+            for count, lo, hi in runs:
+                visible = k < hi
+                if self.window is not None:
+                    visible &= (k >= lo) | (k < self.sink)
+                if live_from > self.sink:
+                    visible &= (k >= live_from) | (k < self.sink)
+                rows.append(visible[None, :].expand(count, -1))
+            return torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+        return self._key_mask_tensor(query_offset, query_len, seq_len, keys, spans, live_from=live_from)
+
+    def _query_runs(
+        self, query_offset: int, query_len: int, seq_len: int
+    ) -> list[tuple[int, int, int]] | None:
+        """``(queries, lo, hi)`` per run of consecutive queries sharing their bounds
+        (:meth:`bounds` without spans), in order: one per chunk met for CHUNK_CAUSAL, one for
+        FULL; None where every query has its own (CAUSAL) or there is no query."""
+        if query_len <= 0:
+            return None
+        window = self.window
+        if self.kind is AttentionMode.CHUNK_CAUSAL:
+            chunk = self.chunk or 1
+            end = query_offset + query_len
+            raws = [
+                (min((c + 1) * chunk, end) - max(c * chunk, query_offset), (c + 1) * chunk)
+                for c in range(query_offset // chunk, (end - 1) // chunk + 1)
+            ]
+        elif self.kind is AttentionMode.FULL:
+            raws = [(query_len, seq_len)]
+        else:
+            return None
+        return [
+            (count, max(raw - window, 0) if window is not None else 0, min(raw, seq_len))
+            for count, raw in raws
+        ]
+
+    def _key_mask_tensor(
+        self,
+        query_offset: int,
+        query_len: int,
+        seq_len: int,
+        keys: torch.Tensor,
+        spans: Sequence[tuple[int, int]] = (),
+        *,
+        live_from: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`key_mask` from every query's bounds as tensors (any mask, spans too)."""
         q = torch.arange(query_offset, query_offset + query_len, dtype=torch.long)
         lo, hi = self.bounds(q, seq_len, spans)
         k = keys.to(torch.long)[None, :]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from diffusion_kv.core.attention.mask import MaskSpec, key_bounds
+from diffusion_kv.core.attention.mode import AttentionMode
 from diffusion_kv.core.errors import ValidationError
 
 
@@ -50,6 +51,26 @@ def row_block_kinds(
     n_blocks = -(-seq_len // block_size)
     if query_len == 0 or n_blocks == 0:
         return torch.zeros(n_blocks, dtype=torch.int8)
+    if not spans:
+        bounds = _bound_runs(mask, query_offset, query_len, seq_len, live_from)
+        if bounds is not None:
+            return _kinds_of_bounds(bounds, mask.sink, n_blocks, seq_len, block_size)
+    return _row_block_kinds_tensor(mask, query_offset, query_len, seq_len, block_size, spans, live_from)
+
+
+def _row_block_kinds_tensor(
+    mask: MaskSpec,
+    query_offset: int,
+    query_len: int,
+    seq_len: int,
+    block_size: int,
+    spans: Sequence[tuple[int, int]] = (),
+    live_from: int = 0,
+) -> torch.Tensor:
+    """:func:`row_block_kinds` over every query's bounds as tensors (any mask, spans too)."""
+    n_blocks = -(-seq_len // block_size)
+    if query_len == 0 or n_blocks == 0:
+        return torch.zeros(n_blocks, dtype=torch.int8)
     lo, hi, sink = key_bounds(mask, query_offset, query_len, seq_len, spans, live_from)
     # a block's kind depends on a query's (lo, hi) alone: one row per distinct pair (a chunk's
     # queries share one), not one per query
@@ -61,7 +82,9 @@ def row_block_kinds(
     # one's (its released blocks are most of the row).
     hi_max, lo_min = int(hi.max()), int(lo.min())
     sink_blocks = range(0, min(n_blocks, -(-min(sink, hi_max) // block_size)))
-    window_blocks = range(min(lo_min // block_size, n_blocks), min(n_blocks, -(-hi_max // block_size)))
+    window_start = min(lo_min // block_size, n_blocks)
+    # (a live_from past every bound leaves the window run empty: lo > hi)
+    window_blocks = range(window_start, max(window_start, min(n_blocks, -(-hi_max // block_size))))
     kinds = torch.zeros(n_blocks, dtype=torch.int8)  # SKIP
     if window_blocks.start <= sink_blocks.stop:
         candidates = torch.arange(0, max(sink_blocks.stop, window_blocks.stop), dtype=torch.long)
@@ -90,6 +113,61 @@ def row_block_kinds(
     picked[(seen == (e - s)).all(dim=0)] = int(BlockKind.FULL)
     kinds[candidates] = picked
     return kinds
+
+
+def _bound_runs(
+    mask: MaskSpec, query_offset: int, query_len: int, seq_len: int, live_from: int
+) -> list[tuple[int, int]] | None:
+    """The distinct ``(lo, hi)`` of a row's queries (``MaskSpec.bounds``, ``live_from``
+    applied) as Python ints, where they are few: one per chunk the queries meet for
+    CHUNK_CAUSAL, one for FULL; None for a mask whose bound moves with every query (CAUSAL),
+    which takes the tensor path."""
+    window = mask.window
+    if mask.kind is AttentionMode.CHUNK_CAUSAL:
+        chunk = mask.chunk or 1
+        first, last = query_offset // chunk, (query_offset + query_len - 1) // chunk
+        raws = [(c + 1) * chunk for c in range(first, last + 1)]
+    elif mask.kind is AttentionMode.FULL:
+        raws = [seq_len]
+    else:
+        return None
+    return [
+        (max(raw - window, 0, live_from) if window is not None else max(0, live_from), min(raw, seq_len))
+        for raw in raws
+    ]
+
+
+def _kinds_of_bounds(
+    bounds: list[tuple[int, int]], sink: int, n_blocks: int, seq_len: int, block_size: int
+) -> torch.Tensor:
+    """:func:`row_block_kinds` from the distinct bounds of a row's queries, in Python ints: the
+    same candidate blocks and the same interval count per (bound, block) as the tensor path,
+    with every query of one bound counted once (a kind asks "every query" or "no query")."""
+    hi_max, lo_min = max(h for _, h in bounds), min(lo for lo, _ in bounds)
+    sink_stop = min(n_blocks, -(-min(sink, hi_max) // block_size))
+    window_start, window_stop = min(lo_min // block_size, n_blocks), min(n_blocks, -(-hi_max // block_size))
+    if window_start <= sink_stop:
+        ranges = [(0, max(sink_stop, window_stop))]
+    else:
+        ranges = [(0, sink_stop), (window_start, window_stop)]
+    runs = [(lo, hi, min(hi, sink)) for lo, hi in bounds]
+    kinds = bytearray(n_blocks)  # SKIP; one byte per block, viewed as int8 below (no copy)
+    skip, full, partial = int(BlockKind.SKIP), int(BlockKind.FULL), int(BlockKind.PARTIAL)
+    for a, b in ranges:
+        for block in range(a, b):
+            s = block * block_size
+            e = min(s + block_size, seq_len)
+            none = every = True
+            for lo, hi, sink_hi in runs:
+                seen = (
+                    max(min(e, hi) - max(s, lo), 0)
+                    + max(min(e, sink_hi) - s, 0)
+                    - max(min(e, sink_hi) - max(s, lo), 0)
+                )
+                none = none and seen == 0
+                every = every and seen == e - s
+            kinds[block] = skip if none else full if every else partial
+    return torch.frombuffer(kinds, dtype=torch.int8)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation
@@ -116,6 +117,7 @@ class Chunk:
     tokens: int
     branches: int
     state: ChunkState = ChunkState.OPEN
+    _rows: tuple[PagedRow, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def end(self) -> int:
@@ -123,11 +125,15 @@ class Chunk:
 
     def rows(self) -> tuple[PagedRow, ...]:
         """One row per branch: the chunk's queries over every key up to its end (the mask keeps
-        the sink, the window and the chunk itself)."""
-        return tuple(
-            PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
-            for b in range(self.branches)
-        )
+        the sink, the window and the chunk itself). Built once per chunk: every denoise step
+        hands the same rows, so the runtime's ``ensure_rows`` finds them active and prepares
+        nothing."""
+        if self._rows is None:
+            self._rows = tuple(
+                PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
+                for b in range(self.branches)
+            )
+        return self._rows
 
 
 @dataclass
@@ -632,14 +638,19 @@ class SessionCache:
     def _slide(self, session: Session) -> RequestAllocation | None:
         block = self.allocator.block_size
         keep = self.mask.retention(session.committed_tokens)
-        releasable = list(keep.releasable_blocks(block))
+        releasable = keep.releasable_blocks(block)  # a range: every place the window passed
         if not releasable:
             return None
         snapshot = self.worker.registry.snapshot_of(session.session_id) if self.worker.registry else None
         if snapshot is None:
             raise StateError(f"session {session.session_id!r} is not installed on the worker")
         row = snapshot.sequences[0].block_ids[0]
-        fresh = [p for p in releasable if p < len(row) and row[p] != NULL_BLOCK]
+        start, stop = releasable.start, min(releasable.stop, len(row))
+        if stop <= start:
+            return None
+        # the places still holding a block, found in C (a long session's row is mostly released)
+        held = np.fromiter(row[start:stop], dtype=np.intp, count=stop - start) != NULL_BLOCK
+        fresh = (np.flatnonzero(held) + start).tolist()
         if not fresh:
             return None
         return self.allocator.release(session.session_id, None, fresh, install=self.worker.install)
