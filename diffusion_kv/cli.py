@@ -763,7 +763,7 @@ def _cmd_demo_session(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
     else:
         print(format_session(result))
-    if not result.agrees:
+    if not result.agrees and result.agrees_as_dense is not True:
         print(
             f"diffusion-kv: error: the paged session disagrees with the dense oracle over the same mask (max abs "
             f"diff {result.max_abs_diff:.3g} > atol {result.tolerance['atol']:g} + rtol {result.tolerance['rtol']:g})",
@@ -961,7 +961,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         disagreements.append("stream (a request disagrees with its dense run)")
     if "prefix-cache" in report and not report["prefix-cache"]["agrees"]:
         disagreements.append("prefix cache (cached and uncached runs differ)")
-    if "session" in report and not report["session"]["agrees"]:
+    if "session" in report and not report["session"]["agrees_as_dense"]:
+        # beyond the kit's tolerance of the oracle and further from it than the dense ways of the
+        # same run (a deep 16-bit stack drifts from a float32 oracle whichever way attends)
         disagreements.append("session (a paged chunk differs from the dense oracle over the same mask)")
     if "session" in report and not report["session"]["pool_full_after"]:
         report["errors"]["session"] = (

@@ -180,6 +180,12 @@ class SessionResult:
     abort: dict[str, Any] | None = None
     failing_session: dict[str, Any] | None = None
     cross_context_bytes: int = 0
+    dense_max_abs_diff: dict[str, float] = field(default_factory=dict)
+    """The dense rolling caches timed beside the paged session (``concat``, ``contiguous``: they
+    keep the chunks' K/V as the paged cache does; ``recompute`` recomputes them from the committed
+    latents, another computation): their chunk outputs against the same oracle, over every chunk --
+    how far the model's dtype alone takes a dense way from the oracle (deep 16-bit stacks drift
+    past the kit's per-call tolerance)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- figures -------------------------------------------------------------------------------
@@ -213,6 +219,15 @@ class SessionResult:
         return float(s["sink_chunks"] + s["window_chunks"] + 1)
 
     @property
+    def agrees_as_dense(self) -> bool | None:
+        """The paged chunks no further from the oracle than the furthest dense way of the same
+        run (the same model in the same dtype): paging adds no error of its own. None when no
+        dense way ran."""
+        if not self.dense_max_abs_diff:
+            return None
+        return self.max_abs_diff <= max(self.dense_max_abs_diff.values())
+
+    @property
     def time_vs_concat(self) -> float | None:
         return self._ratio("concat")
 
@@ -239,6 +254,7 @@ class SessionResult:
             time_vs_concat=self.time_vs_concat,
             time_vs_contiguous=self.time_vs_contiguous,
             flatness=self.flatness,
+            agrees_as_dense=self.agrees_as_dense,
             median_chunk_ms={m: self._median(m, self.steady) for m in self.chunk_ms},
         )
         return out
@@ -797,6 +813,9 @@ def run_session(
         baseline_max_abs_diff={
             m: max(_diff(d, p) for d, p in zip(outputs[m], mine, strict=True)) for m in copied
         },
+        dense_max_abs_diff={
+            m: max(_diff(d, o) for d, o in zip(outputs[m], oracle_outputs, strict=True)) for m in copied
+        },
         chunk_kv_bytes=cfg.chunk_tokens * cfg.branches * per_token,
         bytes_copied_per_chunk=max(commit_writes),
         bytes_written_per_step=max(step_writes),
@@ -859,7 +878,20 @@ def format_session(r: SessionResult) -> str:
         f"each step writes {r.bytes_written_per_step} in place)" + (f"; {copies}" if copies else ""),
         f"max |paged - dense oracle over the same mask|: {r.max_abs_diff:.3g} (kit tolerance atol "
         f"{r.tolerance['atol']:g}, rtol {r.tolerance['rtol']:g}) -> {'AGREE' if r.agrees else 'DISAGREE'}"
-        + (f"; {agree}" if agree else ""),
+        + (f"; {agree}" if agree else "")
+        + (
+            ""
+            if r.agrees or r.agrees_as_dense is None
+            else (
+                "; the dense ways against the same oracle: "
+                + ", ".join(f"{label[m]} {d:.3g}" for m, d in r.dense_max_abs_diff.items())
+                + (
+                    " -> paging adds no error of its own (the dtype's depth does)"
+                    if r.agrees_as_dense
+                    else " -> the paged way is further off than every dense way"
+                )
+            )
+        ),
         "pool whole after every session: "
         + ("yes" if r.pool_full_after else f"NO {r.pool_checks}")
         + (f"; aborted chunk {r.abort['chunk']}: session restored {r.abort['restored']}" if r.abort else "")

@@ -135,6 +135,42 @@ def test_session_bench_wan_shape_smoke_with_reduced_sizes() -> None:
     assert s["agrees"] and s["pool_full_after"] and list(s["by_backend"]) == ["reference"]
 
 
+def test_agrees_as_dense_compares_the_paged_drift_with_the_dense_ways(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dense ways' distance from the oracle is recorded; a paged run outside the kit's
+    tolerance is an error only when it is also further off than every dense way (a deep 16-bit
+    stack drifts from the float32 oracle whichever way attends)."""
+    import dataclasses
+
+    from diffusion_kv.models import session
+
+    r = run_session(CpuPlatform(), SessionConfig(**TINY, modes=("paged", "recompute", "concat")))  # type: ignore[arg-type]
+    assert set(r.dense_max_abs_diff) == {"concat"}  # recompute recomputes the K/V: not the same computation
+    assert all(d <= 2e-5 for d in r.dense_max_abs_diff.values())
+    assert r.agrees and r.agrees_as_dense is True and r.as_dict()["agrees_as_dense"] is True
+    drift = dataclasses.replace(r, agrees=False, max_abs_diff=0.0625, dense_max_abs_diff={"concat": 0.0625})
+    assert drift.agrees_as_dense is True
+    worse = dataclasses.replace(drift, max_abs_diff=0.07)
+    assert worse.agrees_as_dense is False
+    assert dataclasses.replace(r, dense_max_abs_diff={}).agrees_as_dense is None
+    argv = ["demo", "--session", "--chunks", "5", "--chunk-tokens", "8", "--window", "2", "--sink", "1"]
+    argv += ["--steps", "2", "--hidden", "32", "--heads", "2", "--no-progress"]
+    monkeypatch.setattr(session, "run_session", lambda *a, **k: drift)
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "the dense ways against the same oracle: torch.cat 0.0625" in captured.out
+    assert "paging adds no error of its own" in captured.out and captured.err == ""
+    monkeypatch.setattr(session, "run_session", lambda *a, **k: worse)
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "the paged way is further off than every dense way" in captured.out
+    assert (
+        "the paged session disagrees with the dense oracle over the same mask (max abs diff 0.07"
+        in captured.err
+    )
+
+
 def test_bench_cli_runs_the_session_section(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
