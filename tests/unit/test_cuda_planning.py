@@ -43,6 +43,18 @@ def test_the_per_batch_way() -> None:
     assert choose_way((1024, 1024), (5120, 5120), triton_ok=True)[0] is KernelWay.SDPA
     assert choose_way((32,) * 8, (8192,) * 8, triton_ok=True)[0] is KernelWay.TRITON
     assert choose_way((32,), (8192,), triton_ok=False) == (KernelWay.SDPA, "Triton is not importable")
+    # a continuous batch of compute-bound rows in six shapes (prefill and denoise rows of several
+    # prefix and target lengths, CFG pairs): one cuDNN call per shape
+    mixed_q = (5120, 5120, 1024, 1024, 2560, 2560, 512, 512, 1024, 1024, 512, 512)
+    mixed_k = (5120, 5120, 5120, 5120, 2560, 2560, 2560, 2560, 1024, 1024, 512, 512)
+    way, reason = choose_way(mixed_q, mixed_k, triton_ok=True)
+    assert way is KernelWay.SDPA and "100% of the queries in such rows, 6 row shape(s)" in reason
+    # nine shapes: in place
+    nine = tuple(range(512, 512 + 9 * 64, 64))
+    assert choose_way(nine, nine, triton_ok=True)[0] is KernelWay.TRITON
+    # one long row among many short ones: most queries memory-bound, in place
+    way, reason = choose_way((1024,) + (32,) * 40, (4096,) * 41, triton_ok=True)
+    assert way is KernelWay.TRITON and "44% of the queries in rows of >= 512" in reason
 
 
 def test_dcp_row_groups_read_local_keys_and_skip_rows_without_any() -> None:

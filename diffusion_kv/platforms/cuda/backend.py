@@ -135,6 +135,19 @@ def cuda_available() -> Availability:
     return Availability(True, f"CUDA {torch.version.cuda}")
 
 
+SDPA_MIN_QUERY = 512
+"""Rows with at least this many queries are compute-bound: cuDNN's attention beats the Triton
+kernel there (regime A: the Triton kernel runs at about half cuDNN's rate)."""
+SDPA_MAX_ROW_SHAPES = 8
+"""At most this many distinct (query, key) row shapes take the gather + SDPA way: one cuDNN call
+per shape and layer. A continuous batch mixes requests (prefill and denoise rows of several
+prefix and target lengths: up to six shapes in the stream bench); each request alone has one
+or two."""
+SDPA_MIN_LONG_SHARE = 0.75
+"""The gather + SDPA way only when rows of at least :data:`SDPA_MIN_QUERY` queries hold this
+share of the batch's queries: a batch of many short rows stays in place (memory-bound)."""
+
+
 def choose_way(
     query_lens: tuple[int, ...], seq_lens: tuple[int, ...], *, triton_ok: bool
 ) -> tuple[KernelWay, str]:
@@ -143,14 +156,17 @@ def choose_way(
         return KernelWay.SDPA, "Triton is not importable"
     max_q = max(query_lens)
     shapes = set(zip(query_lens, seq_lens, strict=True))
-    if max_q >= 512 and len(shapes) <= 2:
+    long_share = sum(q for q in query_lens if q >= SDPA_MIN_QUERY) / max(1, sum(query_lens))
+    if max_q >= SDPA_MIN_QUERY and len(shapes) <= SDPA_MAX_ROW_SHAPES and long_share >= SDPA_MIN_LONG_SHARE:
         return (
             KernelWay.SDPA,
-            f"compute-bound (max query_len {max_q} >= 512, {len(shapes)} row shape(s)): gather + SDPA",
+            f"compute-bound (max query_len {max_q} >= {SDPA_MIN_QUERY}, {long_share:.0%} of the queries in such "
+            f"rows, {len(shapes)} row shape(s)): gather + SDPA",
         )
     return (
         KernelWay.TRITON,
-        f"memory-bound or ragged (max query_len {max_q}, {len(shapes)} row shapes): in-place paged kernel",
+        f"memory-bound or ragged (max query_len {max_q}, {long_share:.0%} of the queries in rows of >= "
+        f"{SDPA_MIN_QUERY}, {len(shapes)} row shapes): in-place paged kernel",
     )
 
 
