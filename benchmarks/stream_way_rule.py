@@ -44,9 +44,9 @@ def main() -> None:
         print(
             label, "cap", cap, "speedup", st.get("speedup"), "eager", (st.get("eager") or {}).get("speedup")
         )
-    out["environment"] = report.get("environment")
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2, default=str)
+        out["environment"] = report.get("environment")
+        with open(args.out, "w") as f:  # after each run: a time limit keeps what finished
+            json.dump(out, f, indent=2, default=str)
 
 
 if __name__ == "__main__":
