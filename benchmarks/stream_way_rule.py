@@ -1,8 +1,9 @@
-"""The continuous-batching stream under ``cuda:paged``'s per-batch way rule, today's and an older
-one, in one process: ``bench --sections stream`` run once with the rule's row-shape cap at
-``--old-cap`` (2: mixed batches of more shapes took the in-place Triton kernel) and once at the
-module's cap (:data:`~diffusion_kv.platforms.cuda.backend.SDPA_MAX_ROW_SHAPES`), with the stream's
-figures of each. Needs a CUDA machine::
+"""The continuous-batching stream under ``cuda:paged``'s per-batch way rule, today's and a
+candidate, in one process: ``bench --sections stream`` run once under the module's rule
+(:data:`~diffusion_kv.platforms.cuda.backend.SDPA_MAX_ROW_SHAPES`: 2, so a batch mixing requests
+of several shapes takes the in-place Triton kernel) and once with the cap at ``--cap`` (default 8)
+and ``--long-share`` of the queries in rows of >= 512 required, with the stream's figures of
+each. Needs a CUDA machine::
 
     PYTHONPATH=. python benchmarks/stream_way_rule.py --out stream-way-rule.json
 """
@@ -26,20 +27,21 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old-cap", type=int, default=2)
+    ap.add_argument("--cap", type=int, default=8)
+    ap.add_argument("--long-share", type=float, default=0.75)
     ap.add_argument("--sizes", choices=("small", "full"), default="full")
     ap.add_argument("--out", default="stream-way-rule.json")
     args = ap.parse_args()
     platform = CudaPlatform()
     out: dict[str, Any] = {}
-    new_cap = cuda_backend.SDPA_MAX_ROW_SHAPES
-    for label, cap in (("old_rule", args.old_cap), ("rule", new_cap)):
-        cuda_backend.SDPA_MAX_ROW_SHAPES = cap
+    cap0, share0 = cuda_backend.SDPA_MAX_ROW_SHAPES, cuda_backend.SDPA_MIN_LONG_SHARE
+    for label, cap, share in (("rule", cap0, share0), ("candidate", args.cap, args.long_share)):
+        cuda_backend.SDPA_MAX_ROW_SHAPES, cuda_backend.SDPA_MIN_LONG_SHARE = cap, share
         try:
             report = run_bench(platform, BenchConfig(sizes=args.sizes, sections=("stream",)))
         finally:
-            cuda_backend.SDPA_MAX_ROW_SHAPES = new_cap
-        out[label] = {"max_row_shapes": cap, **_figures(report)}
+            cuda_backend.SDPA_MAX_ROW_SHAPES, cuda_backend.SDPA_MIN_LONG_SHARE = cap0, share0
+        out[label] = {"max_row_shapes": cap, "min_long_share": share, **_figures(report)}
         st = out[label]["stream"]
         print(
             label, "cap", cap, "speedup", st.get("speedup"), "eager", (st.get("eager") or {}).get("speedup")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffusion_kv.core.translate import dcp_local_seq_lens
+from diffusion_kv.platforms.cuda import backend as cuda_backend
 from diffusion_kv.platforms.cuda.backend import (
     KernelWay,
     choose_way,
@@ -43,13 +45,22 @@ def test_the_per_batch_way() -> None:
     assert choose_way((1024, 1024), (5120, 5120), triton_ok=True)[0] is KernelWay.SDPA
     assert choose_way((32,) * 8, (8192,) * 8, triton_ok=True)[0] is KernelWay.TRITON
     assert choose_way((32,), (8192,), triton_ok=False) == (KernelWay.SDPA, "Triton is not importable")
-    # a continuous batch of compute-bound rows in six shapes (prefill and denoise rows of several
-    # prefix and target lengths, CFG pairs): one cuDNN call per shape
+    # today's cap: two row shapes; a continuous batch of six compute-bound shapes runs in place
+    mixed_q = (5120, 5120, 1024, 1024, 2560, 2560, 512, 512, 1024, 1024, 512, 512)
+    mixed_k = (5120, 5120, 5120, 5120, 2560, 2560, 2560, 2560, 1024, 1024, 512, 512)
+    way, reason = choose_way(mixed_q, mixed_k, triton_ok=True)
+    assert way is KernelWay.TRITON and "6 row shapes" in reason
+
+
+def test_the_way_rule_under_a_higher_shape_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What benchmarks/stream_way_rule.py measures: the cap raised to eight shapes with a share
+    of long rows required."""
+    monkeypatch.setattr(cuda_backend, "SDPA_MAX_ROW_SHAPES", 8)
+    monkeypatch.setattr(cuda_backend, "SDPA_MIN_LONG_SHARE", 0.75)
     mixed_q = (5120, 5120, 1024, 1024, 2560, 2560, 512, 512, 1024, 1024, 512, 512)
     mixed_k = (5120, 5120, 5120, 5120, 2560, 2560, 2560, 2560, 1024, 1024, 512, 512)
     way, reason = choose_way(mixed_q, mixed_k, triton_ok=True)
     assert way is KernelWay.SDPA and "100% of the queries in such rows, 6 row shape(s)" in reason
-    # nine shapes: in place
     nine = tuple(range(512, 512 + 9 * 64, 64))
     assert choose_way(nine, nine, triton_ok=True)[0] is KernelWay.TRITON
     # one long row among many short ones: most queries memory-bound, in place

@@ -138,14 +138,17 @@ def cuda_available() -> Availability:
 SDPA_MIN_QUERY = 512
 """Rows with at least this many queries are compute-bound: cuDNN's attention beats the Triton
 kernel there (regime A: the Triton kernel runs at about half cuDNN's rate)."""
-SDPA_MAX_ROW_SHAPES = 8
-"""At most this many distinct (query, key) row shapes take the gather + SDPA way: one cuDNN call
-per shape and layer. A continuous batch mixes requests (prefill and denoise rows of several
-prefix and target lengths: up to six shapes in the stream bench); each request alone has one
-or two."""
-SDPA_MIN_LONG_SHARE = 0.75
+SDPA_MAX_ROW_SHAPES = 2
+"""At most this many distinct (query, key) row shapes take the gather + SDPA way (one cuDNN call
+per shape and layer); a batch of more shapes takes the in-place kernel. A continuous batch that
+mixes requests (prefill and denoise rows of several prefix and target lengths: up to six shapes
+in the stream bench) therefore runs in place, at about half cuDNN's rate in regime A, while each
+request alone (one or two shapes) takes cuDNN. Raising the cap is measured by
+``benchmarks/stream_way_rule.py`` (not yet run on a GPU; ``docs/cuda.md``)."""
+SDPA_MIN_LONG_SHARE = 0.0
 """The gather + SDPA way only when rows of at least :data:`SDPA_MIN_QUERY` queries hold this
-share of the batch's queries: a batch of many short rows stays in place (memory-bound)."""
+share of the batch's queries (0: any share, the rule as measured; a higher cap on row shapes
+would want one, so that a batch of many short rows stays in place)."""
 
 
 def choose_way(
