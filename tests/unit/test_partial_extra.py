@@ -28,7 +28,7 @@ LAYER = "l0"
 
 
 def _worker(backend: str, mode: Any) -> PagedWorker:
-    worker = PagedWorker(CpuPlatform(), RunnerConfig(96, 2, 2, 96, device="cpu", backend=backend))
+    worker = PagedWorker(CpuPlatform(), RunnerConfig(96, 2, 2, 96, device=torch.device("cpu"), backend=backend))
     worker.register_kv_cache_layers({LAYER: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode)})
     worker.initialize_kv_cache(num_blocks=40, block_size=BLOCK)
     return worker
@@ -106,7 +106,7 @@ def test_extra_queries_attend_the_chunks_keys_in_one_call_as_in_the_default(
         runtime.ensure_rows(chunk.rows())
         backend, layer, query, kv_cache, md = _call(worker, q, k, v)
         counting = _Counting(backend)
-        backend.forward_partial = counting  # type: ignore[method-assign]
+        backend.forward_partial = counting
         out, lse = backend.forward_partial_extra(layer, query, x, kv_cache, md)
         fast_calls = counting.calls
         d_out, d_lse = PagedBackend.forward_partial_extra(backend, layer, query, x, kv_cache, md)
@@ -145,7 +145,7 @@ def test_a_causal_row_takes_the_default_on_sdpa_and_is_refused_by_the_reference(
                     backend.forward_partial_extra(layer, query, x, kv_cache, md)
                 continue
             counting = _Counting(backend)
-            backend.forward_partial = counting  # type: ignore[method-assign]
+            backend.forward_partial = counting
             results[name] = backend.forward_partial_extra(layer, query, x, kv_cache, md)
             assert counting.calls == 2  # the default: the row, then one padded piece
     out, lse = results["sdpa"]
