@@ -32,17 +32,17 @@ DreamZero's action/state tokens (every denoise forward of its pipeline carries t
 K/V: the op gets them beside the video K/V, they are seen by that forward only and never reach
 the pages. Every query (video and action) sees the chunk's visible session keys plus them, so
 :meth:`DiffusionKVARForward.attend_with_scratch` writes the chunk and runs the worker's backend
-as partial attention with its log-sum-exp (``forward_partial``; the action queries as the
-chunk's own, which see the same keys under the chunk-causal mask), attends the few scratch keys
-densely, and merges the two (``merge_partial_attention``).
+as partial attention with its log-sum-exp, the action queries in the same call as the chunk's
+own, which see the same keys under the chunk-causal mask (``forward_partial_extra``), attends
+the scratch keys densely, and merges the two (``merge_partial_attention``).
 
 A first AR block of another length (DreamZero's pipeline starts with its first frame alone,
 then blocks of ``F`` frames; ``ARGeometry.first_block_frames``) is the session's first-block
 prefix: a context of its own (:data:`PREFIX`) written by that block's forwards on the contexts'
 FULL worker (it sees only itself), while the session's chunks start after it on the same
 whole-block grid. A later block sees the prefix while the host's window does (the first ``sink``
-frames -- 0 or the first block -- and the last ``window`` frames); its layers then merge the
-prefix's partial attention as they merge the action tokens', and once no later block can see it
+frames -- 0 or the first block -- and the last ``window`` frames); its layers then attend the
+prefix's keys (with the action tokens', concatenated) in the one dense partial they merge, and once no later block can see it
 the prefix goes back to the pool. A window the host would slide through the middle of a block or
 of the first block is refused at that forward (DreamZero's window of ``max_chunk_size * F + 1``
 frames never slides: its pipeline resets first). Any later block of another length is refused.
