@@ -13,7 +13,9 @@ group and every layer call), then per layer and forward :meth:`~PagedBackend.wri
 once (``-1`` slots are padding: never written) and :meth:`~PagedBackend.forward` once per
 attention call (once, or once per piecewise segment), reading K/V from the pages only. Under
 decode context parallelism it calls :meth:`~PagedBackend.forward_partial` instead and merges
-the partials across ranks by log-sum-exp.
+the partials across ranks by log-sum-exp. A host adapter may call
+:meth:`~PagedBackend.forward_partial_extra` (one row's queries plus queries with no position of
+their own that see the same keys; default: :meth:`~PagedBackend.forward_partial` per piece).
 
 Tensor shapes (``T`` query tokens of the call, ``H`` query heads, ``Hkv`` KV heads, ``D`` head
 size, all rank-local): ``query`` ``[T, H, D]`` contiguous; ``key``/``value`` ``[T, Hkv, D]``
@@ -333,6 +335,45 @@ class PagedBackend(abc.ABC):
         raise UnsupportedFeatureError(
             f"backend {self.name!r} does not implement forward_partial (decode context parallelism)"
         )
+
+    def forward_partial_extra(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_partial` of ``query`` ``[T, H, D]`` -- the queries of ONE prepared row,
+        every one of which sees the same keys (a whole chunk under a chunk-causal session mask,
+        or a FULL row) -- followed by ``extra_query`` ``[E, H, D]``: queries with no position of
+        their own that see exactly those keys too. Returns ``(out [T + E, H, D], lse [T + E, H]
+        float32)``, the row's queries first.
+
+        An optional fast path for hosts that attend scratch queries beside a chunk (vLLM-Omni's
+        DreamZero action/state tokens): a backend may attend all ``T + E`` queries in one kernel
+        call. The default calls :meth:`forward_partial` once for ``query`` and once per piece of
+        ``T`` extra queries (the last piece zero-padded), over the same metadata -- correct
+        exactly when the caller's promise holds, so every backend that implements
+        :meth:`forward_partial` serves it."""
+        tokens, extra = query.shape[0], extra_query.shape[0]
+        if tokens == 0 and extra:
+            raise ValidationError(
+                f"backend {self.name!r} forward_partial_extra: {extra} extra queries beside a row of 0 queries"
+            )
+        out, lse = self.forward_partial(layer, query, kv_cache, metadata)
+        if extra == 0:
+            return out, lse
+        outs, lses = [out], [lse]
+        for start in range(0, extra, tokens):
+            piece = extra_query[start : start + tokens]
+            n = piece.shape[0]
+            if n < tokens:
+                piece = torch.cat((piece, piece.new_zeros((tokens - n, *piece.shape[1:]))))
+            o, lg = self.forward_partial(layer, piece.contiguous(), kv_cache, metadata)
+            outs.append(o[:n])
+            lses.append(lg[:n])
+        return torch.cat(outs), torch.cat(lses)
 
 
 BackendChoice = str | type[PagedBackend] | None

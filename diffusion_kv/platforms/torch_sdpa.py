@@ -544,6 +544,23 @@ class CudaPagedMetadata:
     partial path, made by the batch's first call and reused by the others."""
 
 
+def _uniform_row_group(md: CudaPagedMetadata, query_len: int) -> SdpaRowGroup | None:
+    """The batch's one row group when it is one row of ``query_len`` queries that all see the
+    same keys with no mask to apply (a planned group without ``key_mask``, or a non-causal row;
+    no DCP bias or visibility): what :meth:`TorchSdpaBackend.forward_partial_extra` attends in
+    one call. None otherwise. Host data only (no synchronisation)."""
+    if md.way is not KernelWay.SDPA or md.cp_size != 1 or len(md.sdpa_groups) != 1:
+        return None
+    grp = md.sdpa_groups[0]
+    if len(grp.rows) != 1 or grp.query_len != query_len:
+        return None
+    if grp.key_mask is not None or grp.bias is not None or grp.visible is not None:
+        return None
+    if grp.live is None and md.causal:  # a causal row: each query sees its own prefix
+        return None
+    return grp
+
+
 def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int) -> torch.Tensor:
     """``[rows, tokens, Hkv, D]`` over ``cache`` ``[blocks, page, Hkv, D]``: row ``r`` starts at
     kernel block ``first + r * step``."""
@@ -884,6 +901,24 @@ class TorchSdpaBackend(PagedBackend):
         Without DCP the local keys are all keys and ``out`` equals :meth:`forward`'s."""
         return self._gather_sdpa_partial(layer, query, kv_cache, metadata)
 
+    def forward_partial_extra(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``PagedBackend.forward_partial_extra``: where the batch is one row group of one row
+        whose queries all see the same keys (a planned group without ``key_mask``, or a FULL
+        row; no DCP), ONE SDPA call with the extra queries appended to the row's; otherwise
+        (the in-place Triton way, a per-query mask, several rows) the default."""
+        md = metadata
+        grp = _uniform_row_group(md, query.shape[0]) if isinstance(md, CudaPagedMetadata) else None
+        if grp is None or extra_query.shape[0] == 0:
+            return super().forward_partial_extra(layer, query, extra_query, kv_cache, metadata)
+        return self._gather_sdpa_partial(layer, query, kv_cache, md, extra_query)
+
     @staticmethod
     def _group_tensors(
         layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata, grp: SdpaRowGroup
@@ -934,16 +969,35 @@ class TorchSdpaBackend(PagedBackend):
         return q, k, v
 
     def _gather_sdpa_partial(
-        self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        md: CudaPagedMetadata,
+        extra_query: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather + SDPA with the log-sum-exp. The ``G`` query heads of each KV head are folded
         into the query sequence (``[R, Hkv, G * ql, D]``), so GQA needs no copy of K/V.
 
         Under DCP the causal masks were built at ``build``. Without DCP (a direct call: the core
-        calls ``forward_partial`` only under DCP) a causal mask is built here, per call."""
+        calls ``forward_partial`` only under DCP) a causal mask is built here, per call.
+
+        With ``extra_query`` ``[E, H, D]`` (:meth:`forward_partial_extra`; the caller checked
+        the batch is one uniform row group of one row, :func:`_uniform_row_group`): the extra
+        queries appended to the row's in the same SDPA call, ``[T + E, H, D]`` returned as SDPA
+        wrote it (no zero-filled output, no copy into it)."""
         hkv, heads, hd = layer.num_kv_heads, layer.num_heads, layer.head_size
         per_kv = heads // hkv
         qsl = md.host_query_start_loc
+        if extra_query is not None:
+            (grp,) = md.sdpa_groups
+            q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
+            n = grp.query_len + extra_query.shape[0]
+            q = torch.cat((q[0], extra_query.to(q.dtype)))
+            qf = q.reshape(n, hkv, per_kv, hd).permute(1, 2, 0, 3).reshape(1, hkv, per_kv * n, hd)
+            o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), None, layer.scale)
+            o = o.reshape(hkv, per_kv, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+            return o, lg.reshape(hkv, per_kv, n).permute(2, 0, 1).reshape(n, heads).float()
         out = torch.zeros_like(query)  # rows without local keys keep out 0 and lse -inf
         lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
         groups = md.sdpa_groups

@@ -32,17 +32,17 @@ DreamZero's action/state tokens (every denoise forward of its pipeline carries t
 K/V: the op gets them beside the video K/V, they are seen by that forward only and never reach
 the pages. Every query (video and action) sees the chunk's visible session keys plus them, so
 :meth:`DiffusionKVARForward.attend_with_scratch` writes the chunk and runs the worker's backend
-as partial attention with its log-sum-exp (``forward_partial``; the action queries as the
-chunk's own, which see the same keys under the chunk-causal mask), attends the few scratch keys
-densely, and merges the two (``merge_partial_attention``).
+as partial attention with its log-sum-exp, the action queries in the same call as the chunk's
+own, which see the same keys under the chunk-causal mask (``forward_partial_extra``), attends
+the scratch keys densely, and merges the two (``merge_partial_attention``).
 
 A first AR block of another length (DreamZero's pipeline starts with its first frame alone,
 then blocks of ``F`` frames; ``ARGeometry.first_block_frames``) is the session's first-block
 prefix: a context of its own (:data:`PREFIX`) written by that block's forwards on the contexts'
 FULL worker (it sees only itself), while the session's chunks start after it on the same
 whole-block grid. A later block sees the prefix while the host's window does (the first ``sink``
-frames -- 0 or the first block -- and the last ``window`` frames); its layers then merge the
-prefix's partial attention as they merge the action tokens', and once no later block can see it
+frames -- 0 or the first block -- and the last ``window`` frames); its layers then attend the
+prefix's keys (with the action tokens', concatenated) in the one dense partial they merge, and once no later block can see it
 the prefix goes back to the pool. A window the host would slide through the middle of a block or
 of the first block is refused at that forward (DreamZero's window of ``max_chunk_size * F + 1``
 frames never slides: its pipeline resets first). Any later block of another length is refused.
@@ -597,22 +597,29 @@ class DiffusionKVARForward:
         extra: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """The chunk's K/V written and attended through the worker's backend as partial
-        attention with its log-sum-exp (queries past the chunk's as the chunk's own), each extra
-        key set -- and a visible first block, read from its context -- attended densely, and
-        all merged (``merge_partial_attention``)."""
+        attention with its log-sum-exp (queries past the chunk's in the same call, as the
+        chunk's own: ``forward_partial_extra``), the keys beside the pages -- a visible first
+        block, read from its context, and the extra key sets -- concatenated and attended
+        densely in one partial, and the two merged (``merge_partial_attention``)."""
         self._step()
         dtype = self.cache.geometry.dtype
         name = _layer_name(layer)
         q = query.to(dtype)
-        outs_lses = [
-            _session_partial(self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len)
-        ]
-        sets = [(k.to(dtype), v.to(dtype)) for k, v in extra]
+        paged = _session_partial(self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len)
+        sets = []
         if self.prefix_visible:
             sets.append(read_context(self.cache.sessions, self.session, PREFIX, name))
-        scale = self.cache.worker.layers[name].scale
-        outs_lses += [_dense_partial(q, k, v, scale) for k, v in sets]
-        out = merge_partial_attention([o for o, _ in outs_lses], [lse for _, lse in outs_lses])
+        sets += [(k.to(dtype), v.to(dtype)) for k, v in extra]
+        if not sets:
+            self._wrote(layer)
+            return paged[0].to(query.dtype)
+        if len(sets) == 1:
+            k, v = sets[0]
+        else:
+            k = torch.cat([k for k, _ in sets])
+            v = torch.cat([v for _, v in sets])
+        dense = _dense_partial(q, k, v, self.cache.worker.layers[name].scale)
+        out = merge_partial_attention([paged[0], dense[0]], [paged[1], dense[1]])
         self._wrote(layer)
         return out.to(query.dtype)
 
@@ -901,8 +908,10 @@ def _session_partial(
     over what the chunk sees, through the worker's backend: ``(out [Q, H, D], lse [Q, H])``.
 
     The first ``tokens`` queries are the chunk's own; any after them attend as the chunk's
-    queries do -- under a chunk-causal mask every query of a chunk sees the same keys -- in
-    pieces of ``tokens`` rows over the same prepared metadata (the last piece zero-padded)."""
+    queries do -- under a chunk-causal mask every query of a chunk sees the same keys -- in the
+    same backend call where the backend can (``PagedBackend.forward_partial_extra``: one SDPA
+    over the chunk's visible keys in the gather + SDPA backends; by default, pieces of
+    ``tokens`` rows over the same prepared metadata)."""
     executor = worker.executor
     if executor is None:
         raise StateError("the AR-diffusion worker's paged KV cache is not initialised")
@@ -917,22 +926,13 @@ def _session_partial(
         backend.write_kv_valid(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
     else:
         backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
-    md = ctx.native_metadata
-    outs, lses = [], []
-    out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, md)
-    outs.append(out)
-    lses.append(lse)
     extra = query[tokens:]
-    for start in range(0, extra.shape[0], tokens):
-        piece = extra[start : start + tokens]
-        n = piece.shape[0]
-        if n < tokens:
-            piece = torch.cat((piece, piece.new_zeros((tokens - n, *piece.shape[1:]))))
-        out, lse = backend.forward_partial(ctx.layer, piece.contiguous(), kv_cache, md)
-        outs.append(out[:n])
-        lses.append(lse[:n])
+    if extra.shape[0]:
+        out, lse = backend.forward_partial_extra(ctx.layer, ctx.query, extra, kv_cache, ctx.native_metadata)
+    else:
+        out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, ctx.native_metadata)
     executor.translator.layer_done(layer_name)  # the write counts (commit checks every layer wrote)
-    return torch.cat(outs), torch.cat(lses)
+    return out, lse
 
 
 DENSE_FUSED_MIN_KEYS = 16

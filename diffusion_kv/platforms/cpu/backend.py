@@ -21,7 +21,7 @@ import torch
 
 from diffusion_kv.core.attention import BlockPlan, MaskSpec
 from diffusion_kv.core.batch import key_value_caches
-from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.kv_quant import FP8_E4M3, dequantize
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import dcp_key_positions
@@ -141,13 +141,48 @@ class CpuReferenceBackend(PagedBackend):
 
         Without DCP the local keys are all keys, and ``out`` equals :meth:`forward`'s.
         """
+        return self._partial(layer, query, kv_cache, metadata, None)
+
+    def forward_partial_extra(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``PagedBackend.forward_partial_extra`` as the oracle: the one row with queries
+        attends its queries and ``extra_query`` together, the extra queries under the row's
+        visibility, which must be the same for every query of the row
+        (:class:`UnsupportedFeatureError` otherwise, or with several rows with queries)."""
         md: CpuPagedMetadata = metadata
+        qsl = md.query_start_loc
+        with_queries = [r for r in range(len(md.seq_lens)) if qsl[r + 1] > qsl[r]]
+        if len(with_queries) != 1 or qsl[with_queries[0] + 1] - qsl[with_queries[0]] != query.shape[0]:
+            raise UnsupportedFeatureError(
+                f"backend {self.name!r} forward_partial_extra: {len(with_queries)} rows with queries "
+                f"({query.shape[0]} queries given); extra queries attend beside exactly one row's"
+            )
+        return self._partial(layer, query, kv_cache, md, extra_query)
+
+    def _partial(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        md: CpuPagedMetadata,
+        extra_query: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_partial`; with ``extra_query`` (one row with queries, checked by the
+        caller) those queries appended to the row's, attending under its uniform visibility."""
         key_cache, value_cache = key_value_caches(kv_cache)
+        extra = 0 if extra_query is None else extra_query.shape[0]
         groups = layer.num_heads // layer.num_kv_heads
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
         device = query.device
-        out = torch.zeros(query.shape, dtype=query.dtype, device=device)
-        lse_out = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=device)
+        total = query.shape[0] + extra
+        out = torch.zeros((total, *query.shape[1:]), dtype=query.dtype, device=device)
+        lse_out = torch.full((total, query.shape[1]), float("-inf"), dtype=torch.float32, device=device)
         local_lens = md.local_seq_lens if md.local_seq_lens is not None else md.seq_lens
         for r in range(len(md.seq_lens)):
             q0, q1 = md.query_start_loc[r], md.query_start_loc[r + 1]
@@ -179,7 +214,10 @@ class CpuReferenceBackend(PagedBackend):
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
-            q = query[q0:q1].to(compute).transpose(0, 1)  # [H, Lq, D]
+            q_rows = query[q0:q1]
+            if extra_query is not None:
+                q_rows = torch.cat((q_rows, extra_query.to(query.dtype)))
+            q = q_rows.to(compute).transpose(0, 1)  # [H, Lq (+ extra), D]
             scores = torch.matmul(q, k.to(compute).permute(1, 2, 0)) * layer.scale  # [H, Lq, n_keys]
             # the mask over the row's keys, at the global positions of the keys gathered
             if md.mask is not None:  # over the gathered keys alone (their count, not the row's length)
@@ -189,11 +227,19 @@ class CpuReferenceBackend(PagedBackend):
                 ).to(device)
             else:
                 visible = md.mode.row_mask(sl - (q1 - q0), q1 - q0, sl).to(device)[:, key_pos]
+            if extra_query is not None:
+                if not bool((visible == visible[:1]).all()):
+                    raise UnsupportedFeatureError(
+                        f"backend {self.name!r} forward_partial_extra: row {r}'s {q1 - q0} queries see "
+                        "different keys; extra queries need a row whose queries all see the same ones"
+                    )
+                visible = torch.cat((visible, visible[:1].expand(extra, -1)))
             scores = scores.masked_fill(~visible, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where no local key is visible
             finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
             probs = torch.exp(scores - finite[..., None])
             o = torch.matmul(probs, v.to(compute).transpose(0, 1))  # [H, Lq, D]
-            out[q0:q1] = o.transpose(0, 1).to(out.dtype)
-            lse_out[q0:q1] = lse.transpose(0, 1).to(torch.float32)
+            end = q1 if extra_query is None else total  # the extra queries after the row's
+            out[q0:end] = o.transpose(0, 1).to(out.dtype)
+            lse_out[q0:end] = lse.transpose(0, 1).to(torch.float32)
         return out, lse_out

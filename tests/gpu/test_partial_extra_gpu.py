@@ -1,0 +1,85 @@
+"""``PagedBackend.forward_partial_extra`` on CUDA in bf16: a session chunk's queries plus extra
+queries (DreamZero's action/state queries) through cuda:paged and cuda:sdpa equal the default
+(``forward_partial`` per piece) and float32 dense attention over the chunk's visible keys.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
+from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.runner import PagedWorker, RunnerConfig
+from diffusion_kv.core.sessions import SessionCache, SessionPolicy
+
+H, HKV, D, BLOCK, CHUNK = 8, 4, 64, 16, 88  # chunks straddle blocks
+POLICY = SessionPolicy(chunk_tokens=CHUNK, window_chunks=1, sink_chunks=1)
+LAYER = "l0"
+DTYPE = torch.bfloat16
+
+
+def _session(backend: str) -> tuple[SessionCache, Any, torch.Tensor, torch.Tensor]:
+    from diffusion_kv.platforms.cuda import CudaPlatform
+
+    device = torch.device("cuda")
+    worker = PagedWorker(CudaPlatform(), RunnerConfig(512, 1, 1, 512, device=device, backend=backend))
+    worker.register_kv_cache_layers({LAYER: PagedLayerSpec(H, HKV, D, DTYPE, mode=POLICY.mask)})
+    worker.initialize_kv_cache(num_blocks=40, block_size=BLOCK)
+    alloc = DiffusionKVAllocator(
+        block_size=BLOCK, max_model_len=512, max_rows_per_request=1, worker_rows=1, pool=FreeListPool(40)
+    )
+    cache = SessionCache(worker, alloc, POLICY)
+    session = cache.begin_session("s")
+    gen = torch.Generator(device=device).manual_seed(3)
+    keys, values = [], []
+    for _ in range(3):
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        k = torch.randn(CHUNK, HKV, D, generator=gen, device=device, dtype=DTYPE)
+        v = torch.randn(CHUNK, HKV, D, generator=gen, device=device, dtype=DTYPE)
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            worker.forward(LAYER, torch.randn(CHUNK, H, D, generator=gen, device=device, dtype=DTYPE), k, v)
+        cache.commit(chunk)
+        keys.append(k)
+        values.append(v)
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    return cache, chunk, torch.cat(keys), torch.cat(values)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend_name", ["paged", "sdpa"])
+@pytest.mark.parametrize("extra", [33, 200])
+def test_the_fast_path_equals_the_default_in_bf16(backend_name: str, extra: int) -> None:
+    cache, chunk, keys, values = _session(backend_name)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(10 + extra)
+    q, x = (torch.randn(n, H, D, generator=gen, device=device, dtype=DTYPE) for n in (CHUNK, extra))
+    k, v = (torch.randn(CHUNK, HKV, D, generator=gen, device=device, dtype=DTYPE) for _ in range(2))
+    worker = cache.worker
+    executor = worker.executor
+    assert executor is not None
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        ctx = executor.context(LAYER, q, k, v)
+        backend, kv_cache = executor.backends[LAYER], executor.kv_caches[LAYER]
+        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+        md = ctx.native_metadata
+        out, lse = backend.forward_partial_extra(ctx.layer, ctx.query, x, kv_cache, md)
+        d_out, d_lse = PagedBackend.forward_partial_extra(backend, ctx.layer, ctx.query, x, kv_cache, md)
+        executor.translator.layer_done(LAYER)
+    assert out.shape == (CHUNK + extra, H, D) and out.dtype == DTYPE and lse.dtype == torch.float32
+    assert (out.float() - d_out.float()).abs().max().item() <= 2e-2
+    assert (lse - d_lse).abs().max().item() <= 2e-2
+    # chunk 3 sees the sink chunk 0, the window chunk 2 and itself
+    seen_k = torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k]).float().repeat_interleave(H // HKV, 1)
+    seen_v = torch.cat([values[:CHUNK], values[2 * CHUNK :], v]).float().repeat_interleave(H // HKV, 1)
+    scores = torch.einsum("qhd,khd->hqk", torch.cat([q, x]).float(), seen_k) * D**-0.5
+    ref_lse = torch.logsumexp(scores, -1).transpose(0, 1)
+    ref_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), seen_v)
+    assert (out.float() - ref_out).abs().max().item() <= 2e-2
+    assert (lse - ref_lse).abs().max().item() <= 2e-2
