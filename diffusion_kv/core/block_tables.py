@@ -491,7 +491,7 @@ class TorchBlockTables:
         in ``[0, max_num_reqs)``, one id list per group and none wider than its table (the
         registry's plain install, whose row capacity it compared with the widths once)."""
         tables = self.block_tables
-        if not self._host_rows or any(table._staged for table in tables):
+        if not self._host_rows or any([table._staged for table in tables]):
             for row, ids in zip(rows, block_ids, strict=True):
                 self.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
             self.apply_staged_writes()
@@ -523,7 +523,15 @@ class TorchBlockTables:
                     if n:
                         hosts[g][row, :n] = group  # type: ignore[index]
                     counts[g, row] = n
-        self.num_blocks.copy_to_uva()
+        num_blocks = self.num_blocks
+        mirror = self.__dict__.get("_counts_mirror")
+        if mirror is not None and mirror[0] is num_blocks.gpu:
+            mirror[1][...] = counts  # the device counts live in host memory too: a NumPy copy
+        elif type(num_blocks) is HostCounts and num_blocks.gpu.device.type == "cpu":
+            self.__dict__["_counts_mirror"] = (num_blocks.gpu, num_blocks.gpu.numpy())
+            num_blocks.copy_to_uva()
+        else:
+            num_blocks.copy_to_uva()
 
     def clear_staged_writes(self) -> None:
         for table in self.block_tables:

@@ -45,6 +45,7 @@ Rules (each has a test):
 from __future__ import annotations
 
 import enum
+from array import array as IdArray
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -787,6 +788,8 @@ class RowRegistry:
         one_group = listed[0] if num_groups == 1 else None  # the common layout: no group loop
         tokens_per_block, capacity = geometry[0]
         installs: list[RowInstall] = []
+        by_identity: dict[Identity, RowInstall] = {}
+        new_tuple = tuple.__new__
         for seq in sequences:
             sid, seq_len, block_ids, cached = seq.sequence_id, seq.seq_len, seq.block_ids, seq.cached_prefix_len
             prefix_len, target_len = seq.prefix_len, seq.target_len
@@ -817,27 +820,29 @@ class RowRegistry:
                         return False
                     blocks += ids
             identity: Identity = (rid, sid, None)
-            if identity in live:
-                return False  # an orphaned identity: the general path refuses it
-            installs.append(RowInstall(identity, seq_len, block_ids))
-        by_identity = {install.identity: install for install in installs}
-        if len(by_identity) != n:
-            return False  # a sequence id twice
+            if identity in by_identity or identity in live:
+                return False  # a sequence id twice, or an orphaned identity: the general path refuses
+            # RowInstall(identity, seq_len, block_ids), built in C
+            install = by_identity[identity] = new_tuple(RowInstall, (identity, seq_len, block_ids, None, 0))
+            installs.append(install)
         num_blocks = self.layout.num_blocks
         arrays: list[np.ndarray] = []
         for g, blocks in enumerate(listed):
-            if blocks:
-                # in C: ints only (bool is no block id), within [0, num_blocks), none twice
-                if set(map(type, blocks)) != _INT_ONLY or len(set(blocks)) != len(blocks):
-                    return False
-                ordered = sorted(blocks)
-                if ordered[0] < 0 or ordered[-1] >= num_blocks:
-                    return False
-                sharers = self._sharers[g]
-                if sharers and not sharers.keys().isdisjoint(blocks):
-                    return False  # read by a live row's cached prefix
-            array = np.array(blocks, dtype=np.intp)
-            if blocks and np.count_nonzero(self._writer[g][array]):
+            if not blocks:
+                arrays.append(np.empty(0, dtype=np.int64))
+                continue
+            # in C: ints only (bool is no block id), none twice, within [0, num_blocks)
+            if not _INT_ONLY.issuperset(map(type, blocks)) or len(set(blocks)) != len(blocks):
+                return False
+            ordered = sorted(blocks)
+            if ordered[0] < 0 or ordered[-1] >= num_blocks:
+                return False
+            sharers = self._sharers[g]
+            if sharers and not sharers.keys().isdisjoint(blocks):
+                return False  # read by a live row's cached prefix
+            # the ids as int64 (checked ints in range: array.array packs them in one C pass)
+            array = np.frombuffer(IdArray("q", blocks), dtype=np.int64)
+            if np.count_nonzero(self._writer[g][array]):
                 return False  # written by a live row
             arrays.append(array)
         # every check passed: the n lowest free rows, each row's run of each group's array
@@ -858,7 +863,7 @@ class RowRegistry:
             bt.write_rows(rows, runs, checked=False)  # type: ignore[attr-defined]
         except Exception as exc:
             self._restore_tables(rows, previous, exc)
-        for writer, g in zip(self._writer, range(num_groups), strict=True):
+        for g, writer in enumerate(self._writer):
             for run, row in zip(runs, rows, strict=True):
                 writer[run[g]] = row + 1
         self._bindings.clear()
