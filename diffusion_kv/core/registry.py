@@ -791,7 +791,12 @@ class RowRegistry:
         by_identity: dict[Identity, RowInstall] = {}
         new_tuple = tuple.__new__
         for seq in sequences:
-            sid, seq_len, block_ids, cached = seq.sequence_id, seq.seq_len, seq.block_ids, seq.cached_prefix_len
+            sid, seq_len, block_ids, cached = (
+                seq.sequence_id,
+                seq.seq_len,
+                seq.block_ids,
+                seq.cached_prefix_len,
+            )
             prefix_len, target_len = seq.prefix_len, seq.target_len
             if not (
                 type(sid) is int
