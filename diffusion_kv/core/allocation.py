@@ -113,14 +113,16 @@ class SequenceAllocation:
         ``context_ids`` a tuple), without re-normalising them: what a converter that built
         them calls per request. Equal to the constructor's record of the same fields."""
         self = object.__new__(cls)
-        vars(self).update(
-            sequence_id=sequence_id,
-            prefix_len=prefix_len,
-            target_len=target_len,
-            seq_len=seq_len,
-            block_ids=block_ids,
-            context_ids=context_ids,
-            cached_prefix_len=cached_prefix_len,
+        self.__dict__.update(
+            {
+                "sequence_id": sequence_id,
+                "prefix_len": prefix_len,
+                "target_len": target_len,
+                "seq_len": seq_len,
+                "block_ids": block_ids,
+                "context_ids": context_ids,
+                "cached_prefix_len": cached_prefix_len,
+            }
         )
         return self
 
@@ -170,6 +172,29 @@ class RequestAllocation:
                     f"request {self.request_id!r} {name} must hold {kind.__name__}; got {bad[0]!r}"
                 )
             object.__setattr__(self, name, items)
+
+    @classmethod
+    def normalised(
+        cls,
+        request_id: str,
+        allocation_generation: int,
+        sequences: tuple[SequenceAllocation, ...],
+        contexts: tuple[ContextAllocation, ...] = (),
+    ) -> RequestAllocation:
+        """The record of fields already in normal form (``sequences`` a tuple of
+        :class:`SequenceAllocation`, ``contexts`` one of :class:`ContextAllocation`), without
+        checking them again: what a converter that built them calls per request. Equal to the
+        constructor's record of the same fields."""
+        self = object.__new__(cls)
+        self.__dict__.update(
+            {
+                "request_id": request_id,
+                "allocation_generation": allocation_generation,
+                "sequences": sequences,
+                "contexts": contexts,
+            }
+        )
+        return self
 
     def content_key(self) -> tuple[Any, ...]:
         """What must not change between generations of one installed request."""

@@ -479,20 +479,25 @@ class TorchBlockTables:
             table.apply_write()
         self.num_blocks.copy_to_uva()
 
-    def write_rows(self, rows: Sequence[int], block_ids: Sequence[tuple[Any, ...]]) -> None:
+    def write_rows(
+        self, rows: Sequence[int], block_ids: Sequence[tuple[Any, ...]], *, checked: bool = True
+    ) -> None:
         """Overwrite whole rows: what ``append_block_ids(row, ids, overwrite=True)`` for each
         row and then ``apply_staged_writes()`` do, with the same checks first (nothing changes
         when one fails), in one pass on a host table (a slice write per row and group). Kernel
         blocks smaller than the manager's, a device table or writes already staged take exactly
-        those calls. A group's ids may be any sequence of ints, a NumPy array too."""
+        those calls. A group's ids may be any sequence of ints, a NumPy array too.
+        ``checked=False`` skips the checks on a host table: the caller guarantees distinct rows
+        in ``[0, max_num_reqs)``, one id list per group and none wider than its table (the
+        registry's plain install, whose row capacity it compared with the widths once)."""
         tables = self.block_tables
-        if not self._host_rows or any(table._staged for table in tables):
+        if not self._host_rows or any([table._staged for table in tables]):
             for row, ids in zip(rows, block_ids, strict=True):
                 self.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
             self.apply_staged_writes()
             return
         max_num_reqs, num_groups = self.max_num_reqs, len(tables)
-        for row, ids in zip(rows, block_ids, strict=True):
+        for row, ids in zip(rows, block_ids, strict=True) if checked else ():
             if type(row) is not int or not 0 <= row < max_num_reqs:
                 raise ValidationError(f"row {row!r} is outside [0, {max_num_reqs})")
             if len(ids) != num_groups:
@@ -503,13 +508,30 @@ class TorchBlockTables:
                         f"row {row} group {g}: {len(group)} kernel blocks exceed the table width {tables[g].width}"
                     )
         counts = self.num_blocks.np
-        for row, ids in zip(rows, block_ids, strict=True):
-            for g, group in enumerate(ids):
+        if num_groups == 1:  # the common layout: no per-group loop
+            host, row_counts = tables[0]._host, counts[0]
+            for row, (group,) in zip(rows, block_ids, strict=True):
                 n = len(group)
                 if n:
-                    tables[g]._host[row, :n] = group  # type: ignore[index]
-                counts[g, row] = n
-        self.num_blocks.copy_to_uva()
+                    host[row, :n] = group  # type: ignore[index]
+                row_counts[row] = n
+        else:
+            hosts = [table._host for table in tables]
+            for row, ids in zip(rows, block_ids, strict=True):
+                for g, group in enumerate(ids):
+                    n = len(group)
+                    if n:
+                        hosts[g][row, :n] = group  # type: ignore[index]
+                    counts[g, row] = n
+        num_blocks = self.num_blocks
+        mirror = self.__dict__.get("_counts_mirror")
+        if mirror is not None and mirror[0] is num_blocks.gpu:
+            mirror[1][...] = counts  # the device counts live in host memory too: a NumPy copy
+        elif type(num_blocks) is HostCounts and num_blocks.gpu.device.type == "cpu":
+            self.__dict__["_counts_mirror"] = (num_blocks.gpu, num_blocks.gpu.numpy())
+            num_blocks.copy_to_uva()
+        else:
+            num_blocks.copy_to_uva()
 
     def clear_staged_writes(self) -> None:
         for table in self.block_tables:

@@ -45,11 +45,12 @@ Rules (each has a test):
 from __future__ import annotations
 
 import enum
+from array import array as IdArray
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from dataclasses import replace as dc_replace
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 
@@ -174,19 +175,28 @@ WrittenSpan = tuple[Identity, int, int, int]
 """``(identity, install_serial, start, end)``: tokens a finished forward wrote into a row."""
 
 
-@dataclass(frozen=True)
 class _RequestState:
-    generation: int
-    snapshot: RequestAllocation
-    installs: tuple[RowInstall, ...]
-    by_identity: dict[Identity, RowInstall] = field(init=False, repr=False, compare=False)
-    """``installs`` by identity (the first install of each), so a lookup is not a scan."""
+    """An installed request: its generation, snapshot and rows (a slotted record: an install
+    builds one; nothing changes it afterwards)."""
 
-    def __post_init__(self) -> None:
-        index: dict[Identity, RowInstall] = {}
-        for install in self.installs:
-            index.setdefault(install.identity, install)
-        object.__setattr__(self, "by_identity", index)
+    __slots__ = ("by_identity", "generation", "installs", "snapshot")
+
+    def __init__(
+        self,
+        generation: int,
+        snapshot: RequestAllocation,
+        installs: tuple[RowInstall, ...],
+        by_identity: dict[Identity, RowInstall] | None = None,
+    ) -> None:
+        self.generation = generation
+        self.snapshot = snapshot
+        self.installs = installs
+        if by_identity is None:
+            by_identity = {}
+            for install in installs:
+                by_identity.setdefault(install.identity, install)
+        self.by_identity = by_identity
+        """``installs`` by identity (the first install of each), so a lookup is not a scan."""
 
 
 def identity_of(request_id: str, sequence_id: int | None, context_id: str | None) -> Identity:
@@ -246,6 +256,14 @@ class RowRegistry:
                 cdiv(layout.max_model_len, g.block_size * block_tables.cp_size),
             )
             for g in layout.groups
+        )
+        # the plain install's table write needs no per-row checks: its rows come from the free
+        # list, and a row's blocks fit the table when every group's row capacity does
+        self._plain_fits = self._whole_rows and all(
+            capacity <= table.width
+            for (_, capacity), table in zip(
+                self._geometry, cast(TorchBlockTables, block_tables).block_tables, strict=True
+            )
         )
         self._claimed: dict[str, list[np.ndarray]] = {}
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
@@ -742,22 +760,159 @@ class RowRegistry:
                     bt.append_block_ids(row, tuple(map(list, ids)), overwrite=True)
                 bt.apply_staged_writes()
         except Exception as exc:
-            for table in bt.block_tables:
-                table.clear_staged_writes()
-            if counts is not None:
-                counts[...] = previous  # only the rows written here changed
+            self._restore_tables(rows, previous, exc)
+
+    def _install_plain(self, snapshot: RequestAllocation) -> bool:
+        """Install the common snapshot in one pass over its block ids per group: a request not
+        installed (never, or removed at an older generation), sequences only, no cached prefix,
+        no released place, no block listed twice in the request or held by a live row, enough
+        free rows, the core's own host tables. Per group one array of the request's ids gives
+        the ownership check, the table rows and the claim. ``False``, nothing changed, for any
+        other snapshot: :meth:`install`'s general path then installs it or refuses it, naming
+        the offence, exactly as it always did."""
+        if type(snapshot) is not RequestAllocation or snapshot.contexts or not self._plain_fits:
+            return False
+        rid, gen, sequences = snapshot.request_id, snapshot.allocation_generation, snapshot.sequences
+        if type(rid) is not str or not rid or type(gen) is not int or gen < 0 or rid in self._states:
+            return False
+        removed_at = self._removed.get(rid)
+        if removed_at is not None and gen <= removed_at:
+            return False
+        free, live = self._free, self._rows
+        n = len(sequences)
+        if not 0 < n <= len(free) or n > self.layout.max_rows_per_request:
+            return False
+        geometry = self._geometry
+        num_groups = len(geometry)
+        listed: list[list[int]] = [[] for _ in geometry]
+        one_group = listed[0] if num_groups == 1 else None  # the common layout: no group loop
+        tokens_per_block, capacity = geometry[0]
+        installs: list[RowInstall] = []
+        by_identity: dict[Identity, RowInstall] = {}
+        new_tuple = tuple.__new__
+        for seq in sequences:
+            sid, seq_len, block_ids, cached = (
+                seq.sequence_id,
+                seq.seq_len,
+                seq.block_ids,
+                seq.cached_prefix_len,
+            )
+            prefix_len, target_len = seq.prefix_len, seq.target_len
+            if not (
+                type(sid) is int
+                and sid >= 0
+                and type(seq_len) is int
+                and type(prefix_len) is int
+                and type(target_len) is int
+                and type(cached) is int
+                and cached == 0
+                and prefix_len >= 0
+                and target_len >= 0
+                and prefix_len + target_len <= seq_len
+                and not seq.context_ids
+                and type(block_ids) is tuple
+                and len(block_ids) == num_groups
+            ):
+                return False
+            if one_group is not None:
+                ids = block_ids[0]
+                if type(ids) is not tuple or not len(ids) == -(-seq_len // tokens_per_block) <= capacity:
+                    return False
+                one_group += ids
             else:
-                bt.num_blocks.cpu[:, rows] = previous
-            bt.num_blocks.copy_to_uva()
-            raise NativeBackendError(
-                f"BlockTables failed while writing rows {rows} ({type(exc).__name__}: {exc}); "
-                "staged writes and num_blocks were rolled back"
-            ) from exc
+                for ids, (per_block, limit), blocks in zip(block_ids, geometry, listed, strict=True):
+                    if type(ids) is not tuple or not len(ids) == -(-seq_len // per_block) <= limit:
+                        return False
+                    blocks += ids
+            identity: Identity = (rid, sid, None)
+            if identity in by_identity or identity in live:
+                return False  # a sequence id twice, or an orphaned identity: the general path refuses
+            # RowInstall(identity, seq_len, block_ids), built in C
+            install = by_identity[identity] = new_tuple(RowInstall, (identity, seq_len, block_ids, None, 0))
+            installs.append(install)
+        num_blocks = self.layout.num_blocks
+        arrays: list[np.ndarray] = []
+        for g, blocks in enumerate(listed):
+            if not blocks:
+                arrays.append(np.empty(0, dtype=np.int64))
+                continue
+            # in C: ints only (bool is no block id), none twice, within [0, num_blocks)
+            if not _INT_ONLY.issuperset(map(type, blocks)) or len(set(blocks)) != len(blocks):
+                return False
+            ordered = sorted(blocks)
+            if ordered[0] < 0 or ordered[-1] >= num_blocks:
+                return False
+            sharers = self._sharers[g]
+            if sharers and not sharers.keys().isdisjoint(blocks):
+                return False  # read by a live row's cached prefix
+            # the ids as int64 (checked ints in range: array.array packs them in one C pass)
+            array = np.frombuffer(IdArray("q", blocks), dtype=np.int64)
+            if np.count_nonzero(self._writer[g][array]):
+                return False  # written by a live row
+            arrays.append(array)
+        # every check passed: the n lowest free rows, each row's run of each group's array
+        rows = free[: -n - 1 : -1]
+        runs: list[list[np.ndarray]] = [[] for _ in installs]
+        for g, array in enumerate(arrays):
+            start = 0
+            for install, run in zip(installs, runs, strict=True):
+                end = start + len(install.block_ids[g])
+                run.append(array[start:end])
+                start = end
+        if self.before_mutation is not None:
+            self.before_mutation()
+        bt = self.block_tables
+        counts = bt.num_blocks.np  # type: ignore[attr-defined]
+        previous = counts.copy()
+        try:
+            bt.write_rows(rows, runs, checked=False)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._restore_tables(rows, previous, exc)
+        for g, writer in enumerate(self._writer):
+            for run, row in zip(runs, rows, strict=True):
+                writer[run[g]] = row + 1
+        self._bindings.clear()
+        del free[-n:]
+        identity_at, written = self._identity_at, self._written
+        serial = self._serial
+        for install, row in zip(installs, rows, strict=True):
+            live[install.identity] = row
+            identity_at[row] = install.identity
+            serial += 1
+            written[install.identity] = (serial, ())
+        self._serial = serial
+        self._claimed[rid] = arrays
+        self._states[rid] = _RequestState(gen, snapshot, tuple(installs), by_identity)
+        if removed_at is not None:
+            del self._removed[rid]
+        if gen > self._high_water:
+            self._high_water = gen
+        self.last_transitions = _INSTALLED
+        return True
+
+    def _restore_tables(self, rows: list[int], previous: Any, exc: Exception) -> NoReturn:
+        """After a failed table write: drop staged writes, restore ``num_blocks`` (``previous``:
+        the host counts before it) and raise :class:`NativeBackendError`."""
+        bt = self.block_tables
+        for table in bt.block_tables:
+            table.clear_staged_writes()
+        counts = getattr(bt.num_blocks, "np", None)
+        if counts is not None:
+            counts[...] = previous  # only the rows written here changed
+        else:
+            bt.num_blocks.cpu[:, rows] = previous
+        bt.num_blocks.copy_to_uva()
+        raise NativeBackendError(
+            f"BlockTables failed while writing rows {rows} ({type(exc).__name__}: {exc}); "
+            "staged writes and num_blocks were rolled back"
+        ) from exc
 
     def install(self, snapshot: RequestAllocation) -> bool:
         """Install a snapshot; ``True`` when rows were newly installed (see module rules)."""
         if self.mode is not KVCacheMode.PAGED:
             raise ValidationError("dense execution must not install paged KV allocation snapshots")
+        if self._install_plain(snapshot):
+            return True
         plain = self._prepare_plain(snapshot)
         installs, listed = plain if plain is not None else (self._prepare_checked(snapshot), None)
         rid, gen = snapshot.request_id, snapshot.allocation_generation

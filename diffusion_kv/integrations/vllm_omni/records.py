@@ -107,6 +107,7 @@ def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
 
 
 _ID_LISTS = (list, tuple)
+_ID_LIST_TYPES = frozenset(_ID_LISTS)
 
 
 def _sequence(s: Any) -> SequenceAllocation:
@@ -114,9 +115,9 @@ def _sequence(s: Any) -> SequenceAllocation:
     tuples per group, context ids a tuple -- without normalising it twice)."""
     block_ids, context_ids = s.block_ids, getattr(s, "context_ids", ()) or ()
     if (
-        type(block_ids) in _ID_LISTS
-        and type(context_ids) is tuple
-        and all(type(g) in _ID_LISTS for g in block_ids)
+        type(context_ids) is tuple
+        and type(block_ids) in _ID_LISTS
+        and _ID_LIST_TYPES.issuperset(map(type, block_ids))
     ):
         return SequenceAllocation.normalised(
             s.sequence_id,
@@ -144,16 +145,21 @@ def allocation_from_metadata(metadata: Any) -> RequestAllocation:
         return metadata
     try:
         sequences = tuple(map(_sequence, metadata.sequences))
-        contexts = tuple(
-            ContextAllocation(
-                context_id=c.context_id,
-                cache_role=c.cache_role,
-                num_tokens=c.num_tokens,
-                block_ids=_block_ids(c.block_ids),
+        contexts = getattr(metadata, "contexts", ()) or ()
+        if contexts:
+            contexts = tuple(
+                ContextAllocation(
+                    context_id=c.context_id,
+                    cache_role=c.cache_role,
+                    num_tokens=c.num_tokens,
+                    block_ids=_block_ids(c.block_ids),
+                )
+                for c in contexts
             )
-            for c in (getattr(metadata, "contexts", ()) or ())
+        # the fields are in normal form: tuples of the records built just now
+        return RequestAllocation.normalised(
+            metadata.request_id, metadata.allocation_generation, sequences, contexts
         )
-        return RequestAllocation(metadata.request_id, metadata.allocation_generation, sequences, contexts)
     except (AttributeError, TypeError) as exc:
         raise ValidationError(
             f"{type(metadata).__name__} is not DiffusionKVMetadata-shaped: {type(exc).__name__}: {exc}"

@@ -734,11 +734,12 @@ class DiffusionKVModelRunnerBackend:
 
     def install_diffusion_kv_metadata(self, metadata: Any) -> bool:
         """Install one scheduler allocation snapshot; True when rows were newly installed."""
-        if self._mode() is not KVCacheMode.PAGED:
+        if not _is_paged(self.od_config):  # (what _mode() answers, without the enum lookup)
             raise ValidationError("Dense diffusion execution must not install Diffusion KV metadata")
-        if self.runner is None:
+        runner = self.runner
+        if runner is None:
             raise StateError("paged_scheduler native KV cache is not initialized")
-        return self.runner.install(allocation_from_metadata(metadata))
+        return runner.install(allocation_from_metadata(metadata))
 
     def get_diffusion_kv_row(
         self, request_id: str, sequence_id: int | None, context_id: str | None = None
