@@ -790,7 +790,8 @@ class TorchSdpaBackend(PagedBackend):
           batch's block table (no host synchronisation; a captured graph is bound to its batch),
           and on the CPU, one row, ``token_view`` when they are one run of slots;
         * a group read by block: on the CPU, one row, ``live_runs`` where its live blocks are
-          one run of the cache; else its live blocks' ids (``blocks``), device ops as above.
+          one run of the cache (in the cache's order where the group is :func:`order_free`);
+          else its live blocks' ids (``blocks``), device ops as above.
 
         On the CPU a token gather of the visible keys measured no slower than a view of whole
         live blocks with the mask (``benchmarks/profile_session_gpu.py`` docstring), so a view is
