@@ -5,7 +5,8 @@ math. This one serves the same requests fast on the host, with the plan the ``cu
 ``sdpa`` way makes from host lengths alone (rows of one shape in one SDPA call; a row whose
 pages form one evenly spaced run read as a strided view of the cache, no gather), and torch's
 fused CPU attention kernel (FlashAttention for CPU) instead of materialising the score matrix.
-K/V are written by one indexed copy per cache. Decode context parallelism returns the partial
+K/V are written by one indexed copy per cache, or by slice copies where the batch's slots
+form a few runs (found at ``build``). Decode context parallelism returns the partial
 with its log-sum-exp from the same CPU kernel.
 
 The gather + SDPA code is the platforms' shared device-neutral module
