@@ -740,7 +740,9 @@ class TorchSdpaBackend(PagedBackend):
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         self._write_runs = None
         slots = batch.slot_mapping
-        if slots.device.type == "cpu" and slots.dim() == 1:
+        # (an inference tensor -- a host running under torch.inference_mode -- has no version
+        # counter to prove its slots unchanged at write time: it keeps the indexed copy)
+        if slots.device.type == "cpu" and slots.dim() == 1 and not slots.is_inference():
             runs = slot_runs(slots)
             if runs is not None:
                 self._write_runs = (slots, slots._version, runs)
@@ -948,6 +950,7 @@ class TorchSdpaBackend(PagedBackend):
         if (
             known is not None
             and slot_mapping.data_ptr() == known[0].data_ptr()
+            and not slot_mapping.is_inference()
             and slot_mapping._version == known[1]
             and key.shape[0] == slot_mapping.shape[0] == known[0].shape[0]
             and slot_mapping.stride() == known[0].stride()

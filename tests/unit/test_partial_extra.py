@@ -28,7 +28,9 @@ LAYER = "l0"
 
 
 def _worker(backend: str, mode: Any) -> PagedWorker:
-    worker = PagedWorker(CpuPlatform(), RunnerConfig(96, 2, 2, 96, device=torch.device("cpu"), backend=backend))
+    worker = PagedWorker(
+        CpuPlatform(), RunnerConfig(96, 2, 2, 96, device=torch.device("cpu"), backend=backend)
+    )
     worker.register_kv_cache_layers({LAYER: PagedLayerSpec(H, HKV, D, torch.float32, mode=mode)})
     worker.initialize_kv_cache(num_blocks=40, block_size=BLOCK)
     return worker

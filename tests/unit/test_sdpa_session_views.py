@@ -153,3 +153,35 @@ def test_a_slot_mapping_written_after_build_is_written_by_index() -> None:
     cache.abort(chunk)
     cache.end_session(session)
     assert pool.num_free == pool.num_total
+
+
+def test_under_inference_mode_the_slots_are_written_by_index() -> None:
+    """A host running under ``torch.inference_mode`` (vLLM-Omni's runner does) hands inference
+    tensors, which have no version counter to prove the slots unchanged since build: no runs are
+    recorded and the write is the indexed copy, exact."""
+    cache, pool = _session()
+    worker = cache.worker
+    backend = worker.backends[0]
+    session = cache.begin_session("s", 1)
+    with torch.inference_mode():
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            assert worker.translator is not None
+            batch = worker.translator.active_batch
+            assert batch is not None
+            slots = batch.slot_mappings_by_layer["l0"]
+            assert slots.is_inference()
+            assert backend._write_runs is None  # type: ignore[attr-defined]
+            layer = worker.executor.layers["l0"] if worker.executor is not None else None
+            assert layer is not None
+            kv = worker.kv_caches["l0"]
+            k_cache, v_cache = key_value_caches(kv)
+            k, v = torch.randn(2, chunk.tokens, H, D).unbind(0)
+            backend.write_kv_valid(layer, k, v, kv, slots)
+            assert torch.equal(k_cache.reshape(-1, H, D)[slots.long()], k)
+            assert torch.equal(v_cache.reshape(-1, H, D)[slots.long()], v)
+        cache.abort(chunk)
+    cache.end_session(session)
+    assert pool.num_free == pool.num_total
