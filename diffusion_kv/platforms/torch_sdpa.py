@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from diffusion_kv.core.attention import AttentionMode, BlockPlan, MaskSpec, key_bounds
-from diffusion_kv.core.attention.plan import _bound_runs
 from diffusion_kv.core.backend import GroupContext, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.capabilities import Requirements
@@ -217,11 +216,11 @@ def uniform_key_runs(
     when their ``(a, b, c)`` agree. O(query_len), no dense mask."""
     if query_len <= 0:
         return None
-    bounds = _bound_runs(mask, query_offset, query_len, seq_len, live_from)
-    if bounds is not None:  # a few distinct (lo, hi) (one per chunk the queries meet): Python ints
+    runs = mask.query_runs(query_offset, query_len, seq_len, live_from)
+    if runs is not None:  # a few distinct (lo, hi) (one per chunk the queries meet): Python ints
         sink_ints = mask.sink
         seen = set()
-        for low, high in bounds:
+        for _, low, high in runs:
             sink_stop = min(high, sink_ints)
             nothing = low >= high
             one_run = nothing or low <= sink_stop

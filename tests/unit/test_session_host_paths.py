@@ -13,7 +13,7 @@ import torch
 from diffusion_kv.core.allocation import NULL_BLOCK, RequestAllocation, SequenceAllocation
 from diffusion_kv.core.allocator import DiffusionKVAllocator, FreeListPool, KVRequest, SequenceRequest
 from diffusion_kv.core.attention import AttentionMode, BlockKind, MaskSpec, build_block_plan
-from diffusion_kv.core.attention.plan import _bound_runs, _row_block_kinds_tensor, row_block_kinds
+from diffusion_kv.core.attention.plan import _row_block_kinds_tensor, row_block_kinds
 from diffusion_kv.core.errors import GenerationError, ValidationError
 from diffusion_kv.core.registry import RowInstall, RowRegistry, RowTransition
 from diffusion_kv.core.rows import PagedRow
@@ -51,7 +51,7 @@ def test_block_plan_fast_path_matches_the_tensor_path_and_the_dense_mask() -> No
         offset = rng.randint(0, seq_len - query_len)
         block = rng.randint(1, 16)
         live_from = rng.choice([0, 0, rng.randint(0, seq_len)]) if window is not None else 0
-        assert _bound_runs(spec, offset, query_len, seq_len, live_from) is not None
+        assert spec.query_runs(offset, query_len, seq_len, live_from) is not None
         fast = row_block_kinds(spec, offset, query_len, seq_len, block, live_from=live_from)
         slow = _row_block_kinds_tensor(spec, offset, query_len, seq_len, block, live_from=live_from)
         assert fast.dtype == slow.dtype == torch.int8
@@ -74,7 +74,7 @@ def test_block_plan_of_a_long_session_row() -> None:
 
 def test_causal_masks_take_the_tensor_path() -> None:
     spec = MaskSpec(AttentionMode.CAUSAL, window=6, sink=2)
-    assert _bound_runs(spec, 10, 6, 16, 0) is None
+    assert spec.query_runs(10, 6, 16) is None
     assert row_block_kinds(spec, 10, 6, 16, 4).tolist() == _dense_kinds(spec, 10, 6, 16, 4, 0)
 
 
@@ -227,9 +227,9 @@ def test_key_mask_by_query_runs_matches_the_per_query_tensor_path() -> None:
         assert torch.equal(fast, slow), (spec, offset, query_len, seq_len, live_from)
         dense = spec.row_mask(offset, query_len, seq_len, live_from=live_from)
         assert torch.equal(fast, dense[:, keys.long()])
-    assert MaskSpec(CHUNK, chunk=4, window=8, sink=4)._query_runs(6, 7, 13) == [
+    assert MaskSpec(CHUNK, chunk=4, window=8, sink=4).query_runs(6, 7, 13) == [
         (2, 0, 8),
         (4, 4, 12),
         (1, 8, 13),
     ]
-    assert MaskSpec(AttentionMode.CAUSAL, window=4)._query_runs(0, 3, 3) is None
+    assert MaskSpec(AttentionMode.CAUSAL, window=4).query_runs(0, 3, 3) is None

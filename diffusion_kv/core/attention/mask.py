@@ -196,26 +196,26 @@ class MaskSpec:
         follows the keys it reads, not the row's absolute length."""
         if spans and not self.spans:
             raise ValidationError(f"full_attn_spans cannot refine a {self.describe()} mask")
-        runs = None if spans else self._query_runs(query_offset, query_len, seq_len)
+        runs = None if spans else self.query_runs(query_offset, query_len, seq_len, live_from)
         if runs:  # a few distinct bounds: one row of the mask per run, repeated down its queries
             k = keys.to(torch.long)
             rows = []
             for count, lo, hi in runs:
                 visible = k < hi
-                if self.window is not None:
+                if lo > 0:  # keys below lo are seen only inside the sink
                     visible &= (k >= lo) | (k < self.sink)
-                if live_from > self.sink:
-                    visible &= (k >= live_from) | (k < self.sink)
                 rows.append(visible[None, :].expand(count, -1))
             return torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
         return self._key_mask_tensor(query_offset, query_len, seq_len, keys, spans, live_from=live_from)
 
-    def _query_runs(
-        self, query_offset: int, query_len: int, seq_len: int
+    def query_runs(
+        self, query_offset: int, query_len: int, seq_len: int, live_from: int = 0
     ) -> list[tuple[int, int, int]] | None:
         """``(queries, lo, hi)`` per run of consecutive queries sharing their bounds
-        (:meth:`bounds` without spans), in order: one per chunk met for CHUNK_CAUSAL, one for
-        FULL; None where every query has its own (CAUSAL) or there is no query."""
+        (:meth:`bounds` without spans; ``live_from`` raises ``lo``, as :func:`key_bounds` does),
+        as Python ints, in order: one per chunk met for CHUNK_CAUSAL, one for FULL; None where
+        every query has its own (CAUSAL) or there is no query. The block plan, the key mask and
+        the backends' uniform-visibility test read a row's bounds from here."""
         if query_len <= 0:
             return None
         window = self.window
@@ -231,7 +231,7 @@ class MaskSpec:
         else:
             return None
         return [
-            (count, max(raw - window, 0) if window is not None else 0, min(raw, seq_len))
+            (count, max(raw - window if window is not None else 0, 0, live_from), min(raw, seq_len))
             for count, raw in raws
         ]
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from diffusion_kv.core.attention.mask import MaskSpec, key_bounds
-from diffusion_kv.core.attention.mode import AttentionMode
 from diffusion_kv.core.errors import ValidationError
 
 
@@ -52,9 +51,11 @@ def row_block_kinds(
     if query_len == 0 or n_blocks == 0:
         return torch.zeros(n_blocks, dtype=torch.int8)
     if not spans:
-        bounds = _bound_runs(mask, query_offset, query_len, seq_len, live_from)
-        if bounds is not None:
-            return _kinds_of_bounds(bounds, mask.sink, n_blocks, seq_len, block_size)
+        runs = mask.query_runs(query_offset, query_len, seq_len, live_from)
+        if runs is not None:
+            return _kinds_of_bounds(
+                [(lo, hi) for _, lo, hi in runs], mask.sink, n_blocks, seq_len, block_size
+            )
     return _row_block_kinds_tensor(mask, query_offset, query_len, seq_len, block_size, spans, live_from)
 
 
@@ -113,28 +114,6 @@ def _row_block_kinds_tensor(
     picked[(seen == (e - s)).all(dim=0)] = int(BlockKind.FULL)
     kinds[candidates] = picked
     return kinds
-
-
-def _bound_runs(
-    mask: MaskSpec, query_offset: int, query_len: int, seq_len: int, live_from: int
-) -> list[tuple[int, int]] | None:
-    """The distinct ``(lo, hi)`` of a row's queries (``MaskSpec.bounds``, ``live_from``
-    applied) as Python ints, where they are few: one per chunk the queries meet for
-    CHUNK_CAUSAL, one for FULL; None for a mask whose bound moves with every query (CAUSAL),
-    which takes the tensor path."""
-    window = mask.window
-    if mask.kind is AttentionMode.CHUNK_CAUSAL:
-        chunk = mask.chunk or 1
-        first, last = query_offset // chunk, (query_offset + query_len - 1) // chunk
-        raws = [(c + 1) * chunk for c in range(first, last + 1)]
-    elif mask.kind is AttentionMode.FULL:
-        raws = [seq_len]
-    else:
-        return None
-    return [
-        (max(raw - window, 0, live_from) if window is not None else max(0, live_from), min(raw, seq_len))
-        for raw in raws
-    ]
 
 
 def _kinds_of_bounds(
