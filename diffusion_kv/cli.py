@@ -937,11 +937,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     display = ProgressDisplay(enabled=not args.no_progress)
     progress = bench_progress(display) if display.enabled else None
-    display.say(f"[bench] platform {platform.name!r}, sections {','.join(config.sections)}")
-    try:
-        report = run_bench(platform, config, progress)
-    except ValueError as exc:
-        raise RunError(str(exc)) from exc
+    isolate = args.isolate == "on" or (
+        args.isolate == "auto" and platform.device().type == "cuda" and len(config.sections) > 1
+    )
+    display.say(
+        f"[bench] platform {platform.name!r}, sections {','.join(config.sections)}"
+        + (" (one process per section)" if isolate else "")
+    )
+    if isolate:
+        report = _bench_isolated(args, platform.name, config.sections)
+    else:
+        try:
+            report = run_bench(platform, config, progress)
+        except ValueError as exc:
+            raise RunError(str(exc)) from exc
     text = json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
@@ -979,6 +988,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
         return EXIT_ERROR
     return EXIT_OK
+
+
+def _bench_child_argv(args: argparse.Namespace, platform: str, section: str, output: str) -> list[str]:
+    """The ``bench`` command line of one section in its own process: every measurement option
+    of ``args``, that section only, JSON to ``output``, no further isolation."""
+    argv = [sys.executable, "-m", "diffusion_kv.cli", "bench", "--platform", platform]
+    argv += ["--sections", section, "--sizes", args.sizes, "--isolate", "off", "--json", "--output", output]
+    argv += ["--regimes", ",".join(args.regimes), "--block-sizes", ",".join(map(str, args.block_sizes))]
+    argv += ["--cfg", ",".join(map(str, args.cfg)), "--gqa", args.gqa, "--min-ms", repr(args.min_ms)]
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype]
+    for flag, value in (
+        ("--backend", args.backend),
+        ("--dtype", args.dtype),
+        ("--session-shape", args.session_shape),
+    ):
+        if value is not None:
+            argv += [flag, value]
+    if args.no_progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def _bench_isolated(args: argparse.Namespace, platform: str, sections: Sequence[str]) -> dict[str, Any]:
+    """Run each bench section in a fresh interpreter and merge the reports: no section measures
+    in a process another one changed (on CUDA the profiler's CUPTI subscription, the caching
+    allocator's pools, compiled kernels and library state all outlive a section). A child that
+    writes no report becomes an error of its section; the others still run."""
+    import subprocess
+    import tempfile
+
+    merged: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="dkv-bench-") as tmp:
+        for section in sections:
+            out = os.path.join(tmp, f"{section}.json")
+            # the child's progress and messages go straight to this stderr; its report to ``out``
+            proc = subprocess.run(
+                _bench_child_argv(args, platform, section, out), stdout=subprocess.DEVNULL, check=False
+            )
+            if not os.path.exists(out):
+                errors[section] = (
+                    f"the section's process wrote no report (exit status {proc.returncode}; its messages above)"
+                )
+                continue
+            with open(out, encoding="utf-8") as fh:
+                part = json.load(fh)
+            errors.update(part.pop("errors", {}) or {})
+            for key, value in part.items():
+                merged.setdefault(key, value)
+    if not merged:
+        raise RunError(
+            "no bench section produced a report: " + "; ".join(f"{k}: {v}" for k, v in errors.items())
+        )
+    merged["errors"] = errors
+    merged["isolated_sections"] = list(sections)
+    return merged
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1216,6 +1281,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help="with --plot: draw a saved --json report, run nothing",
+    )
+    b.add_argument(
+        "--isolate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each section in its own process (auto: on a CUDA device with several sections, so no "
+        "section measures in a process an earlier one changed)",
     )
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_cmd_bench)

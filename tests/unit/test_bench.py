@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,88 @@ def test_a_failing_section_is_reported_and_fails_the_command(
     captured = capsys.readouterr()
     assert "error in host: RuntimeError: prepare exploded" in captured.out
     assert "bench parts failed: host" in captured.err
+
+
+def test_isolated_sections_run_each_in_its_own_process_and_merge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--isolate on: each section measured by a child ``bench`` of that section alone, the
+    reports merged into one with the sections named; the options travel to every child."""
+    out = tmp_path / "report.json"
+    argv = [
+        "bench",
+        "--sections",
+        "host,e2e",
+        "--isolate",
+        "on",
+        "--json",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["isolated_sections"] == ["host", "e2e"] and report["errors"] == {}
+    assert report["platform"] == "cpu" and report["sizes"] == "small"
+    assert [h["rows"] for h in report["host"]] == [2, 64] and report["e2e"]["agrees"] is True
+    assert "attention" not in report and "stream" not in report
+    capsys.readouterr()
+
+
+def test_an_isolated_section_without_a_report_is_its_error_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from diffusion_kv import cli
+
+    real = cli._bench_child_argv
+
+    def child(args: argparse.Namespace, platform: str, section: str, output: str) -> list[str]:
+        if section == "host":  # a child that dies before writing its report
+            return [sys.executable, "-c", "import sys; sys.exit(3)"]
+        return real(args, platform, section, output)
+
+    monkeypatch.setattr(cli, "_bench_child_argv", child)
+    argv = ["bench", "--sections", "host,e2e", "--isolate", "on", "--json", "--no-progress"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["errors"] == {
+        "host": "the section's process wrote no report (exit status 3; its messages above)"
+    }
+    assert "host" not in report and report["e2e"]["agrees"] is True
+    assert "bench parts failed: host" in captured.err
+
+
+def test_child_argv_carries_every_measurement_option() -> None:
+    from diffusion_kv import cli
+
+    given = [
+        "bench",
+        "--sizes",
+        "full",
+        "--regimes",
+        "B",
+        "--block-sizes",
+        "128",
+        "--cfg",
+        "2",
+        "--gqa",
+        "only",
+    ]
+    given += ["--min-ms", "5", "--kv-cache-dtype", "fp8_e4m3", "--backend", "sdpa", "--dtype", "float16"]
+    given += ["--session-shape", "medium", "--no-progress"]
+    args = cli.build_parser().parse_args(given)
+    argv = cli._bench_child_argv(args, "cpu", "attention", "/tmp/x.json")
+    assert argv[:4] == [sys.executable, "-m", "diffusion_kv.cli", "bench"]
+    reparsed = cli.build_parser().parse_args(argv[3:])
+    for name in ("sizes", "regimes", "block_sizes", "cfg", "gqa", "min_ms", "kv_cache_dtype", "backend"):
+        assert getattr(reparsed, name) == getattr(args, name), name
+    assert (reparsed.dtype, reparsed.session_shape, reparsed.no_progress) == ("float16", "medium", True)
+    assert (reparsed.platform, reparsed.sections, reparsed.isolate, reparsed.output) == (
+        "cpu",
+        ("attention",),
+        "off",
+        "/tmp/x.json",
+    )

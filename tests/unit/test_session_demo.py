@@ -5,6 +5,7 @@ every session (structure and checkable values, not timings)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -153,6 +154,15 @@ def test_agrees_as_dense_compares_the_paged_drift_with_the_dense_ways(
     assert drift.agrees_as_dense is True
     worse = dataclasses.replace(drift, max_abs_diff=0.07)
     assert worse.agrees_as_dense is False
+    # one rounding step of the dtype at the oracle's largest magnitude: bfloat16 at 6.0 is 2**-7 * 4
+    bf16 = dataclasses.replace(drift, dtype="bfloat16", oracle_max_abs=6.0)
+    assert bf16.rounding_step == 0.03125 and bf16.as_dict()["rounding_step"] == 0.03125
+    assert dataclasses.replace(bf16, max_abs_diff=0.09375).agrees_as_dense is True
+    assert dataclasses.replace(bf16, max_abs_diff=0.0938).agrees_as_dense is False
+    assert dataclasses.replace(bf16, oracle_max_abs=0.0).rounding_step == 0.0
+    assert r.oracle_max_abs > 0 and r.rounding_step == torch.finfo(torch.float32).eps * 2.0 ** math.floor(
+        math.log2(r.oracle_max_abs)
+    )
     assert dataclasses.replace(r, dense_max_abs_diff={}).agrees_as_dense is None
     argv = ["demo", "--session", "--chunks", "5", "--chunk-tokens", "8", "--window", "2", "--sink", "1"]
     argv += ["--steps", "2", "--hidden", "32", "--heads", "2", "--no-progress"]
