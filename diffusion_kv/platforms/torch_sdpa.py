@@ -626,6 +626,21 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
     )
 
 
+def _write_run_views(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, runs: tuple[tuple[int, int, int], ...], tokens: int
+) -> tuple[tuple[slice | None, torch.Tensor, torch.Tensor], ...]:
+    """Per slot run ``(src, dst, n)``: the source slice of a layer's K/V (``None`` when one run
+    covers all ``tokens``) and the destination views of the flat (``_flat``) caches."""
+    nb, page = k_cache.shape[0], k_cache.shape[1]
+    flat_k = k_cache.view(nb * page, *k_cache.shape[2:])
+    flat_v = v_cache.view(nb * page, *v_cache.shape[2:])
+    whole = len(runs) == 1 and runs[0][0] == 0 and runs[0][2] == tokens
+    return tuple(
+        (None if whole else slice(src, src + n), flat_k[dst : dst + n], flat_v[dst : dst + n])
+        for src, dst, n in runs
+    )
+
+
 def _flat(cache: torch.Tensor) -> bool:
     """Whether ``cache`` ``[blocks, page, Hkv, D]``'s pages flatten into slots in place."""
     return cache.stride(0) == cache.shape[1] * cache.stride(1)
@@ -703,6 +718,12 @@ class TorchSdpaBackend(PagedBackend):
         consecutive slots (:func:`slot_runs`): ``write_kv_valid`` handed a view of the same
         memory (held here, so no other tensor can take its address) that was not written since
         (its version counter, shared by every view, unchanged) writes by slice copies."""
+        self._write_views: dict[
+            tuple[int, int], tuple[tuple[slice | None, torch.Tensor, torch.Tensor], ...]
+        ] = {}
+        """Per (K cache, V cache) address, for the last built batch: each slot run's source
+        slice of the layer's K/V (``None``: the whole tensor) and its destination views of the
+        two caches, made by the batch's first write into that cache (later layers reuse them)."""
 
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
@@ -738,6 +759,7 @@ class TorchSdpaBackend(PagedBackend):
 
     def build(self, batch: PagedBatch) -> CudaPagedMetadata:
         self._write_runs = None
+        self._write_views = {}
         slots = batch.slot_mapping
         # (an inference tensor -- a host running under torch.inference_mode -- has no version
         # counter to prove its slots unchanged at write time: it keeps the indexed copy)
@@ -948,24 +970,31 @@ class TorchSdpaBackend(PagedBackend):
         known = self._write_runs
         if (
             known is not None
-            and slot_mapping.data_ptr() == known[0].data_ptr()
-            and not slot_mapping.is_inference()
             and slot_mapping._version == known[1]
-            and key.shape[0] == slot_mapping.shape[0] == known[0].shape[0]
-            and slot_mapping.stride() == known[0].stride()
+            and key.shape[0] == known[0].shape[0]
             and key.dtype == k_cache.dtype
             and value.dtype == v_cache.dtype
-            and _flat(k_cache)
-            and _flat(v_cache)
+            and (
+                slot_mapping is known[0]  # the batch's own tensor: same memory, shape and strides
+                or (
+                    slot_mapping.data_ptr() == known[0].data_ptr()
+                    and not slot_mapping.is_inference()
+                    and slot_mapping.shape == known[0].shape
+                    and slot_mapping.stride() == known[0].stride()
+                )
+            )
         ):
-            # the batch's slots in a few runs (found at build): slice copies, no indexed copy
-            nb, page = k_cache.shape[0], k_cache.shape[1]
-            flat_k = k_cache.view(nb * page, *k_cache.shape[2:])
-            flat_v = v_cache.view(nb * page, *v_cache.shape[2:])
-            for src, dst, n in known[2]:
-                flat_k[dst : dst + n].copy_(key[src : src + n])
-                flat_v[dst : dst + n].copy_(value[src : src + n])
-            return
+            views = self._write_views.get((k_cache.data_ptr(), v_cache.data_ptr()))
+            if views is None and _flat(k_cache) and _flat(v_cache):
+                views = self._write_views[(k_cache.data_ptr(), v_cache.data_ptr())] = _write_run_views(
+                    k_cache, v_cache, known[2], key.shape[0]
+                )
+            if views is not None:
+                # the batch's slots in a few runs (found at build): slice copies, no indexed copy
+                for src, dst_k, dst_v in views:
+                    dst_k.copy_(key if src is None else key[src])
+                    dst_v.copy_(value if src is None else value[src])
+                return
         slots = slot_mapping[: key.shape[0]]
         write_pages(k_cache, slots, key)
         write_pages(v_cache, slots, value)
