@@ -18,7 +18,8 @@ the partials across ranks by log-sum-exp. A host adapter may call
 their own that see the same keys; default: :meth:`~PagedBackend.forward_partial` per piece).
 
 Tensor shapes (``T`` query tokens of the call, ``H`` query heads, ``Hkv`` KV heads, ``D`` head
-size, all rank-local): ``query`` ``[T, H, D]`` contiguous; ``key``/``value`` ``[T, Hkv, D]``
+size, all rank-local): ``query`` ``[T, H, D]`` contiguous (or packed per token, for a backend that sets
+:attr:`~PagedBackend.packed_query`); ``key``/``value`` ``[T, Hkv, D]``
 (heads and head dims packed, the token stride may be larger); ``slot_mapping`` ``[T]``;
 ``forward`` returns ``[T, H, D]`` (``out`` when given); ``forward_partial`` returns that and
 its ``[T, H]`` float32 log-sum-exp (``-inf`` where no local key is visible).
@@ -173,6 +174,12 @@ class PagedBackend(abc.ABC):
     """When not None, the kernel wants rows with ``query_len <= threshold`` before longer rows
     in causal groups; the translator enforces that order when a batch is prepared."""
 
+    packed_query: ClassVar[bool] = False
+    """The backend's ``forward`` and ``forward_partial`` take a ``query`` whose heads and head
+    dims are packed within each token (``stride(-1) == 1``, ``stride(-2) == D``) with a larger
+    token stride -- a slice of a host's fused QKV projection, say. The core then hands such a
+    query over without copying it (a single call without partial merging; a query in any other
+    layout is still made contiguous). Default: the contiguous ``[T, H, D]`` query only."""
     needs_host: ClassVar[bool] = False
     """The backend needs an embedding host's runtime (:class:`~diffusion_kv.core.host.HostRuntime`,
     ``GroupContext.host``); without one, selection rules it out with that reason."""

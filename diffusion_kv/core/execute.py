@@ -102,14 +102,20 @@ class PagedExecutor:
         key: torch.Tensor,
         value: torch.Tensor,
         attn_metadata: Any | None = None,
+        *,
+        packed_query: bool = False,
     ) -> LayerContext:
+        """``packed_query``: hand a query packed per token to the backend uncopied (see
+        ``PagedBackend.packed_query``; :meth:`forward` sets it from the layer's backend)."""
         try:
             layer = self.layers[layer_name]
         except (KeyError, TypeError):
             raise UnknownLayerError(
                 f"unknown paged attention layer {layer_name!r}; registered: {sorted(self.layers)}"
             ) from None
-        return build_layer_context(self.translator, layer, query, key, value, attn_metadata)
+        return build_layer_context(
+            self.translator, layer, query, key, value, attn_metadata, packed_query=packed_query
+        )
 
     def forward(
         self,
@@ -120,8 +126,19 @@ class PagedExecutor:
         attn_metadata: Any | None = None,
     ) -> torch.Tensor:
         """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
-        ctx = self.context(layer_name, query, key, value, attn_metadata)
-        backend = self.backends[layer_name]
+        try:
+            backend: PagedBackend | None = self.backends.get(layer_name)
+        except TypeError:  # an unhashable name: context() names the error
+            backend = None
+        ctx = self.context(
+            layer_name,
+            query,
+            key,
+            value,
+            attn_metadata,
+            packed_query=backend is not None and backend.packed_query and self.merger is None,
+        )
+        assert backend is not None  # context() refused a layer without one
         try:
             out = run_layer(ctx, backend, self.kv_caches[layer_name], self.merger)
         except DiffusionKVError:

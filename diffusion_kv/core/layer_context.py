@@ -204,8 +204,13 @@ def build_layer_context(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_metadata: Any | None = None,
+    *,
+    packed_query: bool = False,
 ) -> LayerContext:
     """Validate and normalise one layer's inputs against the active batch.
+
+    ``packed_query``: the backend takes a query packed per token (``PagedBackend.packed_query``),
+    so one in that layout is passed on as it is; otherwise the query is made contiguous.
 
     Validation runs once per batch and input signature (shapes, strides, dtypes, devices and
     the layer geometry): later layers with the same signature and the same spans reuse the
@@ -216,7 +221,9 @@ def build_layer_context(
     if not (
         isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
     ):
-        return _build_layer_context(state, translator, layer, query, key, value, attn_metadata)
+        return _build_layer_context(
+            state, translator, layer, query, key, value, attn_metadata, packed_query=packed_query
+        )
     sig = _signature(layer, query, key, value)
     entry: _LayerPlan | None = state.layer_plans.get(sig)
     if entry is not None and attn_metadata is not entry.metadata:
@@ -233,7 +240,9 @@ def build_layer_context(
     ):
         entry = None  # the same object, its spans changed in place
     if entry is None:
-        return _build_layer_context(state, translator, layer, query, key, value, attn_metadata, sig)
+        return _build_layer_context(
+            state, translator, layer, query, key, value, attn_metadata, sig, packed_query=packed_query
+        )
     per_layer = entry.by_layer.get(layer.layer_name)
     if per_layer is None:
         per_layer = entry.by_layer[layer.layer_name] = _layer_metadata(state, translator, layer, entry.plan)
@@ -247,7 +256,7 @@ def build_layer_context(
         q, k, v = q.index_select(0, scatter), k.index_select(0, scatter), v.index_select(0, scatter)
     return LayerContext(
         layer=layer,
-        query=q.contiguous(),
+        query=q if packed_query and _inner_packed(q) else q.contiguous(),
         key=k.contiguous() if entry.contiguous_k else k,
         value=v.contiguous() if entry.contiguous_v else v,
         slot_mapping=slot_mapping,
@@ -288,6 +297,8 @@ def _build_layer_context(
     value: torch.Tensor,
     attn_metadata: Any | None = None,
     sig: tuple[Any, ...] | None = None,
+    *,
+    packed_query: bool = False,
 ) -> LayerContext:
     """Every check, then the decisions recorded under ``sig`` for the batch's later layers."""
     batch = state.batch
@@ -363,7 +374,7 @@ def _build_layer_context(
         )
     return LayerContext(
         layer=layer,
-        query=q.contiguous(),
+        query=q if packed_query and _inner_packed(q) else q.contiguous(),
         key=k,
         value=v,
         slot_mapping=slot_mapping,

@@ -344,7 +344,7 @@ def _backend_problems(obj: object, entry_point_name: str | None) -> list[str]:
         problems.append(
             f"tolerances must map torch dtypes to (atol, rtol) pairs of finite numbers >= 0; got {tolerances!r}"
         )
-    for flag in ("needs_host", "uses_host_kernels"):
+    for flag in ("needs_host", "uses_host_kernels", "packed_query"):
         if type(getattr(obj, flag, None)) is not bool:
             problems.append(f"{flag} must be a bool; got {getattr(obj, flag, None)!r}")
     layouts = getattr(obj, "host_kv_cache_layouts", None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -590,6 +590,12 @@ class CudaPagedMetadata:
     )
     """Per (layer cache address, row group): the K/V strided views of contiguous pages, made by
     the batch's first layer and reused by the others (a layer's cache never moves)."""
+    splits: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """Per layer cache object (by ``id``; the object is held in the entry, so no other takes
+    its id while the batch lives): the cache and its key and value halves, split by the
+    batch's first call on it."""
     biases: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -624,6 +630,16 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
         (step * page_elems, cache.stride(1), cache.stride(2), cache.stride(3)),
         cache.storage_offset() + first * page_elems,
     )
+
+
+class _WriteViews(NamedTuple):
+    """One layer cache's slice-copy destinations for a batch (``TorchSdpaBackend._write_views``)."""
+
+    kv_cache: Any
+    key_dtype: torch.dtype
+    value_dtype: torch.dtype
+    runs: tuple[tuple[slice | None, torch.Tensor, torch.Tensor], ...] | None
+    """``None``: the caches' pages do not flatten in place (the indexed copy writes)."""
 
 
 def _write_run_views(
@@ -718,12 +734,11 @@ class TorchSdpaBackend(PagedBackend):
         consecutive slots (:func:`slot_runs`): ``write_kv_valid`` handed a view of the same
         memory (held here, so no other tensor can take its address) that was not written since
         (its version counter, shared by every view, unchanged) writes by slice copies."""
-        self._write_views: dict[
-            tuple[int, int], tuple[tuple[slice | None, torch.Tensor, torch.Tensor], ...]
-        ] = {}
-        """Per (K cache, V cache) address, for the last built batch: each slot run's source
-        slice of the layer's K/V (``None``: the whole tensor) and its destination views of the
-        two caches, made by the batch's first write into that cache (later layers reuse them)."""
+        self._write_views: dict[int, _WriteViews] = {}
+        """Per layer cache object (by ``id``, the object held in the entry so no other can take
+        the id), for the last built batch: the caches' dtypes and each slot run's source slice
+        of the layer's K/V (``None``: the whole tensor) with its destination views of the two
+        caches, made by the batch's first write into that cache (later layers reuse them)."""
 
     @classmethod
     def not_supported_reasons(cls, requirements: Requirements) -> list[str]:
@@ -966,14 +981,11 @@ class TorchSdpaBackend(PagedBackend):
         if layer.kv_scales is not None:
             self.write_kv(layer, key, value, kv_cache, slot_mapping)
             return
-        k_cache, v_cache = key_value_caches(kv_cache)
         known = self._write_runs
         if (
             known is not None
             and slot_mapping._version == known[1]
             and key.shape[0] == known[0].shape[0]
-            and key.dtype == k_cache.dtype
-            and value.dtype == v_cache.dtype
             and (
                 slot_mapping is known[0]  # the batch's own tensor: same memory, shape and strides
                 or (
@@ -984,17 +996,24 @@ class TorchSdpaBackend(PagedBackend):
                 )
             )
         ):
-            views = self._write_views.get((k_cache.data_ptr(), v_cache.data_ptr()))
-            if views is None and _flat(k_cache) and _flat(v_cache):
-                views = self._write_views[(k_cache.data_ptr(), v_cache.data_ptr())] = _write_run_views(
-                    k_cache, v_cache, known[2], key.shape[0]
+            hit = self._write_views.get(id(kv_cache))
+            if hit is None or hit.kv_cache is not kv_cache:
+                k_cache, v_cache = key_value_caches(kv_cache)
+                hit = self._write_views[id(kv_cache)] = _WriteViews(
+                    kv_cache,
+                    k_cache.dtype,
+                    v_cache.dtype,
+                    _write_run_views(k_cache, v_cache, known[2], key.shape[0])
+                    if _flat(k_cache) and _flat(v_cache)
+                    else None,
                 )
-            if views is not None:
+            if hit.runs is not None and key.dtype == hit.key_dtype and value.dtype == hit.value_dtype:
                 # the batch's slots in a few runs (found at build): slice copies, no indexed copy
-                for src, dst_k, dst_v in views:
+                for src, dst_k, dst_v in hit.runs:
                     dst_k.copy_(key if src is None else key[src])
                     dst_v.copy_(value if src is None else value[src])
                 return
+        k_cache, v_cache = key_value_caches(kv_cache)
         slots = slot_mapping[: key.shape[0]]
         write_pages(k_cache, slots, key)
         write_pages(v_cache, slots, value)
@@ -1051,7 +1070,10 @@ class TorchSdpaBackend(PagedBackend):
         qsl, rows, ql, keys = md.host_query_start_loc, grp.rows, grp.query_len, grp.keys
         nblk = cdiv(keys, md.page)
         R = len(rows)
-        k_cache, v_cache = key_value_caches(kv_cache)
+        split = md.splits.get(id(kv_cache))
+        if split is None or split[0] is not kv_cache:  # the batch's first call on this cache
+            split = md.splits[id(kv_cache)] = (kv_cache, *key_value_caches(kv_cache))
+        k_cache, v_cache = split[1], split[2]
         if grp.token_view is not None and _flat(k_cache) and _flat(v_cache):
             # the visible keys fill one run of slots: a view, nothing gathered
             k = _slot_range(k_cache, *grp.token_view)

@@ -40,6 +40,7 @@ class CpuSdpaBackend(TorchSdpaBackend):
     platform: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 120
     description: ClassVar[str] = "rows of one shape per SDPA call over their pages (views when contiguous)"
+    packed_query: ClassVar[bool] = True  # SDPA takes the rows' query views at any token stride
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         head_sizes=frozenset(range(8, 257, 8)),
