@@ -265,10 +265,9 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
                 values = 0.05 * values
             param.copy_(values)
     model.to(device=device, dtype=dtype)
-    for module in model.modules():  # the loader's post-load step (on CPU: vLLM's GEMM repack)
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+    from tests.vllm_omni import ar_models
+
+    ar_models._finish_linear_layers(model)  # the loader's post-load step (on CPU: vLLM's GEMM repack)
     return model
 
 
@@ -384,22 +383,6 @@ def check_backend(backend: str, device: torch.device) -> str:
 # -- one request, as DreamZero's pipeline runs it -----------------------------------------------------
 
 
-def populate_cross(model: Any, state: Any, inputs: Inputs) -> None:
-    """The pipeline's ``_kv_populate_cross``: every layer's text K/V, once per branch."""
-    for negative, branch in ((False, "positive"), (True, "negative")):
-        if state.is_cross_attention_populated(branch, "text"):
-            continue
-        projected = model.text_embedding(inputs.context(negative))
-
-        def layer_kv(projected: torch.Tensor = projected) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for block in model.blocks:
-                ca = block.cross_attn
-                n, d = ca.tp_num_heads, ca.head_dim
-                yield ca.norm_k(ca.k(projected)).unflatten(2, (n, d)), ca.v(projected).unflatten(2, (n, d))
-
-        state.populate_cross_attention(branch, "text", layer_kv())
-
-
 def _forward(
     model: torch.nn.Module,
     state: Any,
@@ -457,7 +440,9 @@ def request(
     compound through the denoise loop."""
     f = inputs.shape.frames_per_block
     if start_frame == 0:
-        populate_cross(model, state, inputs)
+        from tests.vllm_omni import ar_models
+
+        ar_models.dreamzero_populate_cross(model, state, inputs)
         first = inputs.latents(50_000 + index, frames=1)
         for negative in (False, True):
             _forward(model, state, inputs, first, 0.0, negative, 0, True)

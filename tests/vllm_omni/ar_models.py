@@ -417,8 +417,10 @@ class DreamZeroInputs:
         )
 
 
-def dreamzero_populate_cross(model: torch.nn.Module, state: Any, inputs: DreamZeroInputs) -> None:
-    """The pipeline's ``_kv_populate_cross``: text K/V of every layer, once per branch."""
+def dreamzero_populate_cross(model: torch.nn.Module, state: Any, inputs: Any) -> None:
+    """The pipeline's ``_kv_populate_cross``: text K/V of every layer, once per branch
+    (``inputs``: anything with ``context(negative)``, as :class:`DreamZeroInputs` and the GPU
+    benchmark's inputs)."""
     for negative, branch in ((False, "positive"), (True, "negative")):
         if state.is_cross_attention_populated(branch, "text"):
             continue
