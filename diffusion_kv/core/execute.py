@@ -126,10 +126,8 @@ class PagedExecutor:
         attn_metadata: Any | None = None,
     ) -> torch.Tensor:
         """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
-        try:
-            backend: PagedBackend | None = self.backends.get(layer_name)
-        except TypeError:  # an unhashable name: context() names the error
-            backend = None
+        # (a name that is no layer's: context() below names the error)
+        backend = self.backends.get(layer_name) if isinstance(layer_name, str) else None
         ctx = self.context(
             layer_name,
             query,
