@@ -47,6 +47,7 @@ SESSION_LABELS = {
     "recompute": "recompute visible context",
     "concat": "torch.cat rolling cache",
     "contiguous": "contiguous rolling window",
+    "chunk_only": "the chunk alone (no context: the floor)",
 }
 
 

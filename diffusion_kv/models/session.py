@@ -46,10 +46,13 @@ from diffusion_kv.models.session_dit import CrossContext, SessionDiT, cross_atte
 from diffusion_kv.platforms.interface import Platform
 
 MODES = ("paged", "recompute", "concat")
-ALL_MODES = (*MODES, "contiguous")
+ALL_MODES = (*MODES, "contiguous", "chunk_only")
 """``contiguous``: the best dense rolling cache -- one preallocated buffer per layer holding sink,
 window and chunk contiguously, the chunk's K/V written in place each step, the window shifted down
-one chunk at commit (the GPU shape's FlashAttention baseline)."""
+one chunk at commit (the GPU shape's FlashAttention baseline). ``chunk_only``: the floor no cache
+can go under -- the model over the chunk alone, its self-attention over the chunk's own keys (no
+sink, no window): the work every way does for the chunk itself, timed to say how far the
+token-count ideal is reachable at a shape (:attr:`SessionResult.speedup_ceiling`)."""
 KIT_TOLERANCE = {
     torch.float64: (1e-9, 1e-9),
     torch.float32: (2e-5, 2e-5),
@@ -89,7 +92,7 @@ class SessionConfig:
     """After the stream, a second session runs two chunks and fails in its third's denoise step."""
     modes: tuple[str, ...] = MODES
     """The ways timed besides the oracle: ``paged`` and any of ``recompute``, ``concat``,
-    ``contiguous``."""
+    ``contiguous``, ``chunk_only``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -216,6 +219,16 @@ class SessionResult:
         return None if ratio is None else 1.0 / ratio
 
     @property
+    def speedup_ceiling(self) -> float | None:
+        """Recompute's median chunk time over ``chunk_only``'s: the speedup over recomputing a
+        cache that cost nothing at all would reach at this shape (None: either way not run).
+        Below :attr:`ideal_vs_recompute` where the model's per-chunk work does not scale with
+        its tokens (small matrices, per-call overheads)."""
+        if "recompute" not in self.chunk_ms or "chunk_only" not in self.chunk_ms:
+            return None
+        return self._median("recompute", self.steady) / self._median("chunk_only", self.steady)
+
+    @property
     def ideal_vs_recompute(self) -> float:
         """Tokens a recompute step runs per token a paged step runs, after the window filled."""
         s = self.shapes
@@ -265,6 +278,7 @@ class SessionResult:
         out.update(
             speedup_vs_recompute=self.speedup_vs_recompute,
             ideal_vs_recompute=self.ideal_vs_recompute,
+            speedup_ceiling=self.speedup_ceiling,
             time_vs_concat=self.time_vs_concat,
             time_vs_contiguous=self.time_vs_contiguous,
             flatness=self.flatness,
@@ -613,6 +627,25 @@ class RecomputeStream(_Base):
         return latent, held
 
 
+class ChunkOnlyStream(_Base):
+    """The floor (``chunk_only`` in :data:`ALL_MODES`): every step runs the model over the chunk
+    alone, its self-attention over the chunk's own keys. No cache serves the chunk with less
+    work; its outputs are another computation (not compared with the oracle)."""
+
+    def run(self, index: int, noise: torch.Tensor) -> tuple[torch.Tensor, int]:
+        c = self.cfg.chunk_tokens
+        positions = self.positions(index)
+
+        def attention(_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _sdpa(q, k, v)
+
+        latent = self.denoise(
+            index, noise, lambda _s, x: self.model.run(x, positions, attention, self.cross, c)
+        )
+        # one layer's K/V of the chunk is alive at a time; nothing is held across chunks
+        return latent, c * self.cfg.branches * self.per_token_layer
+
+
 class OracleStream(_Base):
     """Every chunk's K/V kept densely, attention under the session's row mask (untimed; float64
     on the CPU, float32 on other devices)."""
@@ -751,10 +784,11 @@ def run_session(
     copied: dict[str, dict[str, int]] = {}
     paged: PagedStream | None = None
     total = cfg.repeats * cfg.chunks
-    kinds: dict[str, type[RecomputeStream | ConcatStream | ContiguousStream]] = {
+    kinds: dict[str, type[RecomputeStream | ConcatStream | ContiguousStream | ChunkOnlyStream]] = {
         "recompute": RecomputeStream,
         "concat": ConcatStream,
         "contiguous": ContiguousStream,
+        "chunk_only": ChunkOnlyStream,
     }
     with torch.no_grad():
         for rep in range(cfg.repeats):
@@ -861,7 +895,13 @@ def format_session(r: SessionResult) -> str:
     s = r.shapes
     kib = 1024
     modes = list(r.chunk_ms)
-    label = {"paged": "paged", "recompute": "recompute", "concat": "torch.cat", "contiguous": "contiguous"}
+    label = {
+        "paged": "paged",
+        "recompute": "recompute",
+        "concat": "torch.cat",
+        "contiguous": "contiguous",
+        "chunk_only": "chunk alone",
+    }
     lines = [
         f"platform: {r.platform} (device {r.device}, {r.dtype}), paged backend {', '.join(r.backends)}",
         f"session: {s['chunks']} chunks of {s['chunk_tokens']} tokens, sink {s['sink_chunks']} + window "
@@ -890,6 +930,11 @@ def format_session(r: SessionResult) -> str:
         ratio = r._ratio(m)
         if ratio is not None:
             parts.append(f"{label[m]} {med[m]:.1f} ms (paged / {label[m]} {ratio:.2f})")
+    if r.speedup_ceiling is not None:
+        parts.append(
+            f"the chunk alone {med['chunk_only']:.1f} ms (no context: the floor; a cache costing nothing would "
+            f"reach {r.speedup_ceiling:.2f}x recompute)"
+        )
     copies = "; ".join(
         f"{label[m]} {c['per_chunk']} at commit and {c['per_step']} per step"
         for m, c in r.baseline_bytes_copied.items()

@@ -15,7 +15,7 @@ from diffusion_kv.bench.session import session_bench
 from diffusion_kv.cli import main
 from diffusion_kv.conformance.reference import tolerance
 from diffusion_kv.core.errors import ValidationError
-from diffusion_kv.models.session import KIT_TOLERANCE, SessionConfig, run_session
+from diffusion_kv.models.session import KIT_TOLERANCE, SessionConfig, format_session, run_session
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 TINY = dict(chunks=7, chunk_tokens=8, window_chunks=2, sink_chunks=1, steps=2, hidden=32, heads=2, kv_heads=2)
@@ -71,6 +71,29 @@ def test_session_figures_come_from_the_chunks_after_the_window_filled() -> None:
     assert r.speedup_vs_recompute is None and r.time_vs_contiguous is None
 
 
+def test_the_chunk_alone_is_the_floor_and_sets_the_speedup_ceiling() -> None:
+    cfg = SessionConfig(**TINY, modes=("paged", "recompute", "chunk_only"))  # type: ignore[arg-type]
+    r = run_session(CpuPlatform(), cfg)
+    assert set(r.chunk_ms) == {"paged", "recompute", "chunk_only"}
+    # another computation (no context): never compared with the oracle or the paged chunks
+    assert r.baseline_max_abs_diff == {} and r.dense_max_abs_diff == {} and r.agrees
+    # one layer's K/V of the chunk alive at a time, the same for every chunk
+    assert r.kv_bytes["chunk_only"] == [8 * 2 * 2 * 16 * 4] * 7
+    r.chunk_ms = {
+        "paged": [1.0] * 7,
+        "recompute": [9.0, 9.0, 9.0, 8.0, 8.0, 6.0, 6.0],
+        "chunk_only": [5.0, 5.0, 5.0, 2.0, 3.0, 2.0, 2.0],
+    }
+    # medians over chunks 3-6: recompute 7.0, chunk alone 2.0
+    assert r.speedup_ceiling == 3.5 and r.as_dict()["speedup_ceiling"] == 3.5
+    r.chunk_ms.pop("chunk_only")
+    assert r.speedup_ceiling is None
+    text = format_session(run_session(CpuPlatform(), cfg))
+    assert "the chunk alone" in text and "a cache costing nothing would reach" in text
+    with pytest.raises(ValidationError, match="come from .*'chunk_only'"):
+        SessionConfig(modes=("paged", "chunk_alone"))
+
+
 def test_the_kit_tolerance_is_the_conformance_kits() -> None:
     for dtype, (atol, rtol) in KIT_TOLERANCE.items():
         assert tolerance(dtype) == {"atol": atol, "rtol": rtol}
@@ -109,10 +132,14 @@ def test_session_bench_section_records_refused_backends_and_checks() -> None:
         "ideal_vs_recompute",
         "flatness",
         "time_vs_concat",
+        "speedup_ceiling",
         "chunk_ms",
         "kv_bytes",
     ):
         assert key in s
+    # the CPU shapes time the floor
+    assert set(s["chunk_ms"]) == {"paged", "recompute", "concat", "chunk_only"}
+    assert s["speedup_ceiling"] > 0
     assert s["dtype"] == "float32" and s["device"] == "cpu" and s["shapes"]["chunk_tokens"] == 8
 
 
