@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -61,7 +62,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -473,18 +474,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+OP = "vllm_omni::ar_diffusion_paged_write_attn"
+"""vLLM-Omni's AR-diffusion attention op (the self-attention's KV write, host bookkeeping and
+attention), which both paths run inside: ``--op-time`` reports the time spent in it."""
+
+
+def _op_time(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` under the torch profiler (CPU activity): its result and the milliseconds spent
+    inside :data:`OP`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(e.cpu_time_total for e in prof.key_averages() if e.key == OP) / 1e3
+
+
 def run_stream(
     model: torch.nn.Module,
     states: dict[str, Any],
     inputs: Inputs,
     requests: int,
     steps: tuple[float, ...],
+    op_time: bool = False,
 ) -> dict[str, Any]:
     """Every path request by request, taking turns, on the same inputs; the pipeline's window
     reset (text K/V kept) when the next block would start at or past the window. Per request:
     its start frame, each path's wall time and each diffusion-kv path's max abs difference of
     latents and actions from vLLM-Omni's. A path that raises is recorded (``errors``, one line)
-    and left out of the later requests; the others go on."""
+    and left out of the later requests; the others go on. ``op_time``: each request runs under
+    the torch profiler and its time inside :data:`OP` is recorded too (``op_ms``; the wall
+    times then include the profiler's cost, alike for every path)."""
     window = inputs.shape.window_frames
     frame, observed = 0, None
     rows: list[dict[str, Any]] = []
@@ -507,6 +524,8 @@ def run_stream(
             "first_forward_max_abs": {},
             "first_forward_diff": {},
         }
+        if op_time:
+            row["op_ms"] = {}
         outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         firsts: dict[str, torch.Tensor] = {}
         next_frame = frame + inputs.shape.frames_per_block + (1 if frame == 0 else 0)
@@ -515,9 +534,14 @@ def run_stream(
                 _sync(inputs.device)
                 t0 = time.perf_counter()
                 first: list[torch.Tensor] = []
-                latents, act, next_frame = request(
-                    model, state, inputs, index, frame, observed, steps, trace=first
+
+                run = functools.partial(
+                    request, model, state, inputs, index, frame, observed, steps, trace=first
                 )
+                if op_time:
+                    (latents, act, next_frame), row["op_ms"][name] = _op_time(run)
+                else:
+                    latents, act, next_frame = run()
                 _sync(inputs.device)
             except Exception as exc:
                 errors[name] = f"request {index}: {type(exc).__name__}: {_one_line(exc)}"[:2000]
@@ -578,11 +602,18 @@ def summarise(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             "steady_ms_min": min(timed) if timed else float("nan"),
             "frame0_ms_median": _median([r["ms"][name] for r in fresh if name in r["ms"]]),
         }
+        ops = [r["op_ms"][name] for r in steady if name in r.get("op_ms", {})]
+        if ops:
+            out[name]["steady_op_ms_median"] = _median(ops)
+            out[name]["steady_op_ms_min"] = min(ops)
     host = out["vllm_omni"]["steady_ms_median"] if "vllm_omni" in out else float("nan")
+    host_op = out.get("vllm_omni", {}).get("steady_op_ms_median", float("nan"))
     for name in names:
         if name != "vllm_omni":
             diffs = [r["max_abs_diff"][name] for r in rows if name in r["max_abs_diff"]]
             out[name]["steady_ratio_vs_vllm_omni"] = out[name]["steady_ms_median"] / host
+            if "steady_op_ms_median" in out[name]:
+                out[name]["steady_op_ratio_vs_vllm_omni"] = out[name]["steady_op_ms_median"] / host_op
             out[name]["max_abs_diff"] = max(diffs) if diffs else float("nan")
             for key in ("rel_diff", "first_forward_diff"):
                 seen = [r[key][name] for r in rows if name in r.get(key, {})]
@@ -644,6 +675,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="denoise steps per request (default 16 / 2)")
     for field in dataclasses.fields(Shape):
         parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=int, default=None)
+    parser.add_argument(
+        "--op-time",
+        action="store_true",
+        help="also time each request's host time inside vLLM-Omni's AR attention op (torch profiler; cpu only)",
+    )
     parser.add_argument("--hunyuan", action="store_true", help="also run HunyuanImage3 (cuda only)")
     parser.add_argument("--hunyuan-timeout", type=float, default=150.0)
     parser.add_argument("--out", default=None)
@@ -661,11 +697,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)
     if args.hunyuan and device.type != "cuda":
         raise SystemExit("omni_ar_gpu: --hunyuan runs on --device cuda")
+    if args.op_time and device.type != "cpu":
+        raise SystemExit(
+            "omni_ar_gpu: --op-time times host work on --device cpu (on a GPU the op's time is kernels')"
+        )
     try:
         for backend in backends:
             check_backend(backend, device)
         shape = _shape(args, device)
-        report = measure(shape, device, dtype, backends, args.requests, steps)
+        report = measure(shape, device, dtype, backends, args.requests, steps, args.op_time)
     except SetupError as exc:
         raise SystemExit(f"omni_ar_gpu: {exc}") from None
     except Exception as exc:  # recorded; the HunyuanImage3 run still goes ahead
@@ -691,6 +731,7 @@ def measure(
     backends: list[str],
     requests: int,
     steps: tuple[float, ...],
+    op_time: bool = False,
 ) -> dict[str, Any]:
     """Build the model and every path on ``device``, run the stream, summarise."""
     if device.type == "cuda":
@@ -732,7 +773,7 @@ def measure(
             name = f"diffusion_kv[{backend}]"
             states[name], chosen[name] = dkv_state(shape, device, dtype, backend)
         report["backends"] = chosen
-        stream = run_stream(model, states, inputs, requests, steps)
+        stream = run_stream(model, states, inputs, requests, steps, op_time)
         for state in states.values():
             with contextlib.suppress(Exception):  # a path that failed may hold a half-done forward
                 state.close()
@@ -756,6 +797,10 @@ def _print(report: dict[str, Any]) -> None:
                 f"  x{r['steady_ratio_vs_vllm_omni']:.3f}  max|diff| {r['max_abs_diff']:.3g}"
                 f"  rel {r['max_rel_diff']:.3g}  first forward |diff| {r['max_first_forward_diff']:.3g}"
             )
+        if "steady_op_ms_median" in r:
+            line += f"  op {r['steady_op_ms_median']:8.2f} ms/request (min {r['steady_op_ms_min']:8.2f})"
+            if "steady_op_ratio_vs_vllm_omni" in r:
+                line += f" x{r['steady_op_ratio_vs_vllm_omni']:.3f}"
         line += f"  max|latents| {r['max_abs']:.3g}  max|first forward| {r['first_forward_max_abs']:.3g}"
         print(line)
 

@@ -382,6 +382,29 @@ class PagedBackend(abc.ABC):
             lses.append(lg[:n])
         return torch.cat(outs), torch.cat(lses)
 
+    def forward_extra_keys(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        extra_key: torch.Tensor,
+        extra_value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`forward_partial_extra`'s queries (``query`` ``[T, H, D]``, the queries of ONE
+        prepared row that all see the same keys, then ``extra_query`` ``[E, H, D]``, ``E`` may
+        be 0) over the row's keys AND ``extra_key``/``extra_value`` ``[X, Hkv, D]``: keys with no
+        place in the pages that every query sees (a host's scratch K/V, e.g. vLLM-Omni's DreamZero
+        action/state tokens, or a context's keys read out of its own pages). Returns ``(out
+        [T + E, H, D], lse [T + E, H] float32)`` over all of those keys, in one kernel call.
+
+        An optional fast path that may decline: the default returns None, and so does an
+        override where it cannot attend in one call; the caller then merges
+        :meth:`forward_partial_extra` with its own partial over the extra keys
+        (``merge_partial_attention``) -- the same result up to rounding."""
+        return None
+
 
 BackendChoice = str | type[PagedBackend] | None
 """Which backend to use: its name, its class, or None (the platform's priority list, where

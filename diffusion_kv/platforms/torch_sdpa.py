@@ -1060,6 +1060,33 @@ class TorchSdpaBackend(PagedBackend):
             return super().forward_partial_extra(layer, query, extra_query, kv_cache, metadata)
         return self._gather_sdpa_partial(layer, query, kv_cache, md, extra_query)
 
+    def forward_extra_keys(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        extra_key: torch.Tensor,
+        extra_value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``PagedBackend.forward_extra_keys``: where the batch is one row group of one row whose
+        queries all see the same keys (as :meth:`forward_partial_extra`'s one-call path), ONE
+        SDPA call of the row's and the extra queries over the row's keys with the extra keys
+        appended; None (the caller merges) otherwise."""
+        md = metadata
+        grp = _uniform_row_group(md, query.shape[0]) if isinstance(md, CudaPagedMetadata) else None
+        if grp is None:
+            return None
+        hkv, hd = layer.num_kv_heads, layer.head_size
+        for name, t in (("extra_key", extra_key), ("extra_value", extra_value)):
+            if t.dim() != 3 or t.shape[1:] != (hkv, hd) or t.shape[0] != extra_key.shape[0]:
+                raise ValidationError(
+                    f"backend {self.name!r} forward_extra_keys: {name} must be [X, {hkv}, {hd}] with one X for "
+                    f"keys and values; got {tuple(t.shape)}"
+                )
+        return self._gather_sdpa_partial(layer, query, kv_cache, md, extra_query, (extra_key, extra_value))
+
     @staticmethod
     def _group_tensors(
         layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata, grp: SdpaRowGroup
@@ -1129,6 +1156,7 @@ class TorchSdpaBackend(PagedBackend):
         kv_cache: KVCache,
         md: CudaPagedMetadata,
         extra_query: torch.Tensor | None = None,
+        extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather + SDPA with the log-sum-exp. The ``G`` query heads of each KV head are folded
         into the query sequence (``[R, Hkv, G * ql, D]``), so GQA needs no copy of K/V.
@@ -1139,15 +1167,20 @@ class TorchSdpaBackend(PagedBackend):
         With ``extra_query`` ``[E, H, D]`` (:meth:`forward_partial_extra`; the caller checked
         the batch is one uniform row group of one row, :func:`_uniform_row_group`): the extra
         queries appended to the row's in the same SDPA call, ``[T + E, H, D]`` returned as SDPA
-        wrote it (no zero-filled output, no copy into it)."""
+        wrote it (no zero-filled output, no copy into it). With ``extra_kv`` too
+        (:meth:`forward_extra_keys`): ``[X, Hkv, D]`` keys and values appended to the row's, seen
+        by every query."""
         hkv, heads, hd = layer.num_kv_heads, layer.num_heads, layer.head_size
         per_kv = heads // hkv
         qsl = md.host_query_start_loc
         if extra_query is not None:
             (grp,) = md.sdpa_groups
             q, k, v = self._group_tensors(layer, query, kv_cache, md, grp)
+            if extra_kv is not None and extra_kv[0].shape[0]:
+                k = torch.cat((k, extra_kv[0].to(k.dtype).unsqueeze(0)), dim=1)
+                v = torch.cat((v, extra_kv[1].to(v.dtype).unsqueeze(0)), dim=1)
             n = grp.query_len + extra_query.shape[0]
-            q = torch.cat((q[0], extra_query.to(q.dtype)))
+            q = torch.cat((q[0], extra_query.to(q.dtype))) if extra_query.shape[0] else q[0]
             qf = q.reshape(n, hkv, per_kv, hd).permute(1, 2, 0, 3).reshape(1, hkv, per_kv * n, hd)
             o, lg = sdpa_with_lse(qf, k.transpose(1, 2), v.transpose(1, 2), None, layer.scale)
             o = o.reshape(hkv, per_kv, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)

@@ -83,3 +83,51 @@ def test_the_fast_path_equals_the_default_in_bf16(backend_name: str, extra: int)
     ref_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), seen_v)
     assert (out.float() - ref_out).abs().max().item() <= 2e-2
     assert (lse - ref_lse).abs().max().item() <= 2e-2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend_name", ["paged", "sdpa"])
+def test_extra_keys_join_the_chunks_keys_in_one_call_in_bf16(backend_name: str) -> None:
+    """``forward_extra_keys`` (DreamZero's scratch K/V beside the pages): where the backend's
+    batch takes the SDPA way it attends them in one call; either way the result (its own, or
+    the caller's merge when it declines) equals float32 dense attention over every key."""
+    from diffusion_kv.core.parallel import merge_partial_attention
+
+    cache, chunk, keys, values = _session(backend_name)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(40)
+    q, x = (torch.randn(n, H, D, generator=gen, device=device, dtype=DTYPE) for n in (CHUNK, 33))
+    k, v, ek, ev = (
+        torch.randn(n, HKV, D, generator=gen, device=device, dtype=DTYPE) for n in (CHUNK, CHUNK, 5, 5)
+    )
+    worker = cache.worker
+    executor = worker.executor
+    assert executor is not None
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        ctx = executor.context(LAYER, q, k, v)
+        backend, kv_cache = executor.backends[LAYER], executor.kv_caches[LAYER]
+        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+        md = ctx.native_metadata
+        served = backend.forward_extra_keys(ctx.layer, ctx.query, x, ek, ev, kv_cache, md)
+        if served is None:
+            paged = backend.forward_partial_extra(ctx.layer, ctx.query, x, kv_cache, md)
+            qa = torch.cat([q, x]).float()
+            s = torch.einsum("qhd,khd->hqk", qa, ek.float().repeat_interleave(H // HKV, 1)) * D**-0.5
+            lse_e = torch.logsumexp(s, -1)
+            out_e = torch.einsum(
+                "hqk,khd->qhd", torch.softmax(s, -1), ev.float().repeat_interleave(H // HKV, 1)
+            )
+            out = merge_partial_attention([paged[0].float(), out_e], [paged[1], lse_e.transpose(0, 1)])
+        else:
+            out = served[0]
+            assert out.dtype == DTYPE and served[1].dtype == torch.float32
+        executor.translator.layer_done(LAYER)
+    if backend_name == "sdpa":
+        assert served is not None  # the gather + SDPA backend always takes the SDPA way
+    seen_k = torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k, ek]).float().repeat_interleave(H // HKV, 1)
+    seen_v = torch.cat([values[:CHUNK], values[2 * CHUNK :], v, ev]).float().repeat_interleave(H // HKV, 1)
+    scores = torch.einsum("qhd,khd->hqk", torch.cat([q, x]).float(), seen_k) * D**-0.5
+    ref_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), seen_v)
+    assert out.shape == (CHUNK + 33, H, D)
+    assert (out.float() - ref_out).abs().max().item() <= 2e-2

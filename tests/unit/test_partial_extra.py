@@ -16,7 +16,7 @@ from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.attention import AttentionMode
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.core.errors import UnsupportedFeatureError
+from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.rows import PagedRow, PhaseRows
 from diffusion_kv.core.runner import PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import SessionCache, SessionPolicy
@@ -156,3 +156,55 @@ def test_a_causal_row_takes_the_default_on_sdpa_and_is_refused_by_the_reference(
         ref_out, ref_lse = _dense(x[i : i + 1], k[: i + 1], v[: i + 1])
         torch.testing.assert_close(out[5 + i : 6 + i].double(), ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[5 + i : 6 + i].double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_extra_keys_join_the_chunks_keys_in_one_sdpa_call(extra: int) -> None:
+    """``forward_extra_keys``: the gather + SDPA backend attends the chunk's (and the extra)
+    queries over the chunk's visible keys plus keys with no place in the pages, in one call;
+    the reference backend (and the base class) decline with None."""
+    gen = torch.Generator().manual_seed(20 + extra)
+    q, x = torch.randn(20, H, D, generator=gen), torch.randn(extra, H, D, generator=gen)
+    k, v = torch.randn(20, HKV, D, generator=gen), torch.randn(20, HKV, D, generator=gen)
+    ek, ev = torch.randn(5, HKV, D, generator=gen), torch.randn(5, HKV, D, generator=gen)
+    for name in ("sdpa", "reference"):
+        cache, chunk, committed = _session(name)
+        worker = cache.worker
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            backend, layer, query, kv_cache, md = _call(worker, q, k, v)
+            counting = _Counting(backend)
+            backend.forward_partial = counting
+            served = backend.forward_extra_keys(layer, query, x, ek, ev, kv_cache, md)
+            base = PagedBackend.forward_extra_keys(backend, layer, query, x, ek, ev, kv_cache, md)
+            if name == "sdpa":
+                with pytest.raises(ValidationError, match=r"extra_value must be \[X, 2, 8\] with one X"):
+                    backend.forward_extra_keys(layer, query, x, ek, ev[:4], kv_cache, md)
+            worker.executor.translator.layer_done(LAYER)  # type: ignore[union-attr]
+        assert base is None and counting.calls == 0
+        if name == "reference":
+            assert served is None  # declined: the caller merges its own partial
+            continue
+        assert served is not None
+        out, lse = served
+        assert out.shape == (20 + extra, H, D) and lse.shape == (20 + extra, H) and lse.dtype == torch.float32
+        # the sink chunk 0, the window chunk 2, the chunk itself, then the extra keys
+        keys = torch.cat([committed["k"][0:20], committed["k"][40:60], k, ek])
+        values = torch.cat([committed["v"][0:20], committed["v"][40:60], v, ev])
+        ref_out, ref_lse = _dense(torch.cat([q, x]), keys, values)
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_causal_row_declines_extra_keys_on_sdpa() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(5, n, D, generator=gen) for n in (H, HKV, HKV))
+    worker = _worker("sdpa", AttentionMode.CAUSAL)
+    assert worker.install(RequestAllocation("r", 0, (SequenceAllocation(0, 0, 5, 5, ((2,),)),)))
+    with worker.activate(
+        PhaseRows((PagedRow("r", 5, 5, sequence_id=0),), (PagedRow("r", 5, 5, sequence_id=0),))
+    ) as runtime:
+        runtime.ensure_active(0)
+        backend, layer, query, kv_cache, md = _call(worker, q, k, v)
+        # each query sees its own prefix: not one set of keys for every query
+        assert backend.forward_extra_keys(layer, query, q[:0], k[:2], v[:2], kv_cache, md) is None

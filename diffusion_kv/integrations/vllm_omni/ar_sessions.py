@@ -596,29 +596,36 @@ class DiffusionKVARForward:
         value: torch.Tensor,
         extra: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """The chunk's K/V written and attended through the worker's backend as partial
-        attention with its log-sum-exp (queries past the chunk's in the same call, as the
-        chunk's own: ``forward_partial_extra``), the keys beside the pages -- a visible first
-        block, read from its context, and the extra key sets -- concatenated and attended
-        densely in one partial, and the two merged (``merge_partial_attention``)."""
+        """The chunk's K/V written and attended through the worker's backend, the keys beside
+        the pages -- a visible first block, read from its context, and the extra key sets --
+        concatenated: in one backend call where the backend takes them
+        (``PagedBackend.forward_extra_keys``: the gather + SDPA backends, one SDPA over the
+        chunk's visible keys and these); otherwise as partial attention with its log-sum-exp
+        (queries past the chunk's in the same call, as the chunk's own:
+        ``forward_partial_extra``) merged (``merge_partial_attention``) with one dense partial
+        over the extra keys."""
         self._step()
         dtype = self.cache.geometry.dtype
         name = _layer_name(layer)
         q = query.to(dtype)
-        paged = _session_partial(self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len)
         sets = []
         if self.prefix_visible:
             sets.append(read_context(self.cache.sessions, self.session, PREFIX, name))
         sets += [(k.to(dtype), v.to(dtype)) for k, v in extra]
-        if not sets:
+        k_extra: torch.Tensor | None = None
+        v_extra: torch.Tensor | None = None
+        if len(sets) == 1:
+            k_extra, v_extra = sets[0]
+        elif sets:
+            k_extra = torch.cat([k for k, _ in sets])
+            v_extra = torch.cat([v for _, v in sets])
+        paged, merged = _session_partial(
+            self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len, k_extra, v_extra
+        )
+        if merged or k_extra is None or v_extra is None:
             self._wrote(layer)
             return paged[0].to(query.dtype)
-        if len(sets) == 1:
-            k, v = sets[0]
-        else:
-            k = torch.cat([k for k, _ in sets])
-            v = torch.cat([v for _, v in sets])
-        dense = _dense_partial(q, k, v, self.cache.worker.layers[name].scale)
+        dense = _dense_partial(q, k_extra, v_extra, self.cache.worker.layers[name].scale)
         out = merge_partial_attention([paged[0], dense[0]], [paged[1], dense[1]])
         self._wrote(layer)
         return out.to(query.dtype)
@@ -903,9 +910,15 @@ def _session_partial(
     key: torch.Tensor,
     value: torch.Tensor,
     tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    extra_key: torch.Tensor | None = None,
+    extra_value: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
     """Write the open chunk's K/V (``tokens`` of them) and attend every query in ``query``
-    over what the chunk sees, through the worker's backend: ``(out [Q, H, D], lse [Q, H])``.
+    over what the chunk sees, through the worker's backend: ``((out [Q, H, D], lse [Q, H]),
+    merged)``. With ``extra_key``/``extra_value`` (``[X, Hkv, D]``, seen by every query) the
+    backend is asked to attend them in the same call (``PagedBackend.forward_extra_keys``):
+    ``merged`` says it did; otherwise the result is over the pages only and the caller merges
+    its own partial over the extra keys.
 
     The first ``tokens`` queries are the chunk's own; any after them attend as the chunk's
     queries do -- under a chunk-causal mask every query of a chunk sees the same keys -- in the
@@ -927,12 +940,18 @@ def _session_partial(
     else:
         backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
     extra = query[tokens:]
+    md = ctx.native_metadata
+    if extra_key is not None and extra_value is not None:
+        both = backend.forward_extra_keys(ctx.layer, ctx.query, extra, extra_key, extra_value, kv_cache, md)
+        if both is not None:
+            executor.translator.layer_done(layer_name)
+            return both, True
     if extra.shape[0]:
-        out, lse = backend.forward_partial_extra(ctx.layer, ctx.query, extra, kv_cache, ctx.native_metadata)
+        out, lse = backend.forward_partial_extra(ctx.layer, ctx.query, extra, kv_cache, md)
     else:
-        out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, ctx.native_metadata)
+        out, lse = backend.forward_partial(ctx.layer, ctx.query, kv_cache, md)
     executor.translator.layer_done(layer_name)  # the write counts (commit checks every layer wrote)
-    return out, lse
+    return (out, lse), False
 
 
 DENSE_FUSED_MIN_KEYS = 16
