@@ -1085,6 +1085,16 @@ class TorchSdpaBackend(PagedBackend):
                     f"backend {self.name!r} forward_extra_keys: {name} must be [X, {hkv}, {hd}] with one X for "
                     f"keys and values; got {tuple(t.shape)}"
                 )
+        if extra_query.dim() != 3 or extra_query.shape[1:] != (layer.num_heads, hd):
+            raise ValidationError(
+                f"backend {self.name!r} forward_extra_keys: extra_query must be [E, {layer.num_heads}, {hd}]; "
+                f"got {tuple(extra_query.shape)}"
+            )
+        for name, t in (("extra_query", extra_query), ("extra_key", extra_key), ("extra_value", extra_value)):
+            if t.device != query.device:
+                raise ValidationError(
+                    f"backend {self.name!r} forward_extra_keys: {name} is on {t.device}, the query on {query.device}"
+                )
         return self._gather_sdpa_partial(layer, query, kv_cache, md, extra_query, (extra_key, extra_value))
 
     @staticmethod

@@ -180,6 +180,12 @@ def test_extra_keys_join_the_chunks_keys_in_one_sdpa_call(extra: int) -> None:
             if name == "sdpa":
                 with pytest.raises(ValidationError, match=r"extra_value must be \[X, 2, 8\] with one X"):
                     backend.forward_extra_keys(layer, query, x, ek, ev[:4], kv_cache, md)
+                with pytest.raises(
+                    ValidationError, match=r"extra_query must be \[E, 4, 8\]; got \(3, 2, 8\)"
+                ):
+                    backend.forward_extra_keys(layer, query, ek[:3], ek, ev, kv_cache, md)
+                with pytest.raises(ValidationError, match="extra_key is on meta, the query on cpu"):
+                    backend.forward_extra_keys(layer, query, x, ek.to("meta"), ev, kv_cache, md)
             worker.executor.translator.layer_done(LAYER)  # type: ignore[union-attr]
         assert base is None and counting.calls == 0
         if name == "reference":
