@@ -5,6 +5,8 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -51,6 +53,32 @@ def _session(backend: str) -> tuple[SessionCache, Any, torch.Tensor, torch.Tenso
     return cache, chunk, torch.cat(keys), torch.cat(values)
 
 
+@contextmanager
+def _written(
+    cache: SessionCache, chunk: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Iterator[tuple[Any, ...]]:
+    """The chunk's K/V written (its rows active): the backend, layer, query, cache and
+    metadata of the call; the layer counted done on exit."""
+    worker = cache.worker
+    executor = worker.executor
+    assert executor is not None
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        ctx = executor.context(LAYER, q, k, v)
+        backend, kv_cache = executor.backends[LAYER], executor.kv_caches[LAYER]
+        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
+        yield backend, ctx.layer, ctx.query, kv_cache, ctx.native_metadata
+        executor.translator.layer_done(LAYER)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 attention of ``q`` over every key: ``(out [Q, H, D], lse [Q, H])``."""
+    k, v = k.float().repeat_interleave(H // HKV, 1), v.float().repeat_interleave(H // HKV, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * D**-0.5
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out, torch.logsumexp(scores, -1).transpose(0, 1)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("backend_name", ["paged", "sdpa"])
 @pytest.mark.parametrize("extra", [33, 200])
@@ -60,27 +88,18 @@ def test_the_fast_path_equals_the_default_in_bf16(backend_name: str, extra: int)
     gen = torch.Generator(device=device).manual_seed(10 + extra)
     q, x = (torch.randn(n, H, D, generator=gen, device=device, dtype=DTYPE) for n in (CHUNK, extra))
     k, v = (torch.randn(CHUNK, HKV, D, generator=gen, device=device, dtype=DTYPE) for _ in range(2))
-    worker = cache.worker
-    executor = worker.executor
-    assert executor is not None
-    with worker.stepper() as runtime:
-        runtime.ensure_rows(chunk.rows())
-        ctx = executor.context(LAYER, q, k, v)
-        backend, kv_cache = executor.backends[LAYER], executor.kv_caches[LAYER]
-        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
-        md = ctx.native_metadata
-        out, lse = backend.forward_partial_extra(ctx.layer, ctx.query, x, kv_cache, md)
-        d_out, d_lse = PagedBackend.forward_partial_extra(backend, ctx.layer, ctx.query, x, kv_cache, md)
-        executor.translator.layer_done(LAYER)
+    with _written(cache, chunk, q, k, v) as (backend, layer, query, kv_cache, md):
+        out, lse = backend.forward_partial_extra(layer, query, x, kv_cache, md)
+        d_out, d_lse = PagedBackend.forward_partial_extra(backend, layer, query, x, kv_cache, md)
     assert out.shape == (CHUNK + extra, H, D) and out.dtype == DTYPE and lse.dtype == torch.float32
     assert (out.float() - d_out.float()).abs().max().item() <= 2e-2
     assert (lse - d_lse).abs().max().item() <= 2e-2
     # chunk 3 sees the sink chunk 0, the window chunk 2 and itself
-    seen_k = torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k]).float().repeat_interleave(H // HKV, 1)
-    seen_v = torch.cat([values[:CHUNK], values[2 * CHUNK :], v]).float().repeat_interleave(H // HKV, 1)
-    scores = torch.einsum("qhd,khd->hqk", torch.cat([q, x]).float(), seen_k) * D**-0.5
-    ref_lse = torch.logsumexp(scores, -1).transpose(0, 1)
-    ref_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), seen_v)
+    ref_out, ref_lse = _dense(
+        torch.cat([q, x]),
+        torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k]),
+        torch.cat([values[:CHUNK], values[2 * CHUNK :], v]),
+    )
     assert (out.float() - ref_out).abs().max().item() <= 2e-2
     assert (lse - ref_lse).abs().max().item() <= 2e-2
 
@@ -100,34 +119,21 @@ def test_extra_keys_join_the_chunks_keys_in_one_call_in_bf16(backend_name: str) 
     k, v, ek, ev = (
         torch.randn(n, HKV, D, generator=gen, device=device, dtype=DTYPE) for n in (CHUNK, CHUNK, 5, 5)
     )
-    worker = cache.worker
-    executor = worker.executor
-    assert executor is not None
-    with worker.stepper() as runtime:
-        runtime.ensure_rows(chunk.rows())
-        ctx = executor.context(LAYER, q, k, v)
-        backend, kv_cache = executor.backends[LAYER], executor.kv_caches[LAYER]
-        backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
-        md = ctx.native_metadata
-        served = backend.forward_extra_keys(ctx.layer, ctx.query, x, ek, ev, kv_cache, md)
+    with _written(cache, chunk, q, k, v) as (backend, layer, query, kv_cache, md):
+        served = backend.forward_extra_keys(layer, query, x, ek, ev, kv_cache, md)
         if served is None:
-            paged = backend.forward_partial_extra(ctx.layer, ctx.query, x, kv_cache, md)
-            qa = torch.cat([q, x]).float()
-            s = torch.einsum("qhd,khd->hqk", qa, ek.float().repeat_interleave(H // HKV, 1)) * D**-0.5
-            lse_e = torch.logsumexp(s, -1)
-            out_e = torch.einsum(
-                "hqk,khd->qhd", torch.softmax(s, -1), ev.float().repeat_interleave(H // HKV, 1)
-            )
-            out = merge_partial_attention([paged[0].float(), out_e], [paged[1], lse_e.transpose(0, 1)])
+            paged = backend.forward_partial_extra(layer, query, x, kv_cache, md)
+            out_e, lse_e = _dense(torch.cat([q, x]), ek, ev)
+            out = merge_partial_attention([paged[0].float(), out_e], [paged[1], lse_e])
         else:
             out = served[0]
             assert out.dtype == DTYPE and served[1].dtype == torch.float32
-        executor.translator.layer_done(LAYER)
     if backend_name == "sdpa":
         assert served is not None  # the gather + SDPA backend always takes the SDPA way
-    seen_k = torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k, ek]).float().repeat_interleave(H // HKV, 1)
-    seen_v = torch.cat([values[:CHUNK], values[2 * CHUNK :], v, ev]).float().repeat_interleave(H // HKV, 1)
-    scores = torch.einsum("qhd,khd->hqk", torch.cat([q, x]).float(), seen_k) * D**-0.5
-    ref_out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), seen_v)
+    ref_out, _ = _dense(
+        torch.cat([q, x]),
+        torch.cat([keys[:CHUNK], keys[2 * CHUNK :], k, ek]),
+        torch.cat([values[:CHUNK], values[2 * CHUNK :], v, ev]),
+    )
     assert out.shape == (CHUNK + 33, H, D)
     assert (out.float() - ref_out).abs().max().item() <= 2e-2
