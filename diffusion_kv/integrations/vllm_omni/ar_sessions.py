@@ -612,20 +612,18 @@ class DiffusionKVARForward:
         if self.prefix_visible:
             sets.append(read_context(self.cache.sessions, self.session, PREFIX, name))
         sets += [(k.to(dtype), v.to(dtype)) for k, v in extra]
-        k_extra: torch.Tensor | None = None
-        v_extra: torch.Tensor | None = None
+        extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         if len(sets) == 1:
-            k_extra, v_extra = sets[0]
+            extra_kv = sets[0]
         elif sets:
-            k_extra = torch.cat([k for k, _ in sets])
-            v_extra = torch.cat([v for _, v in sets])
+            extra_kv = (torch.cat([k for k, _ in sets]), torch.cat([v for _, v in sets]))
         paged, merged = _session_partial(
-            self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len, k_extra, v_extra
+            self.cache.worker, name, q, key.to(dtype), value.to(dtype), self.seq_len, extra_kv
         )
-        if merged or k_extra is None or v_extra is None:
+        if merged or extra_kv is None:
             self._wrote(layer)
             return paged[0].to(query.dtype)
-        dense = _dense_partial(q, k_extra, v_extra, self.cache.worker.layers[name].scale)
+        dense = _dense_partial(q, *extra_kv, self.cache.worker.layers[name].scale)
         out = merge_partial_attention([paged[0], dense[0]], [paged[1], dense[1]])
         self._wrote(layer)
         return out.to(query.dtype)
@@ -910,12 +908,11 @@ def _session_partial(
     key: torch.Tensor,
     value: torch.Tensor,
     tokens: int,
-    extra_key: torch.Tensor | None = None,
-    extra_value: torch.Tensor | None = None,
+    extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
     """Write the open chunk's K/V (``tokens`` of them) and attend every query in ``query``
     over what the chunk sees, through the worker's backend: ``((out [Q, H, D], lse [Q, H]),
-    merged)``. With ``extra_key``/``extra_value`` (``[X, Hkv, D]``, seen by every query) the
+    merged)``. With ``extra_kv`` (keys and values ``[X, Hkv, D]``, seen by every query) the
     backend is asked to attend them in the same call (``PagedBackend.forward_extra_keys``):
     ``merged`` says it did; otherwise the result is over the pages only and the caller merges
     its own partial over the extra keys.
@@ -941,8 +938,8 @@ def _session_partial(
         backend.write_kv(ctx.layer, ctx.key, ctx.value, kv_cache, ctx.slot_mapping)
     extra = query[tokens:]
     md = ctx.native_metadata
-    if extra_key is not None and extra_value is not None:
-        both = backend.forward_extra_keys(ctx.layer, ctx.query, extra, extra_key, extra_value, kv_cache, md)
+    if extra_kv is not None:
+        both = backend.forward_extra_keys(ctx.layer, ctx.query, extra, *extra_kv, kv_cache, md)
         if both is not None:
             executor.translator.layer_done(layer_name)
             return both, True
