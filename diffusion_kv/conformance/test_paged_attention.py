@@ -9,6 +9,7 @@ every declared dtype, head size (bounded), slot dtype and GQA ratio (1, 2, the l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -1170,10 +1171,18 @@ class KitSessions:
     the pool and NaN-filled too: a backend that reads a released key, or the null entry in its
     place, fails."""
 
-    def __init__(self, platform: Platform, backend: Backend, policy: SessionPolicy, chunks: int) -> None:
+    def __init__(
+        self,
+        platform: Platform,
+        backend: Backend,
+        policy: SessionPolicy,
+        chunks: int,
+        max_len: int | None = None,
+    ) -> None:
         bs = pick_block_size(platform, backend)
         mask = policy.mask
-        max_len = max(256, 4 * bs, cdiv(chunks * policy.chunk_tokens, bs) * bs)
+        if max_len is None:  # the rows could hold every chunk (compaction keeps them far shorter)
+            max_len = max(256, 4 * bs, cdiv(chunks * policy.chunk_tokens, bs) * bs)
         self.h = harness(  # small shapes: the kit also runs under Triton's interpreter
             platform,
             backend,
@@ -1289,10 +1298,19 @@ class KitSessions:
                 t.index_fill_(0, index, float("nan"))
 
     def released(self, session: Session) -> list[int]:
-        """Places of the session's first branch whose blocks were released (``NULL_BLOCK``)."""
+        """Places of the session's first branch, on the timeline, whose blocks were released:
+        ``NULL_BLOCK`` in its row, or cut out of the row by compaction (``row_offset`` tokens from
+        ``cache.compact_from``)."""
         snapshot = self.h.registry.snapshot_of(session.session_id)
         assert snapshot is not None
-        return [i for i, b in enumerate(snapshot.sequences[0].block_ids[0]) if b == NULL_BLOCK]
+        bs, cut = self.h.block_size, self.cache.compact_from // self.h.block_size
+        moved = session.row_offset // bs
+        nulls = [
+            i if i < cut else i + moved
+            for i, b in enumerate(snapshot.sequences[0].block_ids[0])
+            if b == NULL_BLOCK
+        ]
+        return sorted([*range(cut, cut + moved), *nulls])
 
 
 SESSION_LAYOUTS = {
@@ -1354,6 +1372,32 @@ def test_session_chunks_over_window_and_sink(
         keep = policy.mask.retention(5 * policy.chunk_tokens)
         assert released == [b for b in keep.releasable_blocks(kit.h.block_size)], released
         assert released, f"{layout}: nothing slid out of the window in five chunks"
+    kit.cache.end_session(session)
+    assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
+
+
+def test_session_runs_past_the_rows_max_model_len(dkv_platform: Platform, dkv_backend: Backend) -> None:
+    """A stream twice as long as a row may be (``max_model_len`` just over what the rows hold
+    live: sink, window, chunk, and the released run compaction waits for): every step equals
+    dense attention over the whole history on the timeline, the rows stay short (the released
+    places between the sink and the window are cut out, later positions moved down by whole
+    chunks), and ending the session returns every block."""
+    policy = served_session_policy(dkv_platform, dkv_backend)
+    bs = pick_block_size(dkv_platform, dkv_backend)
+    mask = policy.mask
+    assert mask.window is not None
+    unit = math.lcm(policy.chunk_tokens, bs)
+    every = cdiv(mask.sink + mask.window, unit) * unit  # SessionCache.compact_tokens
+    row_max = cdiv(mask.sink, bs) * bs + every + mask.window + 2 * bs
+    max_len = cdiv(row_max, bs) * bs
+    chunks = cdiv(2 * max_len, policy.chunk_tokens) + 1
+    kit = KitSessions(dkv_platform, dkv_backend, policy, chunks=chunks, max_len=max_len)
+    assert kit.cache.compact_tokens == every
+    session = kit.begin("s")
+    for _ in range(chunks):
+        kit.run([session])
+    assert session.committed_tokens == chunks * policy.chunk_tokens > 2 * max_len
+    assert session.row_offset > 0 and session.committed_tokens - session.row_offset <= max_len
     kit.cache.end_session(session)
     assert kit.pool.num_free == kit.pool.num_total - 1  # block 0 held out (NaN)
 

@@ -783,6 +783,51 @@ class DiffusionKVAllocator:
         self._give_back(res, dropped)
         return snapshot
 
+    def compact(
+        self,
+        request_id: str,
+        at: int,
+        tokens: int,
+        install: Callable[[RequestAllocation], object] | None = None,
+    ) -> RequestAllocation:
+        """Cut the released tokens ``[at, at + tokens)`` (whole blocks, every place
+        ``NULL_BLOCK``, past every row's prefix) out of every sequence of ``request_id``: each
+        row's later places move down, its length and target shrink by ``tokens``, no block
+        changes hands. A snapshot one generation newer, handed to ``install`` (the worker's
+        ``compact``: a COMPACT; an exception leaves the allocator unchanged and propagates).
+        What keeps a long session's rows within ``max_model_len``: positions on the host's
+        timeline are the session's to keep (:mod:`diffusion_kv.core.sessions`)."""
+        res, indices = self._reservation_rows("compact", request_id, None)
+        bs = self.block_size
+        if type(at) is not int or type(tokens) is not int or at < 0 or tokens <= 0 or at % bs or tokens % bs:
+            raise ValidationError(
+                f"compact of request {request_id!r} takes whole blocks of {bs} tokens (at >= 0, tokens > 0); "
+                f"got at={at!r}, tokens={tokens!r}"
+            )
+        if res.allocation.contexts:
+            raise ValidationError(
+                f"compact of request {request_id!r}: a request with contexts is not compacted"
+            )
+        first, count = at // bs, tokens // bs
+        sequences = list(res.allocation.sequences)
+        for index in indices:
+            alloc = sequences[index]
+            row = alloc.block_ids[0]
+            if (
+                alloc.seq_len < at + tokens
+                or max(alloc.prefix_len, alloc.cached_prefix_len) > at
+                or any(b != NULL_BLOCK for b in row[first : first + count])
+            ):
+                raise ValidationError(
+                    f"compact of request {request_id!r} sequence {alloc.sequence_id}: tokens [{at}, {at + tokens}) "
+                    f"must be released places of its target ({alloc.seq_len} tokens, prefix {alloc.prefix_len})"
+                )
+            kept = row[:first] + row[first + count :]
+            sequences[index] = _resized(
+                alloc, alloc.target_len - tokens, alloc.seq_len - tokens, (kept,) * self.num_groups
+            )
+        return self._publish_rows(res, sequences, install)
+
     def shadow(self, request_id: str, shadow_id: str) -> RequestAllocation | None:
         """Reserve ``shadow_id``: rows with ``request_id``'s sequence ids, lengths and released
         places (``NULL_BLOCK``), a fresh block at every live place (a re-cache writes there while

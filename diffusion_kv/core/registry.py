@@ -39,7 +39,11 @@ Rules (each has a test):
   snapshot releases leading blocks, ``NULL_BLOCK`` in their place, in groups whose mask has a
   window, never the sink's), SEAL (a newer snapshot grows ``cached_prefix_len`` over written
   tokens), REMOVE; one newer snapshot may extend, slide and seal at once. Anything else is a
-  conflict (remove the request first). Released tokens leave the row's readable spans.
+  conflict (remove the request first). Released tokens leave the row's readable spans. Two
+  transitions come only through their own calls: REPLACE (:meth:`RowRegistry.adopt`, a
+  re-cache's commit) and COMPACT (:meth:`RowRegistry.compact`: a run of released places cut
+  out of a windowed row, the later positions moved down by whole chunks, so a long session's
+  row stays as long as its live keys).
 """
 
 from __future__ import annotations
@@ -124,10 +128,12 @@ class RowTransition(enum.Enum):
     SLIDE = "slide"
     SEAL = "seal"
     REPLACE = "replace"
+    COMPACT = "compact"
     REMOVE = "remove"
 
 
 _INSTALLED = frozenset({RowTransition.INSTALL})
+_COMPACTED = frozenset({RowTransition.COMPACT})
 
 
 def remove_span(spans: TokenSpans, start: int, end: int) -> TokenSpans:
@@ -1075,6 +1081,111 @@ class RowRegistry:
                 if entry is not None:
                     self._written[install.identity] = (entry[0], narrowed)
                     self._bindings.pop(install.identity, None)
+        return False
+
+    def compact(self, snapshot: RequestAllocation, at: int, tokens: int) -> bool:
+        """COMPACT: take ``snapshot`` -- one generation newer than the installed one -- whose rows
+        are the installed rows with the token range ``[at, at + tokens)`` cut out. Every place of
+        that range must be released (``NULL_BLOCK``) in every row and group, ``at`` and ``tokens``
+        whole blocks of every group, ``at`` at or past each group's sink and every row's prefix,
+        and the shift invisible to the masks: a CHUNK_CAUSAL group's ``tokens`` a multiple of its
+        chunk. The rows' lengths drop by ``tokens``; a token at ``t >= at + tokens`` moves to
+        ``t - tokens`` with its readable span; the blocks held stay held. Every query page
+        provenance accepted before sees the same keys after (it read nothing in the cut, so its
+        window starts at or past ``at + tokens``, and the mask is the same shifted by whole
+        chunks). What keeps a session's row as long as its live keys, however long the stream
+        (``docs/sessions.md``). Every check runs first; returns False (rows changed, none added)."""
+        if self.mode is not KVCacheMode.PAGED:
+            raise StateError("paged KV rows are not available in dense mode")
+        if not isinstance(snapshot, RequestAllocation):
+            raise ValidationError(f"compact takes a RequestAllocation; got {type(snapshot).__name__}")
+        rid = snapshot.request_id
+        state = self._states.get(rid) if type(rid) is str else None
+        if state is None:
+            raise StateError(f"compact of request {rid!r}, which is not installed")
+        if type(at) is not int or type(tokens) is not int or at < 0 or tokens <= 0:
+            raise ValidationError(
+                f"compact of request {rid!r} takes a start >= 0 and a positive token count; got at={at!r}, "
+                f"tokens={tokens!r}"
+            )
+        gen = snapshot.allocation_generation
+        if type(gen) is not int or gen <= state.generation:
+            raise GenerationError(
+                f"compact of request {rid!r}: generation {gen!r} is not newer than the installed {state.generation}"
+            )
+        places: list[tuple[int, int]] = []  # per group: (first place cut, places cut)
+        for g, ((tokens_per_block, _), group) in enumerate(
+            zip(self._geometry, self.layout.groups, strict=True)
+        ):
+            mask = group.spec.mask
+            if at % tokens_per_block or tokens % tokens_per_block:
+                raise ValidationError(
+                    f"compact of request {rid!r}: [{at}, {at + tokens}) is not whole blocks of group {g} "
+                    f"({tokens_per_block} tokens per block)"
+                )
+            if not mask.releases or at < mask.sink:
+                raise ValidationError(
+                    f"compact of request {rid!r}: group {g}'s mask {mask.describe()} "
+                    + (
+                        "keeps every key"
+                        if not mask.releases
+                        else f"pins its first {mask.sink} tokens (the sink)"
+                    )
+                    + f"; tokens from {at} cannot be cut"
+                )
+            if mask.chunk is not None and tokens % mask.chunk:
+                raise ValidationError(
+                    f"compact of request {rid!r}: {tokens} tokens is not whole chunks of group {g}'s mask "
+                    f"{mask.describe()} (the chunk boundaries would move)"
+                )
+            places.append((at // tokens_per_block, tokens // tokens_per_block))
+        old = state.snapshot
+        if snapshot.contexts or old.contexts or len(snapshot.sequences) != len(old.sequences):
+            raise ValidationError(f"compact of request {rid!r}: the same sequences, no contexts")
+        for a, b in zip(old.sequences, snapshot.sequences, strict=True):
+            if a.seq_len < at + tokens or max(a.prefix_len, a.cached_prefix_len) > at:
+                raise ValidationError(
+                    f"compact of request {rid!r} sequence {a.sequence_id}: [{at}, {at + tokens}) must lie in the "
+                    f"row's target ({a.seq_len} tokens, prefix {a.prefix_len}, cached {a.cached_prefix_len})"
+                )
+            cut = []
+            for (first, count), ids in zip(places, a.block_ids, strict=True):
+                if any(x != NULL_BLOCK for x in ids[first : first + count]):
+                    raise ValidationError(
+                        f"compact of request {rid!r} sequence {a.sequence_id}: places {first}..{first + count - 1} "
+                        "must all be released (NULL_BLOCK) before they are cut"
+                    )
+                cut.append(ids[:first] + ids[first + count :])
+            want = dc_replace(
+                a, seq_len=a.seq_len - tokens, target_len=a.target_len - tokens, block_ids=tuple(cut)
+            )
+            if b != want:
+                raise ValidationError(
+                    f"compact of request {rid!r} sequence {a.sequence_id}: the new snapshot must be the row less "
+                    f"[{at}, {at + tokens}) ({want!r}); got {b!r}"
+                )
+        installs = self._prepare(snapshot)
+        spans: dict[Identity, tuple[int, TokenSpans]] = {}
+        for install in installs:
+            entry = self._written.get(install.identity)
+            if entry is None:
+                continue
+            if missing_spans(entry[1], at, at + tokens) != ((at, at + tokens),):
+                raise StateError(
+                    f"compact of request {rid!r}: row {install.identity!r} can still read tokens in "
+                    f"[{at}, {at + tokens}) ({list(entry[1])})"
+                )
+            spans[install.identity] = (
+                entry[0],
+                tuple((x, y) if y <= at else (x - tokens, y - tokens) for x, y in entry[1]),
+            )
+        rows = [self._rows[i.identity] for i in installs]
+        self._write_rows(rows, [i.block_ids for i in installs])  # rolls back on a native failure
+        self._written.update(spans)
+        self._states[rid] = _RequestState(gen, snapshot, tuple(installs))
+        self._bindings.clear()
+        self._high_water = max(self._high_water, gen)
+        self.last_transitions = _COMPACTED
         return False
 
     @staticmethod

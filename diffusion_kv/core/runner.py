@@ -773,6 +773,17 @@ class PagedWorker:
             raise UnsupportedFeatureError("adopting a shadow's blocks under CFG parallelism is not supported")
         return registry.adopt(snapshot, donor, readable)
 
+    def compact(self, snapshot: RequestAllocation, at: int, tokens: int) -> bool:
+        """Take ``snapshot`` as a COMPACT of an installed request: its rows less the released
+        tokens ``[at, at + tokens)``, later positions moved down by ``tokens``
+        (:meth:`~diffusion_kv.core.registry.RowRegistry.compact`; under CFG-parallel only this
+        rank's branch)."""
+        registry = self._require().registry
+        c = self.config
+        return registry.compact(
+            select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank), at, tokens
+        )
+
     def remove(self, requests: str | tuple[str, int] | Iterable[str | tuple[str, int]]) -> int:
         """Clear the rows of requests (one id, ``(id, generation)``, or an iterable of them)."""
         if self.registry is None:

@@ -159,8 +159,7 @@ def recache_slid_forward(
     gen = torch.Generator().manual_seed(seed)
     worker, mask = stream.cache.worker, stream.cache.mask
     out = {key: (stream.keys[key].clone(), stream.values[key].clone()) for key in stream.keys}
-    for rows in recache.forwards():
-        a, b = rows[0].kv_start_pos, rows[0].seq_len
+    for (a, b), rows in zip(recache.spans, recache.forwards(), strict=True):  # timeline spans, rows
         n = b - a
         with worker.stepper() as runtime:
             runtime.ensure_rows(rows)
@@ -172,7 +171,7 @@ def recache_slid_forward(
                     keys, values = out[br, name]
                     keys[a:b], values[a:b] = k[part], v[part]
                     if check:
-                        visible = mask.row_mask(a, n, b, live_from=rows[0].live_from)
+                        visible = mask.row_mask(a, n, b, live_from=a)
                         ref = dense_attention(q[part], keys[:b], values[:b], visible, D**-0.5)
                         torch.testing.assert_close(got[part].double(), ref, atol=1e-5, rtol=1e-5)
     return out
@@ -235,9 +234,12 @@ def test_a_recache_without_a_sink_is_one_forward_from_the_window_and_reset_at_bo
     stream = Stream(cache, "s", branches=1, seed=22)
     for _ in range(3):
         stream.chunk()
+    # the row was compacted at the third commit (12 released tokens: the chunk and block
+    # multiple that reaches the 12 live keys), so its window sits 12 lower in the row
+    assert stream.session.row_offset == 12 and cache.live_row_spans(stream.session) == ((0, 6),)
     rc = cache.begin_recache(stream.session)
-    assert rc is not None and rc.spans == ((12, 18),)
-    assert [(r.kv_start_pos, r.live_from) for r in rc.rows()] == [(12, 12)]
+    assert rc is not None and rc.spans == ((12, 18),) and rc.row_spans == ((0, 6),)
+    assert [(r.kv_start_pos, r.live_from) for r in rc.rows()] == [(0, 0)]
     new = recache_slid_forward(stream, rc, seed=23)
     cache.commit_recache(rc)
     for key, (k, v) in new.items():
@@ -303,11 +305,14 @@ def test_reset_at_boundary_keeps_only_the_sink_and_positions_stay_absolute() -> 
     assert (policy.mask.window, policy.mask.sink) == (8, 8)
     cache, pool, _ = make(policy)
     stream = Stream(cache, "s", branches=1, seed=8)
-    for i in range(4):
+    for i in range(6):
         stream.chunk()  # chunk i sees the sink and itself, at [8 i, 8 i + 8)
         row = cache.worker.registry.snapshot_of("s").sequences[0].block_ids[0]  # type: ignore[union-attr]
-        assert sum(b != NULL_BLOCK for b in row) == 2 and len(row) == 2 * (i + 1)
-    assert stream.session.committed_tokens == 32 and pool.num_free == pool.num_total - 2
+        # every second commit cuts the two released chunks (16 tokens: the sink + window's
+        # live keys) out of the row: positions stay absolute for the host, the row stays short
+        assert stream.session.row_offset == 16 * (i // 2)
+        assert sum(b != NULL_BLOCK for b in row) == 2 and len(row) == 2 * (i + 1) - 4 * (i // 2)
+    assert stream.session.committed_tokens == 48 and pool.num_free == pool.num_total - 2
     with pytest.raises(ValidationError, match="window_chunks must be None or 0, got 2"):
         SessionPolicy(chunk_tokens=8, window_chunks=2, reset_at_boundary=True)
 

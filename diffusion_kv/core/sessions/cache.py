@@ -34,6 +34,7 @@ prefix sharing of first chunks (:mod:`.sharing`).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -117,6 +118,10 @@ class Chunk:
     tokens: int
     branches: int
     state: ChunkState = ChunkState.OPEN
+    row_offset: int = 0
+    """Timeline tokens cut out of the session's rows before this chunk (compaction: released
+    places dropped between the sink and the window): its rows sit at ``start - row_offset``.
+    The host keeps ``start`` for its positions (RoPE); only the core reads row positions."""
     _rows: tuple[PagedRow, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -129,8 +134,9 @@ class Chunk:
         hands the same rows, so the runtime's ``ensure_rows`` finds them active and prepares
         nothing."""
         if self._rows is None:
+            start = self.start - self.row_offset
             self._rows = tuple(
-                PagedRow(self.session_id, self.tokens, self.end, self.start, sequence_id=b)
+                PagedRow(self.session_id, self.tokens, start + self.tokens, start, sequence_id=b)
                 for b in range(self.branches)
             )
         return self._rows
@@ -157,6 +163,10 @@ class Session:
     offloaded: object | None = None
     """The host copy of its committed K/V while offloaded (an
     :class:`~diffusion_kv.core.sessions.offload.OffloadedKV`; its blocks are back in the pool)."""
+    row_offset: int = 0
+    """Timeline tokens cut out of its rows so far (:meth:`SessionCache.commit` compacts): a
+    committed token at timeline position ``t`` past the sink's blocks sits at row position
+    ``t - row_offset``; the sink's stay where they are."""
 
 
 @dataclass
@@ -180,7 +190,10 @@ class RecachePass:
     contexts: tuple[str, ...] = ()
     done: bool = False
     live: tuple[tuple[int, int], ...] | None = None
-    """The live committed spans (None: every committed token, ``[(0, tokens)]``)."""
+    """The live committed spans on the host's timeline (None: every committed token, ``[(0, tokens)]``)."""
+    row_offset: int = 0
+    """The session's :attr:`Session.row_offset`: a live span past the sink sits that much lower
+    in the rows (:attr:`row_spans`)."""
 
     def __post_init__(self) -> None:
         if self.live is None:
@@ -188,8 +201,17 @@ class RecachePass:
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
-        """The live spans the pass recomputes, ascending."""
+        """The live spans the pass recomputes, ascending, on the host's timeline (the positions
+        its inputs take)."""
         return self.live if self.live is not None else ((0, self.tokens),)
+
+    @property
+    def row_spans(self) -> tuple[tuple[int, int], ...]:
+        """:attr:`spans` at row positions: the sink's where they are, the window's
+        ``row_offset`` lower (a compacted session's; the same spans otherwise)."""
+        if not self.row_offset:
+            return self.spans
+        return tuple((a, b) if a == 0 else (a - self.row_offset, b - self.row_offset) for a, b in self.spans)
 
     def forwards(self) -> tuple[tuple[PagedRow, ...], ...]:
         """The forwards the host runs, in order: one per live span, one row per branch. The
@@ -200,7 +222,7 @@ class RecachePass:
                 PagedRow(self.shadow_id, b - a, b, a, sequence_id=br, live_from=a)
                 for br in range(self.branches)
             )
-            for a, b in self.spans
+            for a, b in self.row_spans
         )
 
     def rows(self) -> tuple[PagedRow, ...]:
@@ -256,6 +278,18 @@ class SessionCache:
             )
         self.mask = mask
         self.contexts = contexts
+        block = allocator.block_size
+        self.compact_from = cdiv(mask.sink, block) * block
+        """Row position where compaction cuts: the first place past the sink's blocks."""
+        self.compact_tokens: int | None = None
+        """Released tokens past :attr:`compact_from` that make :meth:`commit` compact the rows (a
+        multiple of the chunk and the block size, at least the session's live keys, so a row stays
+        under about twice its live length whatever the stream's length); None: nothing is ever
+        released (no window)."""
+        if mask.releases:
+            unit = math.lcm(policy.chunk_tokens, block)
+            live = mask.sink + (mask.window or 0)
+            self.compact_tokens = cdiv(live, unit) * unit
         self._sessions: dict[str, Session] = {}
         self._clock = 0
         self.on_pool_short: Callable[[Session], bool] | None = None
@@ -319,6 +353,7 @@ class SessionCache:
             self.contexts.release_session(session.session_id, keep)
         session.committed_tokens = 0
         session.chunks_committed = 0
+        session.row_offset = 0
 
     def _drop_kv(self, session: Session) -> None:
         """Abort the open chunk and re-cache, retire the rows and free every block."""
@@ -426,7 +461,13 @@ class SessionCache:
             return None
         self._install_or_free(shadow)
         recache = RecachePass(
-            sid, shadow_id, session.committed_tokens, session.branches, tuple(staged), live=live
+            sid,
+            shadow_id,
+            session.committed_tokens,
+            session.branches,
+            tuple(staged),
+            live=live,
+            row_offset=session.row_offset,
         )
         for name, tokens in staged.items():
             if self._contexts().stage(sid, name, tokens, session.branches) is None:
@@ -436,8 +477,9 @@ class SessionCache:
         return recache
 
     def live_spans(self, session: Session) -> tuple[tuple[int, int], ...]:
-        """The committed tokens a later chunk can still see: ``[(0, committed)]`` until the window
-        slides past the sink, then the sink and the window (an empty one left out)."""
+        """The committed tokens a later chunk can still see, on the host's timeline:
+        ``[(0, committed)]`` until the window slides past the sink, then the sink and the window
+        (an empty one left out)."""
         committed = session.committed_tokens
         keep = self.mask.retention(committed)
         if keep.first_live <= keep.pinned:
@@ -446,6 +488,16 @@ class SessionCache:
         if keep.first_live < committed:
             spans.append((keep.first_live, committed))
         return tuple(spans)
+
+    def live_row_spans(self, session: Session) -> tuple[tuple[int, int], ...]:
+        """:meth:`live_spans` at the session's row positions (what ``worker.resolve(...).written``
+        and the block places index): the sink's where they are, the window's
+        :attr:`Session.row_offset` lower once the rows were compacted."""
+        off = session.row_offset
+        return tuple(
+            (a, b) if a < self.compact_from or not off else (a - off, b - off)
+            for a, b in self.live_spans(session)
+        )
 
     def _check_live_from_served(self) -> None:
         lacking = [b.name for b in self.worker.backends if not b.capabilities.supports_live_from]
@@ -468,7 +520,7 @@ class SessionCache:
         session = self._open_recache(recache)
         for b in range(recache.branches):
             written = self.worker.resolve(recache.shadow_id, b).written
-            gap = tuple(g for a0, b0 in recache.spans for g in missing_spans(written, a0, b0))
+            gap = tuple(g for a0, b0 in recache.row_spans for g in missing_spans(written, a0, b0))
             if gap:
                 raise StateError(
                     f"re-cache of session {recache.session_id!r} branch {b}: tokens {list(gap)} were never written; "
@@ -481,7 +533,7 @@ class SessionCache:
                     f"re-cache of session {recache.session_id!r}: staged context {name!r} (branch, tokens) {gaps} "
                     "were never written"
                 )
-        narrowed = None if recache.spans == ((0, recache.tokens),) else recache.spans
+        narrowed = None if recache.spans == ((0, recache.tokens),) else recache.row_spans
         snapshot = self.allocator.adopt(
             recache.session_id,
             recache.shadow_id,
@@ -543,7 +595,9 @@ class SessionCache:
             or self.allocator.extend(sid, None, tokens, install=self.worker.install) is None
         ):
             return None
-        chunk = Chunk(sid, session.chunks_committed, start, tokens, session.branches)
+        chunk = Chunk(
+            sid, session.chunks_committed, start, tokens, session.branches, row_offset=session.row_offset
+        )
         session.open_chunk = chunk
         session.last_used = self._tick()
         return chunk
@@ -555,10 +609,11 @@ class SessionCache:
         session = self._open(chunk)
         for row in chunk.rows():
             binding = self.worker.resolve(row.request_id, row.sequence_id)
-            gap = missing_spans(binding.written, chunk.start, chunk.end)
+            gap = missing_spans(binding.written, row.kv_start_pos, row.seq_len)
             if gap:
                 raise StateError(
-                    f"session {chunk.session_id!r} chunk {chunk.index} branch {row.sequence_id}: tokens {list(gap)} "
+                    f"session {chunk.session_id!r} chunk {chunk.index} branch {row.sequence_id}: tokens "
+                    f"{[(a + chunk.row_offset, b + chunk.row_offset) for a, b in gap]} "
                     "were never written; run a forward over chunk.rows() before committing"
                 )
         chunk.state = ChunkState.COMMITTED
@@ -566,6 +621,7 @@ class SessionCache:
         session.committed_tokens = chunk.end
         session.chunks_committed += 1
         snapshot = self._slide(session)
+        snapshot = self._compact(session) or snapshot
         session.history.append(len(self.allocator.blocks_of(session.session_id)))
         session.last_used = self._tick()
         return snapshot
@@ -637,7 +693,8 @@ class SessionCache:
 
     def _slide(self, session: Session) -> RequestAllocation | None:
         block = self.allocator.block_size
-        keep = self.mask.retention(session.committed_tokens)
+        # row positions: the mask is the same shifted by whole chunks (the offset is)
+        keep = self.mask.retention(session.committed_tokens - session.row_offset)
         releasable = keep.releasable_blocks(block)  # a range: every place the window passed
         if not releasable:
             return None
@@ -654,6 +711,37 @@ class SessionCache:
         if not fresh:
             return None
         return self.allocator.release(session.session_id, None, fresh, install=self.worker.install)
+
+    def _compact(self, session: Session) -> RequestAllocation | None:
+        """Cut the released places right past the sink's blocks out of the session's rows once
+        they reach :attr:`compact_tokens` (a COMPACT: the rows keep their blocks, later positions
+        move down by whole chunks, ``row_offset`` grows by as much). The mask sees the same keys:
+        every later query's window starts past the cut (``docs/sessions.md``, "Row compaction")."""
+        every = self.compact_tokens
+        if every is None:
+            return None
+        snapshot = self.worker.registry.snapshot_of(session.session_id) if self.worker.registry else None
+        if snapshot is None:
+            return None
+        block = self.allocator.block_size
+        # past the sink's blocks and any row's prefix (a shared start lies in the sink: the same)
+        prefix = max(max(s.prefix_len, s.cached_prefix_len) for s in snapshot.sequences)
+        at = max(self.compact_from, cdiv(prefix, block) * block)
+        row = snapshot.sequences[0].block_ids[0]
+        first = at // block
+        if len(row) - first < every // block:
+            return None
+        places = np.fromiter(row[first:], dtype=np.intp, count=len(row) - first) != NULL_BLOCK
+        held = np.flatnonzero(places)
+        released = int(held[0]) if held.size else len(row) - first  # the run of released places
+        tokens = released * block // every * every
+        if tokens == 0:
+            return None
+        compacted = self.allocator.compact(
+            session.session_id, at, tokens, install=lambda s: self.worker.compact(s, at, tokens)
+        )
+        session.row_offset += tokens
+        return compacted
 
     def kv_blocks_bound(self) -> int:
         """Blocks one branch of a session holds at most while a chunk is open: the sink, the
