@@ -59,6 +59,32 @@ def test_chunk_stream_matches_vllm_omnis_own_path_across_eviction(env: Any) -> N
 
 
 @torch.no_grad()
+def test_a_stream_longer_than_max_frames_matches_the_hosts(env: Any) -> None:
+    """Rows are compacted (the released blocks between the sink and the window cut out), so a
+    session runs past ``max_frames`` -- which bounds a row, not the stream -- still equal to
+    vLLM-Omni's own path block after block."""
+    model = M.lingbot(SHAPE, seed=0)
+    layout = M.lingbot_layout(SHAPE)
+    host = M.host_state(layout)
+    dkv = M.dkv_cache(layout, max_frames=20).state("s0")
+    inputs = M.LingBotInputs(SHAPE, seed=1)
+    host_cross: list[Any] = [None] * SHAPE.layers
+    dkv_cross: list[Any] = [None] * SHAPE.layers
+    blocks = 24  # 48 frames on the timeline, rows of at most 20
+    for index in range(blocks):
+        ours = M.lingbot_block(model, dkv, dkv_cross, inputs, index)
+        theirs = M.lingbot_block(model, host, host_cross, inputs, index)
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    session = dkv._session("positive")
+    assert session.committed_tokens == blocks * SHAPE.frames_per_block * SHAPE.tokens_per_frame
+    assert session.row_offset > 0
+    assert session.committed_tokens - session.row_offset <= 20 * SHAPE.tokens_per_frame
+    cache = dkv.cache
+    dkv.close()
+    assert cache.pool.num_free == cache.pool.num_total
+
+
+@torch.no_grad()
 def test_reset_restarts_at_position_zero_like_the_hosts(env: Any) -> None:
     model, host, dkv = _pair(seed=2)
     inputs = M.LingBotInputs(SHAPE, seed=3)
