@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -559,31 +560,46 @@ class TorchBlockTables:
         return self._prepare_batch_host(host)
 
     def _prepare_batch_host(self, host: HostBatch) -> DeviceBatch:
+        """The host path of :meth:`prepare_batch` in NumPy, over the tables' NumPy views (the
+        same memory): a row's gathered table is a slice copy, its slots one arithmetic over its
+        slice of block ids -- a few microseconds a row, where torch dispatch costs that per op."""
         n, num_tokens = host.num_reqs, host.num_tokens
-        qsl, seq, rows, starts = host.split()
-        qsl_l, rows_l, starts_l = qsl.tolist(), rows.tolist(), starts.tolist()
-        positions = torch.empty(num_tokens, dtype=torch.long)
+        qsl, seq, rows, _ = host.split()
+        packed = host.packed.numpy()
+        qsl_l = packed[: n + 1].tolist()
+        rows_l = packed[2 * n + 1 : 3 * n + 1].tolist()
+        starts_l = packed[3 * n + 1 :].tolist()
+        positions = np.empty(num_tokens, dtype=np.int64)
         for i in range(n):
             q0, q1 = qsl_l[i], qsl_l[i + 1]
-            torch.arange(starts_l[i], starts_l[i] + q1 - q0, out=positions[q0:q1])
-        tables = self.gather_block_tables(rows, num_reqs_padded=n)
-        slots = torch.full((self.num_kv_cache_groups, num_tokens), PAD_SLOT_ID, dtype=self.slot_mapping_dtype)
-        counts = self.num_blocks.cpu.tolist()
+            positions[q0:q1] = np.arange(starts_l[i], starts_l[i] + q1 - q0)
+        slot_dtype = torch.empty(0, dtype=self.slot_mapping_dtype).numpy().dtype
+        slots = np.full((self.num_kv_cache_groups, num_tokens), PAD_SLOT_ID, dtype=slot_dtype)
+        counts = self.num_blocks.np
+        tables = []
         for g, table in enumerate(self.block_tables):
+            ids = table._host
+            assert ids is not None  # a host table (the device is the CPU)
             kbs = self.kernel_block_sizes[g]
-            offsets = torch.arange(kbs, dtype=torch.long)
+            gathered = np.zeros((n, table.width), dtype=np.int32)
             for i in range(n):
-                q0, q1, row, start = qsl_l[i], qsl_l[i + 1], rows_l[i], starts_l[i]
-                if row < 0:  # a padding row writes nothing
+                row = rows_l[i]
+                if row < 0:  # a padding row: no blocks, writes nothing
                     continue
-                end = min(start + q1 - q0, counts[g][row] * kbs)  # -1 past the installed blocks
+                count = int(counts[g, row])
+                gathered[i, :count] = ids[row, :count]
+                q0, q1, start = qsl_l[i], qsl_l[i + 1], starts_l[i]
+                end = min(start + q1 - q0, count * kbs)  # -1 past the installed blocks
                 if end <= start:
                     continue
                 b0, b1 = start // kbs, -(-end // kbs)
-                grid = table.gpu[row, b0:b1].long().mul_(kbs).unsqueeze(1).add(offsets).view(-1)
+                grid = (ids[row, b0:b1].astype(np.int64) * kbs)[:, None] + np.arange(kbs)
                 lo = start - b0 * kbs
-                slots[g, q0 : q0 + end - start] = grid[lo : lo + end - start]
-        return DeviceBatch(qsl, seq, rows, positions, tables, slots)
+                slots[g, q0 : q0 + end - start] = grid.reshape(-1)[lo : lo + end - start]
+            tables.append(torch.from_numpy(gathered))
+        return DeviceBatch(
+            qsl, seq, rows, torch.from_numpy(positions), tuple(tables), torch.from_numpy(slots)
+        )
 
     def gather_block_tables(
         self, idx_mapping: torch.Tensor, num_reqs_padded: int

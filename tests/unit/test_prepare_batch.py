@@ -282,6 +282,22 @@ def test_torch_default_matches_the_method() -> None:
     assert_same(prepare_batch_torch(ref, host, torch.device("cpu")), ref.prepare_batch(host))
 
 
+@pytest.mark.parametrize(
+    "kw", [v for k, v in LAYOUTS.items() if "dcp" not in k], ids=[k for k in LAYOUTS if "dcp" not in k]
+)
+@pytest.mark.parametrize("seed", [3, 4])
+def test_the_host_path_matches_the_torch_default_on_random_layouts(kw: dict[str, Any], seed: int) -> None:
+    """The CPU tables' NumPy path (``_prepare_batch_host``) against the pure-torch default, on
+    the same tables: padding rows, kernel blocks, two groups, int32 slots, positions past a
+    row's installed blocks, stale ids past a row's count."""
+    rng = random.Random(seed)
+    _, ref = tables(**kw)
+    install_random((ref,), rng)
+    for _ in range(6):
+        host = random_batch(rng, ref.max_num_reqs, ref.max_num_batched_tokens)
+        assert_same(ref.prepare_batch(host), prepare_batch_torch(ref, host, torch.device("cpu")))
+
+
 # --- the cuda backend's per-shape plans -------------------------------------------------------
 
 
