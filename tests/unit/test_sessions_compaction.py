@@ -224,3 +224,31 @@ def test_the_registry_refuses_a_compaction_that_would_change_what_a_query_sees_a
     check_pages(cache, stream)
     stream.chunk(steps=1)  # equal to dense on the timeline
     cache.end_session(stream.session)
+
+
+def test_compact_tokens_takes_whole_chunks_and_blocks_and_none_keeps_absolute_rows() -> None:
+    from diffusion_kv.core.allocator import AdmissionError
+
+    cache, pool = make(num_blocks=40, policy=POLICY)
+    assert cache.compact_unit == 12 and cache.compact_tokens == 24
+    for bad in (0, 18, 6, -12, 12.0, True):
+        with pytest.raises(
+            ValidationError, match=r"positive multiple of 12 \(whole chunks of 6 and blocks of 4\)"
+        ):
+            cache.compact_tokens = bad  # type: ignore[assignment]
+        assert cache.compact_tokens == 24  # unchanged
+    cache.compact_tokens = 36
+    assert cache.compact_tokens == 36
+    cache.compact_tokens = None  # rows at absolute positions: max_model_len (96) bounds the stream
+    stream = Stream(cache, "s", branches=1, seed=13)
+    for _ in range(16):
+        stream.chunk(steps=1)
+    assert stream.session.row_offset == 0 and stream.session.committed_tokens == 96
+    with pytest.raises(AdmissionError, match="102 tokens exceed max_model_len 96"):
+        cache.append_chunk(stream.session)
+    cache.end_session(stream.session)
+    assert pool.num_free == pool.num_total
+    unbounded, _ = make(num_blocks=40, policy=SessionPolicy(chunk_tokens=6))
+    assert unbounded.compact_tokens is None
+    with pytest.raises(ValidationError, match="releases nothing to compact"):
+        unbounded.compact_tokens = 12

@@ -281,21 +281,41 @@ class SessionCache:
         block = allocator.block_size
         self.compact_from = cdiv(mask.sink, block) * block
         """Row position where compaction cuts: the first place past the sink's blocks."""
-        self.compact_tokens: int | None = None
-        """Released tokens past :attr:`compact_from` that make :meth:`commit` compact the rows (a
-        multiple of the chunk and the block size, at least the session's live keys, so a row stays
-        under about twice its live length whatever the stream's length); None: nothing is ever
-        released (no window)."""
+        self.compact_unit = math.lcm(policy.chunk_tokens, block)
+        """What a compaction cuts a multiple of: whole chunks and whole blocks."""
+        self._compact_tokens: int | None = None
         if mask.releases:
-            unit = math.lcm(policy.chunk_tokens, block)
             live = mask.sink + (mask.window or 0)
-            self.compact_tokens = cdiv(live, unit) * unit
+            self._compact_tokens = cdiv(live, self.compact_unit) * self.compact_unit
         self._sessions: dict[str, Session] = {}
         self._clock = 0
         self.on_pool_short: Callable[[Session], bool] | None = None
         """Called by :meth:`append_chunk` when the pool cannot take the chunk (with the session
         asking); returning True makes it try once more (e.g. after offloading an idle session:
         :func:`~diffusion_kv.core.sessions.offload.offload_lru`)."""
+
+    @property
+    def compact_tokens(self) -> int | None:
+        """Released tokens past :attr:`compact_from` that make :meth:`commit` compact the rows (a
+        multiple of :attr:`compact_unit`; by default the first at least the session's live keys,
+        so a row stays under about twice its live length whatever the stream's length). None:
+        rows are never compacted (the default without a window, where nothing is released; set
+        it to keep a windowed session's rows at absolute positions, ``max_model_len`` then
+        bounding the stream)."""
+        return self._compact_tokens
+
+    @compact_tokens.setter
+    def compact_tokens(self, tokens: int | None) -> None:
+        if tokens is not None and (type(tokens) is not int or tokens <= 0 or tokens % self.compact_unit):
+            raise ValidationError(
+                f"SessionCache.compact_tokens must be None or a positive multiple of {self.compact_unit} "
+                f"(whole chunks of {self.policy.chunk_tokens} and blocks of {self.allocator.block_size}); got {tokens!r}"
+            )
+        if tokens is not None and not self.mask.releases:
+            raise ValidationError(
+                f"SessionCache.compact_tokens: the mask {self.mask.describe()} releases nothing to compact"
+            )
+        self._compact_tokens = tokens
 
     # -- sessions ------------------------------------------------------------------------------
 
