@@ -155,7 +155,7 @@ def run(
     # tolerance (a layer reading another layer's pages, or stale ones, is far outside it)
     tol = tolerance(outs[0].dtype, type(h.backend))
     for o in outs[1:]:
-        torch.testing.assert_close(o, outs[0], **tol)
+        torch.testing.assert_close(o, outs[0], atol=tol["atol"], rtol=tol["rtol"])
     return outs[0]
 
 
@@ -444,7 +444,7 @@ def test_physical_placement_does_not_change_output(dkv_platform: Platform, dkv_b
         outs.append(run(h, rows_for("r", [(0, n) for n in lens]), data).cpu())
     tol = tolerance(outs[0].dtype, dkv_backend)  # the same math; a CPU BLAS may round apart
     for other in outs[1:]:
-        torch.testing.assert_close(other, outs[0], **tol)
+        torch.testing.assert_close(other, outs[0], atol=tol["atol"], rtol=tol["rtol"])
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
