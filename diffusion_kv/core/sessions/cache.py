@@ -191,9 +191,9 @@ class RecachePass:
     done: bool = False
     live: tuple[tuple[int, int], ...] | None = None
     """The live committed spans on the host's timeline (None: every committed token, ``[(0, tokens)]``)."""
-    row_offset: int = 0
-    """The session's :attr:`Session.row_offset`: a live span past the sink sits that much lower
-    in the rows (:attr:`row_spans`)."""
+    row_live: tuple[tuple[int, int], ...] | None = None
+    """:attr:`live` at the session's row positions (:meth:`SessionCache.live_row_spans`; None:
+    the same spans, the rows never compacted)."""
 
     def __post_init__(self) -> None:
         if self.live is None:
@@ -208,10 +208,8 @@ class RecachePass:
     @property
     def row_spans(self) -> tuple[tuple[int, int], ...]:
         """:attr:`spans` at row positions: the sink's where they are, the window's
-        ``row_offset`` lower (a compacted session's; the same spans otherwise)."""
-        if not self.row_offset:
-            return self.spans
-        return tuple((a, b) if a == 0 else (a - self.row_offset, b - self.row_offset) for a, b in self.spans)
+        :attr:`Session.row_offset` lower (a compacted session's; the same spans otherwise)."""
+        return self.row_live if self.row_live is not None else self.spans
 
     def forwards(self) -> tuple[tuple[PagedRow, ...], ...]:
         """The forwards the host runs, in order: one per live span, one row per branch. The
@@ -487,7 +485,7 @@ class SessionCache:
             session.branches,
             tuple(staged),
             live=live,
-            row_offset=session.row_offset,
+            row_live=self.live_row_spans(session),
         )
         for name, tokens in staged.items():
             if self._contexts().stage(sid, name, tokens, session.branches) is None:
