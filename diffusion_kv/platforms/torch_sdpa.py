@@ -601,6 +601,12 @@ class CudaPagedMetadata:
     )
     """Per (row group, query heads per KV head, dtype): a planned mask's additive bias for the
     partial path, made by the batch's first call and reused by the others."""
+    calls: dict[int, _BoundCall] = field(default_factory=dict, compare=False, repr=False)
+    """Per layer cache object (by ``id``, the cache held in the entry): the batch's whole
+    :meth:`TorchSdpaBackend.forward` resolved by its first call there, for the later calls on
+    the same cache (the denoise steps of a chunk, the steps between two preparations) -- set
+    only where K/V are views of the cache (they read what later writes put there) and one SDPA
+    call covers every query in order."""
 
 
 def _uniform_row_group(md: CudaPagedMetadata, query_len: int) -> SdpaRowGroup | None:
@@ -630,6 +636,23 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
         (step * page_elems, cache.stride(1), cache.stride(2), cache.stride(3)),
         cache.storage_offset() + first * page_elems,
     )
+
+
+class _BoundCall(NamedTuple):
+    """One layer cache's resolved attention for a batch (``CudaPagedMetadata.calls``): the
+    query's ``[R, ql, H, D]`` view shape, K/V as ``[R, Hkv, keys, D]`` views of the cache, and
+    the SDPA arguments the full path chose."""
+
+    kv_cache: Any
+    layer: LayerGeometry
+    tokens: int
+    q_shape: tuple[int, int, int, int]
+    kt: torch.Tensor
+    vt: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool
+    gqa: bool
+    cudnn: bool
 
 
 class _WriteViews(NamedTuple):
@@ -1245,6 +1268,67 @@ class TorchSdpaBackend(PagedBackend):
             self._cudnn_answers[sig] = known
         return known
 
+    @staticmethod
+    def _views_cache(grp: SdpaRowGroup) -> bool:
+        """Whether :meth:`_group_tensors` reads the group's K/V as views of the cache (so a
+        :class:`_BoundCall` holding them sees every later write), not as gathered copies."""
+        if grp.token_view is not None:
+            return True
+        if grp.tokens is not None:
+            return False
+        if grp.live_runs is not None:
+            return len(grp.live_runs) == 1
+        return grp.live is None and grp.view is not None
+
+    @staticmethod
+    def _sdpa_call(call: _BoundCall, qt: torch.Tensor) -> torch.Tensor:
+        """SDPA of ``qt`` ``[R, H, ql, D]`` over ``call``'s K/V: ``[R, ql, H, D]`` (a transposed
+        view of SDPA's own output)."""
+        scale = call.layer.scale
+        o: torch.Tensor
+        if call.cudnn:
+            # cuDNN's kernel called directly: the kernel SDPA's priority below would pick,
+            # without the dispatcher's per-call backend selection on the host
+            o = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qt, call.kt, call.vt, None, False, 0.0, call.is_causal, False, scale=scale
+            )[0]
+        elif not qt.is_cuda:  # the priority order names CUDA kernels only: no context to enter
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qt,
+                call.kt,
+                call.vt,
+                attn_mask=call.mask,
+                is_causal=call.is_causal,
+                scale=scale,
+                enable_gqa=call.gqa,
+            )
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            order = [
+                SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH,
+            ]
+            with sdpa_kernel(order, set_priority=True):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qt,
+                    call.kt,
+                    call.vt,
+                    attn_mask=call.mask,
+                    is_causal=call.is_causal,
+                    scale=scale,
+                    enable_gqa=call.gqa,
+                )
+        return o.transpose(1, 2)
+
+    def _bound_sdpa(self, call: _BoundCall, query: torch.Tensor) -> torch.Tensor:
+        """``call`` over ``query`` ``[tokens, H, D]`` (any token stride) holding its rows in
+        order: ``[tokens, H, D]`` (a view when SDPA wrote ``[B, L, H, D]``)."""
+        o = self._sdpa_call(call, query.view(call.q_shape).transpose(1, 2))
+        return o.reshape(call.tokens, call.layer.num_heads, call.layer.head_size)
+
     def _gather_sdpa(
         self,
         layer: LayerGeometry,
@@ -1253,16 +1337,16 @@ class TorchSdpaBackend(PagedBackend):
         md: CudaPagedMetadata,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
+        bound = md.calls.get(id(kv_cache)) if out is None else None
+        if (
+            bound is not None
+            and bound.kv_cache is kv_cache
+            and bound.layer is layer
+            and query.shape[0] == bound.tokens
+        ):
+            return self._bound_sdpa(bound, query)
         hd = layer.head_size
         qsl = md.host_query_start_loc
-        order = [
-            SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH,
-        ]
         # One group covering every row in order: SDPA's own output (already [tokens, H, D] in
         # memory) is returned as is, without a copy into ``out``.
         single = len(md.sdpa_groups) == 1 and out is None
@@ -1287,24 +1371,14 @@ class TorchSdpaBackend(PagedBackend):
                 mask = causal_lower_right(ql, sl)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             gqa = layer.num_heads != layer.num_kv_heads
-            o: torch.Tensor
-            if mask is None and self._cudnn_serves(qt, kt, vt, is_causal, gqa):
-                # cuDNN's kernel called directly: the kernel SDPA's priority below would pick,
-                # without the dispatcher's per-call backend selection on the host
-                o = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    qt, kt, vt, None, False, 0.0, is_causal, False, scale=layer.scale
-                )[0]
-            elif not qt.is_cuda:  # the priority order names CUDA kernels only: no context to enter
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
-                )
-            else:
-                with sdpa_kernel(order, set_priority=True):
-                    o = torch.nn.functional.scaled_dot_product_attention(
-                        qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
-                    )
-            o = o.transpose(1, 2)
+            cudnn = mask is None and self._cudnn_serves(qt, kt, vt, is_causal, gqa)
+            call = _BoundCall(
+                kv_cache, layer, R * ql, (R, ql, layer.num_heads, hd), kt, vt, mask, is_causal, gqa, cudnn
+            )
+            o = self._sdpa_call(call, qt)
             if single and contiguous and R * ql == query.shape[0]:
+                if self._views_cache(grp):
+                    md.calls[id(kv_cache)] = call  # later calls on this cache skip the decisions above
                 return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]
             if result is None:
                 result = torch.empty_like(query)

@@ -4,6 +4,9 @@ window's blocks make in a pool sized to the session's bound is one view of the c
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
@@ -16,6 +19,7 @@ from diffusion_kv.platforms.torch_sdpa import (
     MAX_WRITE_RUNS,
     CudaPagedMetadata,
     SdpaRowGroup,
+    TorchSdpaBackend,
     live_runs,
     order_free,
     slot_runs,
@@ -183,5 +187,87 @@ def test_under_inference_mode_the_slots_are_written_by_index() -> None:
             assert torch.equal(k_cache.reshape(-1, H, D)[slots.long()], k)
             assert torch.equal(v_cache.reshape(-1, H, D)[slots.long()], v)
         cache.abort(chunk)
+    cache.end_session(session)
+    assert pool.num_free == pool.num_total
+
+
+def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_each_steps_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunk's denoise steps run every layer over the same batch: the first call on a layer's
+    cache records the resolved SDPA call (K/V views of the cache, the mask decision) in the
+    batch's metadata and later calls take it; each step's output is exact over what that step
+    wrote, never over an earlier step's K/V, whatever the query's token stride. A record made
+    by another layer object on the same cache is not taken (the full way, also exact)."""
+    cache, pool = _session()
+    worker = cache.worker
+    session = cache.begin_session("s", 1)
+    gen = torch.Generator().manual_seed(1)
+    full_calls: list[str] = []
+    group_tensors = TorchSdpaBackend._group_tensors
+
+    def counted(layer: Any, *args: Any) -> Any:
+        full_calls.append(layer.layer_name)
+        return group_tensors(layer, *args)
+
+    monkeypatch.setattr(TorchSdpaBackend, "_group_tensors", staticmethod(counted))
+    keys = {n: torch.zeros(0, H, D) for n in worker.layers}
+    values = {n: torch.zeros(0, H, D) for n in worker.layers}
+    for index in range(6):
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        mask = POLICY.mask.row_mask(chunk.start, chunk.tokens, chunk.end)
+        last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            assert worker.translator is not None and worker.translator.active_batch is not None
+            md: CudaPagedMetadata = worker.translator.active_batch.attn_metadata["l0"]
+            for step in range(3):
+                for name in worker.layers:
+                    q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+                    if step == 2 and name == "l1":  # packed per token, a wider token stride
+                        q = torch.randn(chunk.tokens, 2 * H * D, generator=gen)[:, : H * D].view(-1, H, D)
+                    out = worker.forward(name, q, k, v)
+                    ref = dense_attention(
+                        q, torch.cat([keys[name], k]), torch.cat([values[name], v]), mask, D**-0.5
+                    )
+                    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+                    last[name] = (k, v)
+                    bound = md.calls.get(id(worker.kv_caches[name]))
+                    assert bound is not None and bound.kv_cache is worker.kv_caches[name]
+                    assert bound.tokens == chunk.tokens
+        # per layer, the first step's call went the full way, the later ones took its record
+        assert full_calls == ["l0", "l1"]
+        full_calls.clear()
+        cache.commit(chunk)
+        for name, (k, v) in last.items():
+            keys[name] = torch.cat([keys[name], k])
+            values[name] = torch.cat([values[name], v])
+    # a record another layer object made on this cache (one geometry, another object) is not taken
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        assert worker.executor is not None and worker.translator is not None
+        batch = worker.translator.active_batch
+        assert batch is not None
+        layer = worker.executor.layers["l0"]
+        twin = type(layer)(**{f: getattr(layer, f) for f in layer.__dataclass_fields__})
+        assert twin == layer and twin is not layer
+        backend = worker.backends[0]
+        kv = worker.kv_caches["l0"]
+        md = batch.attn_metadata["l0"]
+        k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(2))
+        backend.write_kv_valid(layer, k, v, kv, batch.slot_mappings_by_layer["l0"])
+        q = torch.randn(chunk.tokens, H, D, generator=gen)
+        first = backend.forward(layer, q, kv, md)
+        assert md.calls[id(kv)].layer is layer
+        again = backend.forward(twin, q, kv, md)
+        assert md.calls[id(kv)].layer is twin
+        assert torch.equal(first, again)
+        mask = POLICY.mask.row_mask(chunk.start, chunk.tokens, chunk.end)
+        ref = dense_attention(q, torch.cat([keys["l0"], k]), torch.cat([values["l0"], v]), mask, D**-0.5)
+        torch.testing.assert_close(again.double(), ref, atol=1e-5, rtol=1e-5)
+    cache.abort(chunk)
     cache.end_session(session)
     assert pool.num_free == pool.num_total
