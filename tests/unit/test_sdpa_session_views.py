@@ -213,7 +213,7 @@ def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_e
     monkeypatch.setattr(TorchSdpaBackend, "_group_tensors", staticmethod(counted))
     keys = {n: torch.zeros(0, H, D) for n in worker.layers}
     values = {n: torch.zeros(0, H, D) for n in worker.layers}
-    for index in range(6):
+    for _ in range(6):
         chunk = cache.append_chunk(session)
         assert chunk is not None
         mask = POLICY.mask.row_mask(chunk.start, chunk.tokens, chunk.end)
