@@ -649,7 +649,8 @@ class _BoundCall(NamedTuple):
     q_shape: tuple[int, int, int, int]
     kt: torch.Tensor
     vt: torch.Tensor
-    mask: torch.Tensor | None
+    mask: Any
+    """SDPA's ``attn_mask``: a planned group's bool key mask, a lower-right causal bias, or None."""
     is_causal: bool
     gqa: bool
     cudnn: bool
@@ -699,6 +700,11 @@ def _gather_slots(cache: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if _flat(cache):
         return cache.view(nb * page, *cache.shape[2:]).index_select(0, tokens)
     return cache[torch.div(tokens, page, rounding_mode="floor"), tokens % page]
+
+
+def _aliases(t: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``t`` lives in ``cache``'s memory (a view of it, not a copy)."""
+    return t.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
 
 
 def _runs_of(cache: torch.Tensor, runs: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
@@ -1142,18 +1148,15 @@ class TorchSdpaBackend(PagedBackend):
             k = _gather_slots(k_cache, grp.tokens).view(R, keys, hkv, hd)
             v = _gather_slots(v_cache, grp.tokens).view(R, keys, hkv, hd)
         elif grp.live_runs is not None:  # a planned mask on the CPU: the live blocks' runs, sliced
-            if len(grp.live_runs) == 1:  # one view per layer cache, made by the batch's first call
-                at = (k_cache.data_ptr(), id(grp))
-                cached = md.views.get(at)
-                if cached is None:
-                    cached = md.views[at] = (
-                        _runs_of(k_cache, grp.live_runs, keys),
-                        _runs_of(v_cache, grp.live_runs, keys),
-                    )
+            at = (k_cache.data_ptr(), id(grp))
+            cached = md.views.get(at) if len(grp.live_runs) == 1 else None
+            if cached is not None:  # one view per layer cache, made by the batch's first call
                 k, v = cached
             else:
                 k = _runs_of(k_cache, grp.live_runs, keys)
                 v = _runs_of(v_cache, grp.live_runs, keys)
+                if len(grp.live_runs) == 1 and _aliases(k, k_cache) and _aliases(v, v_cache):
+                    md.views[at] = (k, v)  # views (pages that flatten in place), not copies
         elif grp.live is not None:  # a planned mask: the live blocks only, gathered
             flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
             n_live = grp.live.shape[0]
@@ -1269,16 +1272,12 @@ class TorchSdpaBackend(PagedBackend):
         return known
 
     @staticmethod
-    def _views_cache(grp: SdpaRowGroup) -> bool:
-        """Whether :meth:`_group_tensors` reads the group's K/V as views of the cache (so a
-        :class:`_BoundCall` holding them sees every later write), not as gathered copies."""
-        if grp.token_view is not None:
-            return True
-        if grp.tokens is not None:
-            return False
-        if grp.live_runs is not None:
-            return len(grp.live_runs) == 1
-        return grp.live is None and grp.view is not None
+    def _views_cache(md: CudaPagedMetadata, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``k`` and ``v`` (what :meth:`_group_tensors` returned for ``kv_cache``) live in
+        the cache's own memory -- views, which a :class:`_BoundCall` may hold because they see
+        every later write -- and not gathered or reshaped copies."""
+        split = md.splits.get(id(kv_cache))
+        return split is not None and _aliases(k, split[1]) and _aliases(v, split[2])
 
     @staticmethod
     def _sdpa_call(call: _BoundCall, qt: torch.Tensor) -> torch.Tensor:
@@ -1377,7 +1376,7 @@ class TorchSdpaBackend(PagedBackend):
             )
             o = self._sdpa_call(call, qt)
             if single and contiguous and R * ql == query.shape[0]:
-                if self._views_cache(grp):
+                if self._views_cache(md, kv_cache, k, v):
                     md.calls[id(kv_cache)] = call  # later calls on this cache skip the decisions above
                 return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]
             if result is None:

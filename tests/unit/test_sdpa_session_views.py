@@ -271,3 +271,56 @@ def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_e
     cache.abort(chunk)
     cache.end_session(session)
     assert pool.num_free == pool.num_total
+
+
+def test_pages_that_do_not_flatten_are_read_fresh_at_every_step() -> None:
+    """A layer cache whose pages do not flatten into slots in place (a head-major layout, as a
+    host's cache may be) makes the one live run's K/V a reshaped copy, not a view: nothing of it
+    is kept for the batch's later calls, so each denoise step reads what it wrote."""
+    cache, pool = _session()
+    worker = cache.worker
+    session = cache.begin_session("s", 1)
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.zeros(0, H, D)
+    values = torch.zeros(0, H, D)
+    for _ in range(4):  # the window slides: the live blocks form one run of the cache
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        with worker.stepper() as runtime:
+            runtime.ensure_rows(chunk.rows())
+            ks = {}
+            for name in worker.layers:
+                q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+                worker.forward(name, q, k, v)
+                ks[name] = (k, v)
+        cache.commit(chunk)
+        keys, values = torch.cat([keys, ks["l0"][0]]), torch.cat([values, ks["l0"][1]])
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        assert worker.executor is not None and worker.translator is not None
+        batch = worker.translator.active_batch
+        assert batch is not None
+        md: CudaPagedMetadata = batch.attn_metadata["l0"]
+        (grp,) = md.sdpa_groups
+        assert grp.live_runs is not None and len(grp.live_runs) == 1
+        layer = worker.executor.layers["l0"]
+        backend = worker.backends[0]
+        k_cache, v_cache = key_value_caches(worker.kv_caches["l0"])
+        head_major = tuple(c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache))
+        assert head_major[0].stride(0) != head_major[0].shape[1] * head_major[0].stride(1)
+        assert torch.equal(head_major[0], k_cache)
+        slots = batch.slot_mappings_by_layer["l0"]
+        mask = POLICY.mask.row_mask(chunk.start, chunk.tokens, chunk.end)
+        for _ in range(3):
+            q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+            backend.write_kv_valid(layer, k, v, head_major, slots)
+            out = backend.forward(layer, q, head_major, md)
+            ref = dense_attention(q, torch.cat([keys, k]), torch.cat([values, v]), mask, D**-0.5)
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert id(head_major) not in md.calls
+        assert not any(at[0] == head_major[0].data_ptr() for at in md.views)
+    cache.abort(chunk)
+    cache.end_session(session)
+    assert pool.num_free == pool.num_total
