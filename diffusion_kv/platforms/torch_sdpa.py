@@ -15,6 +15,7 @@ vendor module or depends on the device type beyond choosing torch's kernel.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -702,6 +703,22 @@ def _gather_slots(cache: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return cache[torch.div(tokens, page, rounding_mode="floor"), tokens % page]
 
 
+def _sdpa_priority(cuda: bool) -> contextlib.AbstractContextManager[Any]:
+    """SDPA's kernel priority for a call: cuDNN, FlashAttention, memory-efficient, math on a
+    CUDA device; nothing to enter on the host (the order names CUDA kernels only)."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def _aliases(t: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether ``t`` lives in ``cache``'s memory (a view of it, not a copy)."""
     return t.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
@@ -1291,26 +1308,8 @@ class TorchSdpaBackend(PagedBackend):
             o = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 qt, call.kt, call.vt, None, False, 0.0, call.is_causal, False, scale=scale
             )[0]
-        elif not qt.is_cuda:  # the priority order names CUDA kernels only: no context to enter
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qt,
-                call.kt,
-                call.vt,
-                attn_mask=call.mask,
-                is_causal=call.is_causal,
-                scale=scale,
-                enable_gqa=call.gqa,
-            )
         else:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            order = [
-                SDPBackend.CUDNN_ATTENTION,
-                SDPBackend.FLASH_ATTENTION,
-                SDPBackend.EFFICIENT_ATTENTION,
-                SDPBackend.MATH,
-            ]
-            with sdpa_kernel(order, set_priority=True):
+            with _sdpa_priority(qt.is_cuda):
                 o = torch.nn.functional.scaled_dot_product_attention(
                     qt,
                     call.kt,
