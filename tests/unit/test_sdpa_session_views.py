@@ -191,6 +191,14 @@ def test_under_inference_mode_the_slots_are_written_by_index() -> None:
     assert pool.num_free == pool.num_total
 
 
+def _active(worker: PagedWorker) -> tuple[Any, Any]:
+    """Inside a stepper: the worker's active batch and its executor."""
+    assert worker.executor is not None and worker.translator is not None
+    batch = worker.translator.active_batch
+    assert batch is not None
+    return batch, worker.executor
+
+
 def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_each_steps_writes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -220,8 +228,7 @@ def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_e
         last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         with worker.stepper() as runtime:
             runtime.ensure_rows(chunk.rows())
-            assert worker.translator is not None and worker.translator.active_batch is not None
-            md: CudaPagedMetadata = worker.translator.active_batch.attn_metadata["l0"]
+            md: CudaPagedMetadata = _active(worker)[0].attn_metadata["l0"]
             for step in range(3):
                 for name in worker.layers:
                     q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
@@ -248,10 +255,8 @@ def test_the_denoise_steps_of_a_chunk_reuse_the_first_calls_decisions_and_read_e
     assert chunk is not None
     with worker.stepper() as runtime:
         runtime.ensure_rows(chunk.rows())
-        assert worker.executor is not None and worker.translator is not None
-        batch = worker.translator.active_batch
-        assert batch is not None
-        layer = worker.executor.layers["l0"]
+        batch, executor = _active(worker)
+        layer = executor.layers["l0"]
         twin = type(layer)(**{f: getattr(layer, f) for f in layer.__dataclass_fields__})
         assert twin == layer and twin is not layer
         backend = worker.backends[0]
@@ -299,13 +304,11 @@ def test_pages_that_do_not_flatten_are_read_fresh_at_every_step() -> None:
     assert chunk is not None
     with worker.stepper() as runtime:
         runtime.ensure_rows(chunk.rows())
-        assert worker.executor is not None and worker.translator is not None
-        batch = worker.translator.active_batch
-        assert batch is not None
+        batch, executor = _active(worker)
         md: CudaPagedMetadata = batch.attn_metadata["l0"]
         (grp,) = md.sdpa_groups
         assert grp.live_runs is not None and len(grp.live_runs) == 1
-        layer = worker.executor.layers["l0"]
+        layer = executor.layers["l0"]
         backend = worker.backends[0]
         k_cache, v_cache = key_value_caches(worker.kv_caches["l0"])
         head_major = tuple(c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (k_cache, v_cache))
