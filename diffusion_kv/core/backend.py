@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -50,6 +50,9 @@ from diffusion_kv.core.host import NO_HOST_REASON, HostRuntime
 
 if TYPE_CHECKING:
     from diffusion_kv.core.layout import CacheLayout
+
+LayerRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``run(query, key, value) -> out``: what :meth:`PagedBackend.bind_layer` may return."""
 
 
 class KVPageLayout(enum.Enum):
@@ -403,6 +406,25 @@ class PagedBackend(abc.ABC):
         override where it cannot attend in one call; the caller then merges
         :meth:`forward_partial_extra` with its own partial over the extra keys
         (``merge_partial_attention``) -- the same result up to rounding."""
+        return None
+
+    def bind_layer(
+        self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor
+    ) -> LayerRunner | None:
+        """An optional fast path for a layer's later calls in one active batch; the default
+        returns None (every call goes through :meth:`write_kv_valid` and :meth:`forward`).
+
+        The core asks after a layer's call succeeded in the plain case -- one :meth:`forward`
+        over every query, every slot real (:meth:`write_kv_valid`), no decode context
+        parallelism, no piecewise spans -- handing the same ``layer``, ``kv_cache``, native
+        ``metadata`` and ``slot_mapping`` that call had. A backend may return ``run(query, key,
+        value) -> out`` that does exactly what :meth:`write_kv_valid` then :meth:`forward` would
+        for those arguments, with whatever it decided on the first call kept (views, masks,
+        kernel choice). The core calls it instead of the two, for that layer until the batch is
+        deactivated, whenever the caller's Q/K/V have the shapes, strides, dtypes and devices of
+        the call that was bound (anything else takes the full path again); ``query`` ``[T, H,
+        D]`` as :meth:`forward` takes it, ``key``/``value`` ``[T, Hkv, D]`` views (any token
+        stride). A failure inside it is reported like one inside :meth:`forward`."""
         return None
 
 

@@ -23,7 +23,7 @@ from diffusion_kv.core.errors import (
     UnknownLayerError,
     ValidationError,
 )
-from diffusion_kv.core.layer_context import LayerContext, build_layer_context
+from diffusion_kv.core.layer_context import BoundLayer, LayerContext, build_layer_context, tensor_signature
 from diffusion_kv.core.parallel import PartialMerger
 from diffusion_kv.core.piecewise import run_piecewise_plan
 from diffusion_kv.core.translate import Translator
@@ -125,27 +125,59 @@ class PagedExecutor:
         value: torch.Tensor,
         attn_metadata: Any | None = None,
     ) -> torch.Tensor:
-        """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout."""
+        """One layer's paged attention; ``query``/``key``/``value`` in any accepted layout.
+
+        A layer whose backend bound a fast path in this activation (``PagedBackend.bind_layer``)
+        takes it when Q/K/V have the bound call's layout and no attention metadata is passed;
+        every other call takes the full path below (validation, layer context, write, forward)."""
+        state = self.translator.active_state
+        if attn_metadata is None and state is not None and isinstance(layer_name, str):
+            bound: BoundLayer | None = state.bound_layers.get(layer_name)
+            if bound is not None:
+                try:
+                    same = tensor_signature(query, key, value) == bound.signature
+                except AttributeError:  # not tensors: the full path names the error
+                    same = False
+                if same:
+                    try:
+                        out = bound(query, key, value)
+                    except DiffusionKVError:
+                        raise
+                    except Exception as exc:
+                        raise self._failed(layer_name, exc) from exc
+                    state.layers_done.add(layer_name)
+                    return out
         # (a name that is no layer's: context() below names the error)
         backend = self.backends.get(layer_name) if isinstance(layer_name, str) else None
-        ctx = self.context(
-            layer_name,
-            query,
-            key,
-            value,
-            attn_metadata,
-            packed_query=backend is not None and backend.packed_query and self.merger is None,
-        )
+        packed = backend is not None and backend.packed_query and self.merger is None
+        ctx = self.context(layer_name, query, key, value, attn_metadata, packed_query=packed)
         assert backend is not None  # context() refused a layer without one
+        kv_cache = self.kv_caches[layer_name]
         try:
-            out = run_layer(ctx, backend, self.kv_caches[layer_name], self.merger)
+            out = run_layer(ctx, backend, kv_cache, self.merger)
         except DiffusionKVError:
             raise
         except Exception as exc:  # a plugin's kernel or writer failed: name where, keep the cause
-            raise NativeBackendError(
-                f"platform {self.platform_name!r} backend {backend.name!r} failed in layer {layer_name!r} "
-                f"({type(exc).__name__}: {exc}); the layer's write is not counted as done, so its tokens "
-                "stay unreadable until rewritten"
-            ) from exc
+            raise self._failed(layer_name, exc) from exc
         self.translator.layer_done(layer_name)
+        if (
+            attn_metadata is None
+            and state is not None
+            and self.merger is None
+            and ctx.plan is None
+            and ctx.scatter_indices is None
+            and ctx.slots_valid
+            and layer_name not in state.bound_layers
+        ):
+            run = backend.bind_layer(ctx.layer, kv_cache, ctx.native_metadata, ctx.slot_mapping)
+            if run is not None:
+                state.bound_layers[layer_name] = BoundLayer.of(ctx, query, key, value, run, packed)
         return out
+
+    def _failed(self, layer_name: str, exc: Exception) -> NativeBackendError:
+        backend = self.backends[layer_name]
+        return NativeBackendError(
+            f"platform {self.platform_name!r} backend {backend.name!r} failed in layer {layer_name!r} "
+            f"({type(exc).__name__}: {exc}); the layer's write is not counted as done, so its tokens "
+            "stay unreadable until rewritten"
+        )

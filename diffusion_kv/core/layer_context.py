@@ -13,7 +13,7 @@ All checks run here, before the execution driver writes anything into the cache.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +195,82 @@ def _signature(
         key.device,
         value.device,
     )
+
+
+def tensor_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[Any, ...]:
+    """Shapes, strides, dtypes and devices of one call's Q/K/V (a :class:`BoundLayer` serves a
+    later call only when they all equal those of the call it was bound on)."""
+    return (
+        query.shape,
+        key.shape,
+        value.shape,
+        query.stride(),
+        key.stride(),
+        value.stride(),
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BoundLayer:
+    """A layer's fast path in one activation (:meth:`PagedBackend.bind_layer`): the layout of
+    the call it was bound on, and what to do with Q/K/V of that layout -- the views
+    :func:`build_layer_context` takes (the key and value detached, made contiguous where it
+    made them so: the strides are the bound call's, so are its decisions), the backend's
+    ``run``, and the output restored to the caller's token layout. Only plain calls are bound
+    (no padding scatter, no piecewise plan), so nothing else :func:`build_layer_context`
+    decides applies."""
+
+    signature: tuple[Any, ...]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    heads: int
+    kv_heads: int
+    head_size: int
+    copy_query: bool
+    copy_key: bool
+    copy_value: bool
+    out_shape: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        ctx: LayerContext,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        packed_query: bool,
+    ) -> BoundLayer:
+        """The fast path of the plain call ``ctx`` was built for, on these Q/K/V."""
+        layer = ctx.layer
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_size
+        tail = (H, D) if ctx.has_head_dims else (H * D,)
+        return cls(
+            tensor_signature(query, key, value),
+            run,
+            H,
+            Hkv,
+            D,
+            not (packed_query and _inner_packed(query.reshape(-1, H, D))),
+            not _inner_packed(key.reshape(-1, Hkv, D)),
+            not _inner_packed(value.reshape(-1, Hkv, D)),
+            (*ctx.token_shape, *tail),
+        )
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        q = query.reshape(-1, self.heads, self.head_size)
+        k = (key.detach() if key.requires_grad else key).reshape(-1, self.kv_heads, self.head_size)
+        v = (value.detach() if value.requires_grad else value).reshape(-1, self.kv_heads, self.head_size)
+        return self.run(
+            q.contiguous() if self.copy_query else q,
+            k.contiguous() if self.copy_key else k,
+            v.contiguous() if self.copy_value else v,
+        ).reshape(self.out_shape)
 
 
 def build_layer_context(

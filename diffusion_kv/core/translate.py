@@ -106,6 +106,10 @@ class _ActiveState:
     layer_plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Per layer-input signature, what :func:`~diffusion_kv.core.layer_context.build_layer_context`
     decided for this batch (reused by every later layer of that signature)."""
+    bound_layers: dict[str, Any] = field(default_factory=dict)
+    """Per layer name, the backend's fast path for that layer's later calls in this activation
+    (:meth:`~diffusion_kv.core.backend.PagedBackend.bind_layer`, held by the executor as a
+    :class:`~diffusion_kv.core.layer_context.BoundLayer`)."""
 
 
 class Translator:
@@ -161,6 +165,11 @@ class Translator:
     @property
     def active_batch(self) -> PreparedBatch | None:
         return self._active.batch if self._active is not None else None
+
+    @property
+    def active_state(self) -> _ActiveState | None:
+        """The active batch's per-activation state (None while no batch is active)."""
+        return self._active
 
     def invalidate(self) -> None:
         """Make every prepared batch stale (called before any BlockTables mutation)."""

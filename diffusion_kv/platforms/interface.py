@@ -37,7 +37,14 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from diffusion_kv.core.backend import BackendChoice, GroupContext, KVPageLayout, PagedBackend, allocate_pages
+from diffusion_kv.core.backend import (
+    BackendChoice,
+    GroupContext,
+    KVPageLayout,
+    LayerRunner,
+    PagedBackend,
+    allocate_pages,
+)
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch
 from diffusion_kv.core.capabilities import (
     AttentionMode,
@@ -64,6 +71,7 @@ __all__ = [
     "KVCache",
     "KVPageLayout",
     "LayerGeometry",
+    "LayerRunner",
     "MultipleOf",
     "PagedBackend",
     "PagedBatch",

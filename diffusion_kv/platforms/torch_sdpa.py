@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from diffusion_kv.core.attention import AttentionMode, BlockPlan, MaskSpec, key_bounds
-from diffusion_kv.core.backend import GroupContext, PagedBackend
+from diffusion_kv.core.backend import GroupContext, LayerRunner, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
@@ -1063,6 +1063,68 @@ class TorchSdpaBackend(PagedBackend):
         slots = slot_mapping[: key.shape[0]]
         write_pages(k_cache, slots, key)
         write_pages(v_cache, slots, value)
+
+    def bind_layer(
+        self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor
+    ) -> LayerRunner | None:
+        """The layer's recorded SDPA call (:attr:`CudaPagedMetadata.calls`) with its write: by
+        the batch's slot runs (slice copies into the pages) where :meth:`write_kv_valid` took
+        them, else through :meth:`write_kv_valid` itself (so a subclass's writer, or a wrapper
+        set on the instance, still does the writing)."""
+        if type(self).forward is not TorchSdpaBackend.forward:
+            return None  # a subclass's own forward: nothing here knows what it does
+        return self._bind_sdpa(layer, kv_cache, metadata, slot_mapping)
+
+    def _bind_sdpa(
+        self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor
+    ) -> LayerRunner | None:
+        md = metadata
+        if not isinstance(md, CudaPagedMetadata) or md.cp_size > 1 or layer.kv_scales is not None:
+            return None
+        call = md.calls.get(id(kv_cache))
+        if call is None or call.kv_cache is not kv_cache or call.layer is not layer:
+            return None
+        sdpa = self._bound_sdpa
+        known, hit = self._write_runs, self._write_views.get(id(kv_cache))
+        if (
+            type(self).write_kv_valid is TorchSdpaBackend.write_kv_valid
+            and "write_kv_valid" not in vars(self)
+            and known is not None
+            and known[1] == slot_mapping._version
+            and known[0].shape[0] == call.tokens
+            and (
+                known[0] is slot_mapping  # the batch's own tensor, or a view of the same memory
+                or (
+                    slot_mapping.data_ptr() == known[0].data_ptr()
+                    and not slot_mapping.is_inference()
+                    and slot_mapping.shape == known[0].shape
+                    and slot_mapping.stride() == known[0].stride()
+                )
+            )
+            and hit is not None
+            and hit.kv_cache is kv_cache
+            and hit.runs is not None
+            and hit.key_dtype == hit.value_dtype == layer.dtype
+        ):
+            slots, version, runs = slot_mapping, known[1], hit.runs
+            write = self.write_kv_valid
+
+            def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+                if slots._version == version:
+                    for src, dst_k, dst_v in runs:
+                        dst_k.copy_(key if src is None else key[src])
+                        dst_v.copy_(value if src is None else value[src])
+                else:  # the slot mapping was written since: the writer decides afresh
+                    write(layer, key, value, kv_cache, slots)
+                return sdpa(call, query)
+
+            return run
+
+        def run_written(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            self.write_kv_valid(layer, key, value, kv_cache, slot_mapping)
+            return sdpa(call, query)
+
+        return run_written
 
     def forward(
         self,

@@ -46,6 +46,7 @@ from diffusion_kv.platforms.interface import (
     GroupContext,
     KVCache,
     LayerGeometry,
+    LayerRunner,
     MultipleOf,
     PagedBatch,
     Requirements,
@@ -412,6 +413,18 @@ class CudaPagedBackend(TorchSdpaBackend):
         result = out if out is not None else torch.empty_like(query)
         self._triton(layer, query, kv_cache, md, result, None)
         return result
+
+    def bind_layer(
+        self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor
+    ) -> LayerRunner | None:
+        """The SDPA way's recorded call (``TorchSdpaBackend.bind_layer``); the Triton way binds
+        nothing (each call launches the kernel over the batch's schedule)."""
+        if type(self).forward is not CudaPagedBackend.forward:
+            return None
+        md = metadata
+        if not isinstance(md, CudaPagedMetadata) or md.way is KernelWay.TRITON:
+            return None
+        return self._bind_sdpa(layer, kv_cache, md, slot_mapping)
 
     def forward_partial(
         self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
