@@ -61,6 +61,25 @@ def test_block_plan_fast_path_matches_the_tensor_path_and_the_dense_mask() -> No
     assert served == 600
 
 
+def test_block_plan_fast_path_on_long_rows_and_many_chunks_matches_the_tensor_path() -> None:
+    """Rows of thousands of keys in blocks of 16-128 (a block cut at seq_len, a sink ending inside
+    a block, a window starting inside one) and queries spanning up to 12 chunks (one bound each)."""
+    rng = random.Random(3838)
+    for _ in range(200):
+        chunk = rng.choice([16, 48, 64, 100, 128])
+        window = rng.randint(1, 6) * chunk
+        sink = rng.choice([0, chunk, rng.randint(1, 3 * chunk)])
+        spec = MaskSpec(CHUNK, chunk=chunk, window=window, sink=sink)
+        seq_len = rng.randint(chunk, 6000)
+        query_len = rng.randint(1, min(seq_len, 12 * chunk))
+        offset = seq_len - query_len if rng.random() < 0.7 else rng.randint(0, seq_len - query_len)
+        block = rng.choice([16, 32, 64, 128, rng.randint(1, 130)])
+        live_from = rng.choice([0, 0, rng.randint(0, seq_len)])
+        fast = row_block_kinds(spec, offset, query_len, seq_len, block, live_from=live_from)
+        slow = _row_block_kinds_tensor(spec, offset, query_len, seq_len, block, live_from=live_from)
+        assert fast.tolist() == slow.tolist(), (spec, offset, query_len, seq_len, block, live_from)
+
+
 def test_block_plan_of_a_long_session_row() -> None:
     """A chunk at position 640 of a sink 1 + window 3 session (64-token chunks, blocks of 16):
     the sink's 4 blocks and the window's 16 blocks (three chunks and the chunk itself) are FULL,

@@ -17,6 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from diffusion_kv.core.attention.mask import MaskSpec, key_bounds
@@ -116,37 +117,55 @@ def _row_block_kinds_tensor(
     return kinds
 
 
+def _seen_blocks(lo: int, hi: int, sink: int, n_blocks: int, seq_len: int, block_size: int) -> bytearray:
+    """What one bound's queries see of each block, as a :class:`BlockKind` value per block:
+    none (SKIP), some keys (PARTIAL) or every key (FULL) of the keys ``[0, min(hi, sink)) |
+    [lo, hi)``, by whole slices of blocks -- no per-block loop."""
+    seen = bytearray(n_blocks)  # SKIP
+    sink_hi = min(hi, sink)
+    runs = [(0, hi)] if lo <= sink_hi else [(0, sink_hi), (lo, hi)]
+    last = n_blocks - 1
+    for a, b in runs:
+        b = min(b, seq_len)
+        if a >= b:
+            continue
+        first_touch, last_touch = a // block_size, (b - 1) // block_size
+        seen[first_touch : last_touch + 1] = _PARTIAL_BYTES * (last_touch + 1 - first_touch)
+        # a block is whole inside [a, b) when it starts at or past a and ends at or before b;
+        # the last block ends at seq_len, not at a block boundary
+        first_full = -(-a // block_size)
+        stop_full = b // block_size  # blocks [first_full, stop_full) end at or before b
+        if stop_full > first_full:
+            seen[first_full:stop_full] = _FULL_BYTES * (stop_full - first_full)
+        if b == seq_len and last * block_size >= a and stop_full <= last:
+            seen[last] = _FULL
+    return seen
+
+
+_FULL, _PARTIAL = int(BlockKind.FULL), int(BlockKind.PARTIAL)
+_FULL_BYTES, _PARTIAL_BYTES = bytes([_FULL]), bytes([_PARTIAL])
+
+
 def _kinds_of_bounds(
     bounds: list[tuple[int, int]], sink: int, n_blocks: int, seq_len: int, block_size: int
 ) -> torch.Tensor:
-    """:func:`row_block_kinds` from the distinct bounds of a row's queries, in Python ints: the
-    same candidate blocks and the same interval count per (bound, block) as the tensor path,
-    with every query of one bound counted once (a kind asks "every query" or "no query")."""
-    hi_max, lo_min = max(h for _, h in bounds), min(lo for lo, _ in bounds)
-    sink_stop = min(n_blocks, -(-min(sink, hi_max) // block_size))
-    window_start, window_stop = min(lo_min // block_size, n_blocks), min(n_blocks, -(-hi_max // block_size))
-    if window_start <= sink_stop:
-        ranges = [(0, max(sink_stop, window_stop))]
-    else:
-        ranges = [(0, sink_stop), (window_start, window_stop)]
-    runs = [(lo, hi, min(hi, sink)) for lo, hi in bounds]
-    kinds = bytearray(n_blocks)  # SKIP; one byte per block, viewed as int8 below (no copy)
-    skip, full, partial = int(BlockKind.SKIP), int(BlockKind.FULL), int(BlockKind.PARTIAL)
-    for a, b in ranges:
-        for block in range(a, b):
-            s = block * block_size
-            e = min(s + block_size, seq_len)
-            none = every = True
-            for lo, hi, sink_hi in runs:
-                seen = (
-                    max(min(e, hi) - max(s, lo), 0)
-                    + max(min(e, sink_hi) - s, 0)
-                    - max(min(e, sink_hi) - max(s, lo), 0)
-                )
-                none = none and seen == 0
-                every = every and seen == e - s
-            kinds[block] = skip if none else full if every else partial
-    return torch.frombuffer(kinds, dtype=torch.int8)
+    """:func:`row_block_kinds` from the distinct bounds of a row's queries, in Python ints:
+    each bound's visible keys are at most two runs, so what it sees of every block is a few
+    slices (:func:`_seen_blocks`); a block is FULL where every bound sees all of it, SKIP
+    where none sees any of it, PARTIAL otherwise (one bound: its own view, as it is)."""
+    if not n_blocks:
+        return torch.zeros(0, dtype=torch.int8)
+    first = _seen_blocks(*bounds[0], sink, n_blocks, seq_len, block_size)
+    if len(bounds) == 1:
+        return torch.frombuffer(first, dtype=torch.int8)  # (no copy: the bytearray is the tensor's)
+    views = np.stack(
+        [
+            np.frombuffer(_seen_blocks(lo, hi, sink, n_blocks, seq_len, block_size), dtype=np.int8)
+            for lo, hi in bounds
+        ]
+    )
+    agree = (views == views[0]).all(axis=0)
+    return torch.from_numpy(np.where(agree, views[0], np.int8(_PARTIAL)).astype(np.int8))
 
 
 @dataclass(frozen=True)
