@@ -125,6 +125,17 @@ class SdpaRowGroup:
         return self.seq_len if self.kv_len is None else self.kv_len
 
 
+def _placed_copy(grp: SdpaRowGroup, **placement: Any) -> SdpaRowGroup:
+    """``dataclasses.replace(grp, **placement)`` without re-running the frozen ``__init__`` (17
+    guarded field writes, a per-batch cost on the CPU): the fields copied, the placement's set.
+    Only for the per-batch placement fields (the group's own were checked when it was made)."""
+    new = object.__new__(SdpaRowGroup)
+    fields = new.__dict__
+    fields.update(grp.__dict__)
+    fields.update(placement)
+    return new
+
+
 def contiguous_run(ids: tuple[int, ...], ratio: int, count: int) -> int | None:
     """The first kernel block when the first ``count`` kernel blocks of a row (scheduler ids
     ``ids``, ``ratio`` kernel blocks each) are consecutive, else None."""
@@ -394,7 +405,11 @@ def slot_runs(slots: torch.Tensor, limit: int = MAX_WRITE_RUNS) -> tuple[tuple[i
     n = int(a.size)
     if n == 0:
         return None
-    breaks = np.flatnonzero(np.diff(a) != 1).tolist() if n > 1 else []
+    first = int(a[0])
+    steps = a[1:] - a[:-1]
+    if first >= 0 and (steps == 1).all():  # one run (a chunk's slots, mostly): no break search
+        return ((0, first, n),)
+    breaks = np.flatnonzero(steps != 1).tolist()
     if len(breaks) >= limit:
         return None
     starts = [0, *(b + 1 for b in breaks)]
@@ -910,11 +925,11 @@ class TorchSdpaBackend(PagedBackend):
                     view = token_view(tokens)
                     if view is None:
                         view = token_view(tokens.sort().values)
-                out.append(replace(grp, tokens=tokens, token_view=view))
+                out.append(_placed_copy(grp, tokens=tokens, token_view=view))
             elif cpu and (runs := live_runs(grp, batch.host_block_ids, ratio, page)) is not None:
-                out.append(replace(grp, live_runs=runs))
+                out.append(_placed_copy(grp, live_runs=runs))
             elif grp.live is not None:
-                out.append(replace(grp, blocks=planned_blocks(grp, batch.block_table)))
+                out.append(_placed_copy(grp, blocks=planned_blocks(grp, batch.block_table)))
             else:
                 out.append(grp)
         return tuple(out)
