@@ -1101,9 +1101,11 @@ class TorchSdpaBackend(PagedBackend):
             return None
         sdpa = self._bound_sdpa
         known, hit = self._write_runs, self._write_views.get(id(kv_cache))
+        own_writer = type(
+            self
+        ).write_kv_valid is TorchSdpaBackend.write_kv_valid and "write_kv_valid" not in vars(self)
         if (
-            type(self).write_kv_valid is TorchSdpaBackend.write_kv_valid
-            and "write_kv_valid" not in vars(self)
+            own_writer
             and known is not None
             and known[1] == slot_mapping._version
             and known[0].shape[0] == call.tokens
@@ -1134,6 +1136,24 @@ class TorchSdpaBackend(PagedBackend):
                 return sdpa(call, query)
 
             return run
+
+        k_cache, v_cache = key_value_caches(kv_cache)
+        if own_writer and k_cache.dtype == v_cache.dtype == layer.dtype and _flat(k_cache) and _flat(v_cache):
+            # write_kv_valid's indexed copy (write_pages), its per-call checks and views made
+            # once: the flat caches and the slot mapping's view are views, so each call -- a
+            # CUDA graph's replay too -- reads the slots the batch's buffer holds then
+            k_flat = k_cache.view(-1, *k_cache.shape[2:])
+            v_flat = v_cache.view(-1, *v_cache.shape[2:])
+            slots_view = slot_mapping[: call.tokens]
+            as_long = slots_view.dtype != torch.long
+
+            def run_indexed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+                index = slots_view.long() if as_long else slots_view
+                k_flat.index_copy_(0, index, key)
+                v_flat.index_copy_(0, index, value)
+                return sdpa(call, query)
+
+            return run_indexed
 
         def run_written(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             self.write_kv_valid(layer, key, value, kv_cache, slot_mapping)

@@ -270,3 +270,56 @@ def test_a_backend_without_bind_layer_binds_nothing() -> None:
         cache, chunks=2, steps=2, seed=13, on_step=lambda i, s: bound_sizes.append(len(_bound(worker)))
     )
     assert bound_sizes == [0, 0, 0, 0]
+
+
+def test_under_inference_mode_the_bound_path_writes_by_index_and_equals_the_full_path() -> None:
+    """Inference tensors have no version counter, so no slot runs are kept: the bound write is
+    the indexed copy (as on a GPU), outputs and pages equal to the full path's."""
+    fast, _ = _session()
+    full, _ = _session()
+    full.worker.backends[0].bind_layer = lambda *args: None  # type: ignore[method-assign]
+    with torch.inference_mode():
+        sizes: list[int] = []
+        fast_outs = _run_chunks(
+            fast, 4, 3, seed=17, on_step=lambda i, s: sizes.append(len(_bound(fast.worker)))
+        )
+        full_outs = _run_chunks(full, 4, 3, seed=17)
+    assert sizes == [2] * 12
+    assert all(torch.equal(a, b) for a, b in zip(fast_outs, full_outs, strict=True))
+    for name in LAYERS:
+        for a, b in zip(
+            key_value_caches(fast.worker.kv_caches[name]),
+            key_value_caches(full.worker.kv_caches[name]),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+
+
+def test_the_bound_indexed_write_reads_the_slot_buffer_at_each_call() -> None:
+    """What a CUDA graph replay relies on: the bound write holds a view of the batch's slot
+    buffer, not a copy, so slots written into that buffer after binding are where the next
+    call writes."""
+    cache, _ = _session()
+    worker = cache.worker
+    session = cache.begin_session("s", 1)
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    gen = torch.Generator().manual_seed(19)
+    with torch.inference_mode(), worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+        worker.forward("l0", q, k, v)
+        assert "l0" in _bound(worker)
+        assert worker.translator is not None
+        batch = worker.translator.active_batch
+        assert batch is not None
+        slots = batch.slot_mappings_by_layer["l0"]
+        original = slots.clone()
+        slots.copy_(original.flip(0))  # the same slots in the other order, in the same buffer
+        k2, v2 = torch.randn(2, chunk.tokens, H, D, generator=gen).unbind(0)
+        worker.forward("l0", q, k2, v2)
+        k_cache, v_cache = key_value_caches(worker.kv_caches["l0"])
+        assert torch.equal(k_cache.reshape(-1, H, D)[original.flip(0).long()], k2)
+        assert torch.equal(v_cache.reshape(-1, H, D)[original.flip(0).long()], v2)
+        slots.copy_(original)
+    cache.abort(chunk)
