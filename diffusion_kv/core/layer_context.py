@@ -182,18 +182,7 @@ def _signature(
         layer.head_size,
         layer.dtype,
         layer.mask,
-        query.shape,
-        key.shape,
-        value.shape,
-        query.stride(),
-        key.stride(),
-        value.stride(),
-        query.dtype,
-        key.dtype,
-        value.dtype,
-        query.device,
-        key.device,
-        value.device,
+        *tensor_signature(query, key, value),
     )
 
 

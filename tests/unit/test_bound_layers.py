@@ -49,6 +49,28 @@ def _bound(worker: PagedWorker) -> dict[str, Any]:
     return state.bound_layers
 
 
+def _count_forward(backend: Any) -> dict[str, int]:
+    """Count ``backend.forward`` calls (a wrapper on the instance: the class's method stays, so
+    the backend still binds)."""
+    calls = {"forward": 0}
+    inner = backend.forward
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["forward"] += 1
+        return inner(*args, **kwargs)
+
+    backend.forward = counted
+    return calls
+
+
+def _assert_same_pages(a: PagedWorker, b: PagedWorker) -> None:
+    for name in LAYERS:
+        for x, y in zip(
+            key_value_caches(a.kv_caches[name]), key_value_caches(b.kv_caches[name]), strict=True
+        ):
+            assert torch.equal(x, y)
+
+
 def _run_chunks(
     cache: SessionCache,
     chunks: int,
@@ -84,14 +106,7 @@ def test_later_calls_take_the_bound_path_and_equal_the_full_path_exactly() -> No
     full_backend = full.worker.backends[0]
     full_backend.bind_layer = lambda *args: None  # type: ignore[method-assign]
     backend = fast.worker.backends[0]
-    calls = {"forward": 0}
-    inner = backend.forward
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls["forward"] += 1
-        return inner(*args, **kwargs)
-
-    backend.forward = counted  # type: ignore[method-assign]
+    calls = _count_forward(backend)
     seen: list[tuple[int, int, int]] = []
 
     def check(index: int, step: int) -> None:
@@ -106,13 +121,7 @@ def test_later_calls_take_the_bound_path_and_equal_the_full_path_exactly() -> No
     # and chunk, the 2 later steps of each chunk took the bound path
     assert seen == [(i, s, 2) for i in range(6) for s in range(3)]
     assert calls["forward"] == 6 * 2
-    for name in LAYERS:
-        for a, b in zip(
-            key_value_caches(fast.worker.kv_caches[name]),
-            key_value_caches(full.worker.kv_caches[name]),
-            strict=True,
-        ):
-            assert torch.equal(a, b)
+    _assert_same_pages(fast.worker, full.worker)
 
 
 def test_the_bound_path_reads_each_steps_writes_against_dense_attention() -> None:
@@ -150,14 +159,7 @@ def test_another_layout_takes_the_full_path_with_the_same_result() -> None:
     cache, _ = _session()
     worker = cache.worker
     backend = worker.backends[0]
-    calls = {"forward": 0}
-    inner = backend.forward
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls["forward"] += 1
-        return inner(*args, **kwargs)
-
-    backend.forward = counted  # type: ignore[method-assign]
+    calls = _count_forward(backend)
     session = cache.begin_session("s", 1)
     chunk = cache.append_chunk(session)
     assert chunk is not None
@@ -286,13 +288,7 @@ def test_under_inference_mode_the_bound_path_writes_by_index_and_equals_the_full
         full_outs = _run_chunks(full, 4, 3, seed=17)
     assert sizes == [2] * 12
     assert all(torch.equal(a, b) for a, b in zip(fast_outs, full_outs, strict=True))
-    for name in LAYERS:
-        for a, b in zip(
-            key_value_caches(fast.worker.kv_caches[name]),
-            key_value_caches(full.worker.kv_caches[name]),
-            strict=True,
-        ):
-            assert torch.equal(a, b)
+    _assert_same_pages(fast.worker, full.worker)
 
 
 def test_the_bound_indexed_write_reads_the_slot_buffer_at_each_call() -> None:

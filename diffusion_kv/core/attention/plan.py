@@ -117,6 +117,10 @@ def _row_block_kinds_tensor(
     return kinds
 
 
+_FULL, _PARTIAL = int(BlockKind.FULL), int(BlockKind.PARTIAL)
+_FULL_BYTES, _PARTIAL_BYTES = bytes([_FULL]), bytes([_PARTIAL])
+
+
 def _seen_blocks(lo: int, hi: int, sink: int, n_blocks: int, seq_len: int, block_size: int) -> bytearray:
     """What one bound's queries see of each block, as a :class:`BlockKind` value per block:
     none (SKIP), some keys (PARTIAL) or every key (FULL) of the keys ``[0, min(hi, sink)) |
@@ -140,10 +144,6 @@ def _seen_blocks(lo: int, hi: int, sink: int, n_blocks: int, seq_len: int, block
         if b == seq_len and last * block_size >= a and stop_full <= last:
             seen[last] = _FULL
     return seen
-
-
-_FULL, _PARTIAL = int(BlockKind.FULL), int(BlockKind.PARTIAL)
-_FULL_BYTES, _PARTIAL_BYTES = bytes([_FULL]), bytes([_PARTIAL])
 
 
 def _kinds_of_bounds(
