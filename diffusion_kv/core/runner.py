@@ -750,8 +750,13 @@ class PagedWorker:
 
     def install(self, snapshot: RequestAllocation) -> bool:
         """Install a snapshot (under CFG-parallel: only this rank's branch, validated first)."""
-        registry = self._require().registry
+        registry = self.registry
+        if registry is None or self.translator is None or self.executor is None:
+            self._require()  # the StateError naming it
+        assert registry is not None
         c = self.config
+        if c.cfg_parallel_size == 1 and type(snapshot) is RequestAllocation:
+            return registry.install(snapshot)  # (select_cfg_branch's answer without CFG parallelism)
         return registry.install(select_cfg_branch(snapshot, c.cfg_parallel_size, c.cfg_parallel_rank))
 
     def seal(self, snapshot: RequestAllocation) -> bool:
