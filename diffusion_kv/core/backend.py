@@ -427,6 +427,31 @@ class PagedBackend(abc.ABC):
         stride). A failure inside it is reported like one inside :meth:`forward`."""
         return None
 
+    def bind_layer_like(
+        self,
+        layer: LayerGeometry,
+        kv_cache: KVCache,
+        metadata: Any,
+        slot_mapping: torch.Tensor,
+        like: LayerGeometry,
+        like_kv_cache: KVCache,
+    ) -> LayerRunner | None:
+        """An optional way to bind a layer before its first call in an active batch, from its
+        twin the backend already bound there (:meth:`bind_layer`); the default returns None
+        (the layer's first call takes the full path, then :meth:`bind_layer`).
+
+        The core asks at the layer's first call of the batch, once ``like`` -- served by this
+        backend instance -- was bound, when the two are twins: every field of their
+        :class:`LayerGeometry` equal but the name (neither has ``kv_scales``), their caches
+        congruent (K and V of the same shapes, strides, dtypes and devices), the same native
+        ``metadata`` and ``slot_mapping`` objects, and the caller's Q/K/V with the layout of
+        the call ``like`` was bound on. A backend may return a runner doing for ``layer`` and
+        ``kv_cache`` exactly what :meth:`write_kv_valid` then :meth:`forward` would (typically
+        ``like``'s decisions over ``kv_cache``'s views); the core calls it for this call and the
+        layer's later ones, as a :meth:`bind_layer` runner. A failure inside it, or here, is
+        reported like one inside :meth:`forward`, and the layer is not counted done."""
+        return None
+
 
 BackendChoice = str | type[PagedBackend] | None
 """Which backend to use: its name, its class, or None (the platform's priority list, where

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.backend import PagedBackend
-from diffusion_kv.core.batch import KVCache, LayerGeometry
+from diffusion_kv.core.batch import KVCache, LayerGeometry, key_value_caches
 from diffusion_kv.core.errors import (
     DiffusionKVError,
     NativeBackendError,
@@ -94,6 +94,8 @@ class PagedExecutor:
         self.layers = dict(layers)
         self.backends = dict(backends)
         self.kv_caches = dict(kv_caches)
+        self._twin_keys: dict[str, tuple[PagedBackend | None, Any, Any]] = {}
+        """Per layer: its backend and cache when its twin key was made, and the key."""
 
     def context(
         self,
@@ -133,12 +135,14 @@ class PagedExecutor:
         state = self.translator.active_state
         if attn_metadata is None and state is not None and isinstance(layer_name, str):
             bound: BoundLayer | None = state.bound_layers.get(layer_name)
-            if bound is not None:
+            if bound is not None or state.twins:
                 try:
-                    same = tensor_signature(query, key, value) == bound.signature
+                    sig: tuple[Any, ...] | None = tensor_signature(query, key, value)
                 except AttributeError:  # not tensors: the full path names the error
-                    same = False
-                if same:
+                    sig = None
+                if bound is None and sig is not None:
+                    bound = self._bind_twin(state, layer_name, sig)
+                if bound is not None and sig == bound.signature:
                     try:
                         out = bound(query, key, value)
                     except DiffusionKVError:
@@ -171,8 +175,90 @@ class PagedExecutor:
         ):
             run = backend.bind_layer(ctx.layer, kv_cache, ctx.native_metadata, ctx.slot_mapping)
             if run is not None:
-                state.bound_layers[layer_name] = BoundLayer.of(ctx, query, key, value, run, packed)
+                bound = state.bound_layers[layer_name] = BoundLayer.of(ctx, query, key, value, run, packed)
+                twin = self._twin_key(layer_name)
+                if twin is not None and twin not in state.twins:
+                    state.twins[twin] = (layer_name, bound)
         return out
+
+    def _twin_key(self, layer_name: str) -> Any:
+        """What a layer must share with another for its backend to bind it from the other's
+        binding (``PagedBackend.bind_layer_like``): the backend instance, the geometry but the
+        name, and the K/V caches' shapes, strides, dtypes and devices. None where the backend
+        keeps the default hook or the layer has ``kv_scales``. Made once per backend and cache
+        object (a wrapped backend or a rebound cache makes it again)."""
+        backend, kv_cache = self.backends.get(layer_name), self.kv_caches.get(layer_name)
+        known = self._twin_keys.get(layer_name)
+        if known is not None and known[0] is backend and known[1] is kv_cache:
+            return known[2]
+        layer = self.layers[layer_name]
+        key: Any = None
+        if (
+            backend is not None
+            and kv_cache is not None
+            and type(backend).bind_layer_like is not PagedBackend.bind_layer_like
+            and layer.kv_scales is None
+        ):
+            try:
+                caches = key_value_caches(kv_cache)
+            except (TypeError, ValueError, IndexError, AttributeError):
+                caches = None
+            if caches is not None:
+                key = (
+                    id(backend),
+                    layer.num_heads,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                    layer.scale,
+                    layer.dtype,
+                    layer.cache_dtype,
+                    layer.mask,
+                    *((c.shape, c.stride(), c.dtype, c.device) for c in caches),
+                )
+        self._twin_keys[layer_name] = (backend, kv_cache, key)
+        return key
+
+    def _bind_twin(self, state: Any, layer_name: str, sig: tuple[Any, ...]) -> BoundLayer | None:
+        """A layer's first call in the activation, bound from its twin's binding where the
+        backend can (``PagedBackend.bind_layer_like``); None: the full path serves it."""
+        if layer_name in state.no_twin or layer_name not in self.layers:
+            return None
+        twin = self._twin_key(layer_name)
+        entry = state.twins.get(twin) if twin is not None else None
+        if entry is None:
+            return None
+        like_name, like = entry
+        batch = state.batch
+        slots, metadata = batch.slot_mappings_by_layer, batch.attn_metadata
+        slot_mapping, native = slots.get(layer_name), metadata.get(layer_name)
+        if (
+            sig != like.signature
+            or slot_mapping is None
+            or slot_mapping is not slots.get(like_name)
+            or native is None
+            or native is not metadata.get(like_name)
+        ):
+            state.no_twin.add(layer_name)
+            return None
+        try:
+            run = self.backends[layer_name].bind_layer_like(
+                self.layers[layer_name],
+                self.kv_caches[layer_name],
+                native,
+                slot_mapping,
+                self.layers[like_name],
+                self.kv_caches[like_name],
+            )
+        except DiffusionKVError:
+            raise
+        except Exception as exc:
+            raise self._failed(layer_name, exc) from exc
+        if run is None:
+            state.no_twin.add(layer_name)
+            return None
+        bound: BoundLayer = like.with_run(run)
+        state.bound_layers[layer_name] = bound
+        return bound
 
     def _failed(self, layer_name: str, exc: Exception) -> NativeBackendError:
         backend = self.backends[layer_name]

@@ -110,6 +110,13 @@ class _ActiveState:
     """Per layer name, the backend's fast path for that layer's later calls in this activation
     (:meth:`~diffusion_kv.core.backend.PagedBackend.bind_layer`, held by the executor as a
     :class:`~diffusion_kv.core.layer_context.BoundLayer`)."""
+    twins: dict[Any, tuple[str, Any]] = field(default_factory=dict)
+    """Per twin key (:meth:`~diffusion_kv.core.execute.PagedExecutor.forward`), the first layer
+    bound in this activation and its :class:`~diffusion_kv.core.layer_context.BoundLayer`: its
+    twins' first calls ask the backend to bind from it
+    (:meth:`~diffusion_kv.core.backend.PagedBackend.bind_layer_like`)."""
+    no_twin: set[str] = field(default_factory=set)
+    """Layers whose backend declined to bind from a twin in this activation (not asked again)."""
 
 
 class Translator:

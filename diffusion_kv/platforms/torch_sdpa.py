@@ -739,6 +739,21 @@ def _aliases(t: torch.Tensor, cache: torch.Tensor) -> bool:
     return t.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
 
 
+def _congruent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two caches have the same shape, strides, dtype and device."""
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+
+
+def _rebased(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """``view`` of ``base`` moved onto ``other`` (congruent with ``base``): the same shape and
+    strides at the same element offset from ``other``'s start. None where ``view`` does not
+    live in ``base``'s memory (a gathered copy: nothing to move)."""
+    if not _aliases(view, base):
+        return None
+    offset = view.storage_offset() - base.storage_offset()
+    return other.as_strided(view.shape, view.stride(), other.storage_offset() + offset)
+
+
 def _runs_of(cache: torch.Tensor, runs: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
     """``[1, keys, Hkv, D]``: the first ``keys`` keys of the cache blocks ``runs`` (``(first,
     count)``, in order): a view for one run, else one concatenation of the slices."""
@@ -1089,6 +1104,65 @@ class TorchSdpaBackend(PagedBackend):
         if type(self).forward is not TorchSdpaBackend.forward:
             return None  # a subclass's own forward: nothing here knows what it does
         return self._bind_sdpa(layer, kv_cache, metadata, slot_mapping)
+
+    def bind_layer_like(
+        self,
+        layer: LayerGeometry,
+        kv_cache: KVCache,
+        metadata: Any,
+        slot_mapping: torch.Tensor,
+        like: LayerGeometry,
+        like_kv_cache: KVCache,
+    ) -> LayerRunner | None:
+        """``like``'s recorded SDPA call and write over ``kv_cache``'s views
+        (:meth:`_bind_sdpa_like`); a subclass's own forward binds nothing here."""
+        if type(self).forward is not TorchSdpaBackend.forward:
+            return None
+        return self._bind_sdpa_like(layer, kv_cache, metadata, slot_mapping, like_kv_cache)
+
+    def _bind_sdpa_like(
+        self,
+        layer: LayerGeometry,
+        kv_cache: KVCache,
+        metadata: Any,
+        slot_mapping: torch.Tensor,
+        like_kv_cache: KVCache,
+    ) -> LayerRunner | None:
+        """Record for ``kv_cache`` the call (and the slot-run write views) recorded for its
+        twin's cache ``like_kv_cache`` in this batch, each view moved onto ``kv_cache``'s
+        memory at the same offsets (:func:`_rebased`), then bind it as :meth:`bind_layer` does.
+        None where the twin's call is not recorded or a view is not the twin cache's own."""
+        md = metadata
+        if not isinstance(md, CudaPagedMetadata) or md.cp_size > 1 or layer.kv_scales is not None:
+            return None
+        call, split = md.calls.get(id(like_kv_cache)), md.splits.get(id(like_kv_cache))
+        if (
+            call is None
+            or call.kv_cache is not like_kv_cache
+            or split is None
+            or split[0] is not like_kv_cache
+        ):
+            return None
+        k0, v0 = split[1], split[2]
+        k1, v1 = key_value_caches(kv_cache)
+        if not (_congruent(k0, k1) and _congruent(v0, v1)):
+            return None
+        kt, vt = _rebased(call.kt, k0, k1), _rebased(call.vt, v0, v1)
+        if kt is None or vt is None:
+            return None
+        hit = self._write_views.get(id(like_kv_cache))
+        if hit is not None and hit.kv_cache is like_kv_cache and hit.runs is not None:
+            runs: list[tuple[slice | None, torch.Tensor, torch.Tensor]] = []
+            for src, dst_k, dst_v in hit.runs:
+                rk, rv = _rebased(dst_k, k0, k1), _rebased(dst_v, v0, v1)
+                if rk is None or rv is None:
+                    break
+                runs.append((src, rk, rv))
+            else:  # every destination moved: the slice copies serve this cache too
+                self._write_views[id(kv_cache)] = _WriteViews(kv_cache, k1.dtype, v1.dtype, tuple(runs))
+        md.splits[id(kv_cache)] = (kv_cache, k1, v1)
+        md.calls[id(kv_cache)] = call._replace(kv_cache=kv_cache, layer=layer, kt=kt, vt=vt)
+        return self._bind_sdpa(layer, kv_cache, md, slot_mapping)
 
     def _bind_sdpa(
         self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor

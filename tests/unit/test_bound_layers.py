@@ -2,7 +2,9 @@
 plain call of a batch, its later calls with the same Q/K/V layout go straight to what the backend
 bound (the sdpa backend: the batch's slot-run writes and its recorded SDPA call), with the same
 results as the full path, every write still seen by a wrapper on the writer, and failures
-reported as the full path reports them."""
+reported as the full path reports them. A twin layer (the same geometry but the name, a
+congruent cache, the same batch metadata) is bound from the first one's binding before its own
+first call (``PagedBackend.bind_layer_like``)."""
 
 from __future__ import annotations
 
@@ -117,10 +119,11 @@ def test_later_calls_take_the_bound_path_and_equal_the_full_path_exactly() -> No
     assert len(fast_outs) == len(full_outs) == 6 * 3 * 2
     for a, b in zip(fast_outs, full_outs, strict=True):
         assert torch.equal(a, b)
-    # every layer bound after its first call of each chunk; the full forward ran once per layer
-    # and chunk, the 2 later steps of each chunk took the bound path
+    # every layer bound after the first step of each chunk; the full forward ran once per
+    # chunk -- "l0"'s first call; its twin "l1" was bound from "l0"'s binding before its first
+    # call (bind_layer_like) -- and the 2 later steps of each chunk took the bound path
     assert seen == [(i, s, 2) for i in range(6) for s in range(3)]
-    assert calls["forward"] == 6 * 2
+    assert calls["forward"] == 6
     _assert_same_pages(fast.worker, full.worker)
 
 
@@ -318,4 +321,144 @@ def test_the_bound_indexed_write_reads_the_slot_buffer_at_each_call() -> None:
         assert torch.equal(k_cache.reshape(-1, H, D)[original.flip(0).long()], k2)
         assert torch.equal(v_cache.reshape(-1, H, D)[original.flip(0).long()], v2)
         slots.copy_(original)
+    cache.abort(chunk)
+
+
+def _twins_worker(layers: dict[str, PagedLayerSpec]) -> tuple[SessionCache, FreeListPool]:
+    worker = PagedWorker(
+        CpuPlatform(), RunnerConfig(1024, 1, 2, 1024, device=torch.device("cpu"), backend="sdpa")
+    )
+    worker.register_kv_cache_layers(layers)
+    num_blocks = 2 + 2 * 3 + 1
+    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
+    pool = FreeListPool(num_blocks)
+    alloc = DiffusionKVAllocator(
+        block_size=BLOCK, max_model_len=1024, max_rows_per_request=1, worker_rows=2, pool=pool
+    )
+    return SessionCache(worker, alloc, POLICY), pool
+
+
+TWINS = {
+    "a": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask),
+    "b": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask),
+    "odd": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask, scale=0.5),  # not a twin
+    "c": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask),
+}
+
+
+def _run_named(
+    cache: SessionCache, names: tuple[str, ...], chunks: int, steps: int, seed: int
+) -> list[torch.Tensor]:
+    worker = cache.worker
+    session = cache.begin_session("s", 1)
+    gen = torch.Generator().manual_seed(seed)
+    outs: list[torch.Tensor] = []
+    for _ in range(chunks):
+        chunk = cache.append_chunk(session)
+        assert chunk is not None
+        with worker.stepper() as runtime:
+            for _step in range(steps):
+                runtime.ensure_rows(chunk.rows())
+                for name in names:
+                    q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+                    outs.append(worker.forward(name, q, k, v))
+        cache.commit(chunk)
+    return outs
+
+
+def test_twin_layers_bind_from_the_first_ones_binding_with_the_same_results() -> None:
+    fast, _ = _twins_worker(TWINS)
+    full, _ = _twins_worker(TWINS)
+    full.worker.backends[0].bind_layer = lambda *args: None  # type: ignore[method-assign]
+    backend = fast.worker.backends[0]
+    forwards: list[str] = []
+    inner_forward = backend.forward
+
+    def counted(layer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        forwards.append(layer.layer_name)
+        return inner_forward(layer, *args, **kwargs)
+
+    backend.forward = counted  # type: ignore[method-assign]
+    names = ("a", "b", "odd", "c")
+    fast_outs = _run_named(fast, names, chunks=5, steps=3, seed=21)
+    full_outs = _run_named(full, names, chunks=5, steps=3, seed=21)
+    assert len(fast_outs) == len(full_outs) == 5 * 3 * 4
+    assert all(torch.equal(x, y) for x, y in zip(fast_outs, full_outs, strict=True))
+    # per chunk: "a" (the first) and "odd" (another scale: no twin) take the full path once;
+    # "b" and "c" are bound from "a" before their first calls
+    assert forwards == ["a", "odd"] * 5
+    for name in TWINS:
+        for x, y in zip(
+            key_value_caches(fast.worker.kv_caches[name]),
+            key_value_caches(full.worker.kv_caches[name]),
+            strict=True,
+        ):
+            assert torch.equal(x, y)
+
+
+def test_a_backend_declining_twins_takes_the_full_path_once_per_layer() -> None:
+    cache, _ = _twins_worker({name: spec for name, spec in TWINS.items() if name != "odd"})
+    backend = cache.worker.backends[0]
+    asked: list[tuple[str, str]] = []
+
+    def declined(layer: Any, kv_cache: Any, md: Any, slots: Any, like: Any, like_cache: Any) -> None:
+        asked.append((layer.layer_name, like.layer_name))
+        return None
+
+    backend.bind_layer_like = declined  # type: ignore[method-assign,assignment]
+    calls = _count_forward(backend)
+    _run_named(cache, ("a", "b", "c"), chunks=2, steps=2, seed=23)
+    # asked once per twin and chunk, then each layer's own first call bound it
+    assert asked == [("b", "a"), ("c", "a")] * 2
+    assert calls["forward"] == 3 * 2
+
+
+def test_a_failure_binding_a_twin_is_named_and_the_layer_not_counted_done() -> None:
+    cache, pool = _twins_worker(TWINS)
+    worker = cache.worker
+    backend = worker.backends[0]
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("cannot bind")
+
+    backend.bind_layer_like = broken  # type: ignore[method-assign,assignment]
+    session = cache.begin_session("s", 1)
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    gen = torch.Generator().manual_seed(25)
+    q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+    with worker.stepper() as runtime:
+        runtime.ensure_rows(chunk.rows())
+        worker.forward("a", q, k, v)
+        assert worker.translator is not None
+        state = worker.translator.active_state
+        assert state is not None
+        with pytest.raises(
+            NativeBackendError, match=r"backend 'sdpa' failed in layer 'b' \(RuntimeError: cannot bind\)"
+        ):
+            worker.forward("b", q, k, v)
+        assert "b" not in state.layers_done and "b" not in state.bound_layers
+    cache.abort(chunk)
+    cache.end_session(session)
+    assert pool.num_free == pool.num_total
+
+
+def test_the_sdpa_backend_binds_no_twin_over_a_cache_of_another_shape() -> None:
+    cache, _ = _twins_worker(TWINS)
+    worker = cache.worker
+    backend = worker.backends[0]
+    session = cache.begin_session("s", 1)
+    chunk = cache.append_chunk(session)
+    assert chunk is not None
+    gen = torch.Generator().manual_seed(27)
+    q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
+    with worker.stepper() as runtime:
+        batch = runtime.ensure_rows(chunk.rows())
+        worker.forward("a", q, k, v)
+        layer_b = worker.layers["b"]
+        md, slots = batch.attn_metadata["b"], batch.slot_mappings_by_layer["b"]
+        like, like_cache = worker.layers["a"], worker.kv_caches["a"]
+        other = torch.zeros(2, 3, BLOCK, H, D)  # another block count: not congruent
+        assert backend.bind_layer_like(layer_b, other, md, slots, like, like_cache) is None
+        assert backend.bind_layer_like(layer_b, worker.kv_caches["b"], md, slots, like, like_cache) is not None
     cache.abort(chunk)

@@ -426,6 +426,24 @@ class CudaPagedBackend(TorchSdpaBackend):
             return None
         return self._bind_sdpa(layer, kv_cache, md, slot_mapping)
 
+    def bind_layer_like(
+        self,
+        layer: LayerGeometry,
+        kv_cache: KVCache,
+        metadata: Any,
+        slot_mapping: torch.Tensor,
+        like: LayerGeometry,
+        like_kv_cache: KVCache,
+    ) -> LayerRunner | None:
+        """The SDPA way's recorded call of the twin layer over this layer's cache
+        (``TorchSdpaBackend.bind_layer_like``); the Triton way binds nothing."""
+        if type(self).forward is not CudaPagedBackend.forward:
+            return None
+        md = metadata
+        if not isinstance(md, CudaPagedMetadata) or md.way is KernelWay.TRITON:
+            return None
+        return self._bind_sdpa_like(layer, kv_cache, md, slot_mapping, like_kv_cache)
+
     def forward_partial(
         self, layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, metadata: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
