@@ -744,13 +744,23 @@ def _congruent(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
 
 
+def _last_element(t: torch.Tensor) -> int:
+    """The offset of ``t``'s last element from its first (-1 when empty)."""
+    if t.numel() == 0:
+        return -1
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
 def _rebased(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
     """``view`` of ``base`` moved onto ``other`` (congruent with ``base``): the same shape and
     strides at the same element offset from ``other``'s start. None where ``view`` does not
-    live in ``base``'s memory (a gathered copy: nothing to move)."""
-    if not _aliases(view, base):
+    lie within ``base``'s memory (a gathered copy, or a view reaching past ``base``: nothing
+    to move)."""
+    if not _aliases(view, base) or any(st < 0 for st in view.stride()):
         return None
     offset = view.storage_offset() - base.storage_offset()
+    if offset < 0 or offset + _last_element(view) > _last_element(base):
+        return None
     return other.as_strided(view.shape, view.stride(), other.storage_offset() + offset)
 
 

@@ -460,5 +460,23 @@ def test_the_sdpa_backend_binds_no_twin_over_a_cache_of_another_shape() -> None:
         like, like_cache = worker.layers["a"], worker.kv_caches["a"]
         other = torch.zeros(2, 3, BLOCK, H, D)  # another block count: not congruent
         assert backend.bind_layer_like(layer_b, other, md, slots, like, like_cache) is None
-        assert backend.bind_layer_like(layer_b, worker.kv_caches["b"], md, slots, like, like_cache) is not None
+        assert (
+            backend.bind_layer_like(layer_b, worker.kv_caches["b"], md, slots, like, like_cache) is not None
+        )
     cache.abort(chunk)
+
+
+def test_a_view_is_moved_onto_a_twin_cache_only_from_within_its_own_cache() -> None:
+    """``_rebased``: a view of one layer's cache lands at the same offsets in a congruent cache
+    (here two caches sharing one storage, as a pooled allocation lays them out); a copy, or a
+    view reaching outside the first cache, is not moved."""
+    from diffusion_kv.platforms.torch_sdpa import _rebased
+
+    pool = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    a, b = pool[0], pool[1]
+    view = a[1:3].transpose(0, 1)
+    moved = _rebased(view, a, b)
+    assert moved is not None and torch.equal(moved, b[1:3].transpose(0, 1))
+    assert _rebased(view.clone(), a, b) is None  # a copy: nothing of a's to move
+    beyond = pool.view(-1)[8:16]  # starts inside a, ends inside b
+    assert _rebased(beyond, a.reshape(-1), b.reshape(-1)) is None
