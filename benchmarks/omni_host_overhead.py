@@ -11,7 +11,10 @@ request makes around its forward are timed on the host, each the median of ``--r
 * ``idle_step``: a later denoise step's ``ensure_active`` (the same rows: nothing to prepare);
 * ``remove``: ``remove_diffusion_kv_requests`` after the runtime is closed;
 * ``slot_mapping`` / ``gather``: the BlockTables' two data-plane calls alone, on the prefill
-  rows (the part of prepare the BlockTables own).
+  rows (the part of prepare the BlockTables own);
+* with ``--tight N``, ``install_tight`` / ``remove_tight``: afterwards, N installs and removals
+  back to back with nothing between them (the same calls with their data warm in the caches,
+  where the loop above runs each between a request's prepares).
 
 Which module runs is whatever this process's vLLM-Omni runner uses: upstream's
 (``vllm_omni.diffusion.diffusion_kv``) when the package is unpatched (zero-patch embedding:
@@ -55,6 +58,14 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=4096)
     parser.add_argument("--cfg", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument(
+        "--tight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N installs and removals back to back, nothing between them (install_tight, "
+        "remove_tight): the same calls with their data warm in the caches",
+    )
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
 
@@ -137,6 +148,21 @@ def main() -> None:
             del adapter
         timed("remove", runner.remove_diffusion_kv_requests, [rid])
         manager.free_request(rid)
+    tight: dict[str, list[float]] = {"install_tight": [], "remove_tight": []}
+    for i in range(args.tight + 5 if args.tight else 0):
+        rid = f"tight-{i}"
+        metadata = manager.reserve_request(rid, tiny_dit.kv_requests(shape, rid))
+        assert metadata is not None, "the scheduler could not admit the request"
+        t0 = time.perf_counter()
+        runner.install_diffusion_kv_metadata(metadata)
+        t1 = time.perf_counter()
+        runner.remove_diffusion_kv_requests([rid])
+        t2 = time.perf_counter()
+        manager.free_request(rid)
+        tight["install_tight"].append(t1 - t0)
+        tight["remove_tight"].append(t2 - t1)
+    if args.tight:
+        timings.update(tight)
     result = {
         "module": module,
         "block_tables": type(backend.block_tables).__module__ + "." + type(backend.block_tables).__name__,
