@@ -16,7 +16,7 @@ import torch
 
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.attention import AttentionMode, MaskSpec
-from diffusion_kv.core.backend import BackendChoice, PagedBackend
+from diffusion_kv.core.backend import BackendChoice, LayerRunner, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.parallel import PartialMerger
@@ -26,7 +26,13 @@ from diffusion_kv.platforms.interface import Platform
 
 
 class CountingBackend(PagedBackend):
-    """Wraps a backend instance and records every K/V write (tokens) and attention call."""
+    """Wraps a backend instance and records every K/V write (tokens) and attention call.
+
+    Transparent to the backend's own paths: the core reaches the inner backend's
+    ``write_kv_valid``, ``bind_layer`` / ``bind_layer_like`` (a runner it returns is counted as
+    one write and one attention call per call), ``forward_partial_extra`` and
+    ``forward_extra_keys`` through it, so the kit checks what the backend runs in service, not
+    only its general ``write_kv`` and ``forward``."""
 
     name = "counting"
 
@@ -70,6 +76,74 @@ class CountingBackend(PagedBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.partials.append(int(query.shape[0]))
         return self.inner.forward_partial(layer, query, kv_cache, metadata)
+
+    def write_kv_valid(
+        self,
+        layer: LayerGeometry,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self.writes.append(int(key.shape[0]))
+        self.inner.write_kv_valid(layer, key, value, kv_cache, slot_mapping)
+
+    def forward_partial_extra(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.partials.append(int(query.shape[0] + extra_query.shape[0]))
+        return self.inner.forward_partial_extra(layer, query, extra_query, kv_cache, metadata)
+
+    def forward_extra_keys(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        extra_query: torch.Tensor,
+        extra_key: torch.Tensor,
+        extra_value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = self.inner.forward_extra_keys(
+            layer, query, extra_query, extra_key, extra_value, kv_cache, metadata
+        )
+        if out is not None:
+            self.partials.append(int(query.shape[0] + extra_query.shape[0]))
+        return out
+
+    def _counted(self, run: LayerRunner | None) -> LayerRunner | None:
+        if run is None:
+            return None
+
+        def counted(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            self.writes.append(int(key.shape[0]))
+            self.forwards.append(int(query.shape[0]))
+            return run(query, key, value)
+
+        return counted
+
+    def bind_layer(
+        self, layer: LayerGeometry, kv_cache: KVCache, metadata: Any, slot_mapping: torch.Tensor
+    ) -> LayerRunner | None:
+        return self._counted(self.inner.bind_layer(layer, kv_cache, metadata, slot_mapping))
+
+    def bind_layer_like(
+        self,
+        layer: LayerGeometry,
+        kv_cache: KVCache,
+        metadata: Any,
+        slot_mapping: torch.Tensor,
+        like: LayerGeometry,
+        like_kv_cache: KVCache,
+    ) -> LayerRunner | None:
+        return self._counted(
+            self.inner.bind_layer_like(layer, kv_cache, metadata, slot_mapping, like, like_kv_cache)
+        )
 
 
 class CapturePartials:

@@ -230,6 +230,35 @@ def test_suffix_over_cached_prefix(dkv_platform: Platform, dkv_backend: Backend)
     check(h, run(h, rows, data), expected(h, rows, data, AttentionMode.CAUSAL))
 
 
+@pytest.mark.parametrize("placement", ["contiguous", "permuted"])
+def test_denoise_steps_over_one_prepared_batch(
+    dkv_platform: Platform, dkv_backend: Backend, placement: str
+) -> None:
+    """Three denoise steps over one prepared batch, the target rewritten at every step and every
+    layer called in turn: each step equals dense attention over that step's target K/V and the
+    cached prefix. The path a backend gives a layer's later calls in one activation
+    (``bind_layer``) and a twin layer's first call (``bind_layer_like``) is what serves most of
+    these calls; contiguous blocks let a gather + SDPA backend read its pages as views."""
+    require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.CAUSAL}))
+    h = harness(dkv_platform, dkv_backend)
+    prefix, target = h.block_size + 3, h.block_size // 2 + 5
+    n = prefix + target
+    h.install("r", [n, n], placement=placement)
+    data = make_rows(h, [n, n], seed=31)
+    run(h, rows_for("r", [(0, n), (0, n)]), data)  # the prefill step writes everything
+    rows = rows_for("r", [(prefix, n), (prefix, n)])
+    batch = h.translator.prepare(rows)
+    with h.translator.activate(batch):
+        for step in range(3):
+            fresh = make_rows(h, [n, n], seed=32 + step)
+            for d, f in zip(data, fresh, strict=True):
+                d.q[prefix:], d.k[prefix:], d.v[prefix:] = f.q[prefix:], f.k[prefix:], f.v[prefix:]
+            q, k, v = packed(data, rows)
+            ref = expected(h, rows, data, AttentionMode.CAUSAL)
+            for name in h.layer_names:
+                check(h, h.executor.forward(name, q, k, v), ref)
+
+
 def test_full_attention_over_cache(dkv_platform: Platform, dkv_backend: Backend) -> None:
     require(dkv_platform, dkv_backend, attention_modes=frozenset({AttentionMode.FULL}))
     # a full layer that takes no spans: a full-only backend serves it

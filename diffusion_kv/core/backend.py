@@ -440,8 +440,9 @@ class PagedBackend(abc.ABC):
         twin the backend already bound there (:meth:`bind_layer`); the default returns None
         (the layer's first call takes the full path, then :meth:`bind_layer`).
 
-        The core asks at the layer's first call of the batch, once ``like`` -- served by this
-        backend instance -- was bound, when the two are twins: every field of their
+        The core asks at the layer's first call of the batch, once ``like`` -- served by a
+        backend of this class in the same KV-cache group -- was bound, when the two are twins:
+        every field of their
         :class:`LayerGeometry` equal but the name (neither has ``kv_scales``), their caches
         congruent (K and V of the same shapes, strides, dtypes and devices), the same native
         ``metadata`` and ``slot_mapping`` objects, and the caller's Q/K/V with the layout of

@@ -183,10 +183,12 @@ class PagedExecutor:
 
     def _twin_key(self, layer_name: str) -> Any:
         """What a layer must share with another for its backend to bind it from the other's
-        binding (``PagedBackend.bind_layer_like``): the backend instance, the geometry but the
-        name, and the K/V caches' shapes, strides, dtypes and devices. None where the backend
-        keeps the default hook or the layer has ``kv_scales``. Made once per backend and cache
-        object (a wrapped backend or a rebound cache makes it again)."""
+        binding (``PagedBackend.bind_layer_like``): the backend's class (the batch check in
+        :meth:`_bind_twin` -- the same native metadata object -- keeps twins within one KV-cache
+        group), the geometry but the name, and the K/V caches' shapes, strides, dtypes and
+        devices. None where the backend keeps the default hook or the layer has ``kv_scales``.
+        Made once per backend and cache object (a wrapped backend or a rebound cache makes it
+        again)."""
         backend, kv_cache = self.backends.get(layer_name), self.kv_caches.get(layer_name)
         known = self._twin_keys.get(layer_name)
         if known is not None and known[0] is backend and known[1] is kv_cache:
@@ -205,7 +207,7 @@ class PagedExecutor:
                 caches = None
             if caches is not None:
                 key = (
-                    id(backend),
+                    type(backend),
                     layer.num_heads,
                     layer.num_kv_heads,
                     layer.head_size,
