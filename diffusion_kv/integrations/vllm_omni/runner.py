@@ -56,7 +56,6 @@ import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -105,18 +104,8 @@ def _is_vllm_config(config: Any) -> bool:
 
 def _is_paged(od_config: Any) -> bool:
     mode = getattr(od_config, "diffusion_kv_mode", None)
-    if mode is _PAGED_MODE[0]:  # the mode object last found paged (an enum member): no string work
-        return True
     value = str(getattr(mode, "value", mode) or "").lower()
-    if value != "paged_scheduler":
-        return False
-    if isinstance(mode, Enum):  # a member is one object with one value for the process
-        _PAGED_MODE[0] = mode
-    return True
-
-
-_PAGED_MODE: list[Any] = [object()]
-"""The enum member :func:`_is_paged` last found paged (vLLM-Omni's ``DiffusionKVMode``)."""
+    return value == "paged_scheduler"
 
 
 def _positive(value: Any, message: str) -> int:
