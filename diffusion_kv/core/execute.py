@@ -9,6 +9,7 @@ this rank's keys and the core merges the partials of every DCP rank by log-sum-e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -258,7 +259,7 @@ class PagedExecutor:
         if run is None:
             state.no_twin.add(layer_name)
             return None
-        bound: BoundLayer = like.with_run(run)
+        bound: BoundLayer = dataclasses.replace(like, run=run)  # the twin's layout and decisions
         state.bound_layers[layer_name] = bound
         return bound
 

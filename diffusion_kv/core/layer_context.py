@@ -251,20 +251,6 @@ class BoundLayer:
             (*ctx.token_shape, *tail),
         )
 
-    def with_run(self, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> BoundLayer:
-        """A twin layer's fast path: this layout and these decisions, its own ``run``."""
-        return BoundLayer(
-            self.signature,
-            run,
-            self.heads,
-            self.kv_heads,
-            self.head_size,
-            self.copy_query,
-            self.copy_key,
-            self.copy_value,
-            self.out_shape,
-        )
-
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         q = query.reshape(-1, self.heads, self.head_size)
         k = (key.detach() if key.requires_grad else key).reshape(-1, self.kv_heads, self.head_size)
