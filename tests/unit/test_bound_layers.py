@@ -28,12 +28,17 @@ POLICY = SessionPolicy(chunk_tokens=32, window_chunks=2, sink_chunks=1)
 LAYERS = ("l0", "l1")
 
 
-def _session(backend: str = "sdpa") -> tuple[SessionCache, FreeListPool]:
+def _session(
+    backend: str = "sdpa", layers: dict[str, PagedLayerSpec] | None = None
+) -> tuple[SessionCache, FreeListPool]:
+    """A session cache over ``layers`` (default: ``LAYERS``, alike)."""
     worker = PagedWorker(
         CpuPlatform(), RunnerConfig(1024, 1, 2, 1024, device=torch.device("cpu"), backend=backend)
     )
     worker.register_kv_cache_layers(
-        {name: PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask) for name in LAYERS}
+        layers
+        if layers is not None
+        else {name: PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask) for name in LAYERS}
     )
     num_blocks = 2 + 2 * 3 + 1
     worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
@@ -65,8 +70,8 @@ def _count_forward(backend: Any) -> dict[str, int]:
     return calls
 
 
-def _assert_same_pages(a: PagedWorker, b: PagedWorker) -> None:
-    for name in LAYERS:
+def _assert_same_pages(a: PagedWorker, b: PagedWorker, names: tuple[str, ...] = LAYERS) -> None:
+    for name in names:
         for x, y in zip(
             key_value_caches(a.kv_caches[name]), key_value_caches(b.kv_caches[name]), strict=True
         ):
@@ -80,6 +85,7 @@ def _run_chunks(
     seed: int,
     inputs: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     on_step: Callable[[int, int], None] | None = None,
+    names: tuple[str, ...] = LAYERS,
 ) -> list[torch.Tensor]:
     """``chunks`` chunks of ``steps`` denoise steps; every step writes fresh K/V for the chunk
     in every layer. Returns every output in call order."""
@@ -93,7 +99,7 @@ def _run_chunks(
         with worker.stepper() as runtime:
             for step in range(steps):
                 runtime.ensure_rows(chunk.rows())
-                for name in LAYERS:
+                for name in names:
                     q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
                     outs.append(worker.forward(name, inputs(q), inputs(k), inputs(v)))
                 if on_step is not None:
@@ -324,20 +330,6 @@ def test_the_bound_indexed_write_reads_the_slot_buffer_at_each_call() -> None:
     cache.abort(chunk)
 
 
-def _twins_worker(layers: dict[str, PagedLayerSpec]) -> tuple[SessionCache, FreeListPool]:
-    worker = PagedWorker(
-        CpuPlatform(), RunnerConfig(1024, 1, 2, 1024, device=torch.device("cpu"), backend="sdpa")
-    )
-    worker.register_kv_cache_layers(layers)
-    num_blocks = 2 + 2 * 3 + 1
-    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
-    pool = FreeListPool(num_blocks)
-    alloc = DiffusionKVAllocator(
-        block_size=BLOCK, max_model_len=1024, max_rows_per_request=1, worker_rows=2, pool=pool
-    )
-    return SessionCache(worker, alloc, POLICY), pool
-
-
 TWINS = {
     "a": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask),
     "b": PagedLayerSpec(H, H, D, torch.float32, mode=POLICY.mask),
@@ -346,29 +338,9 @@ TWINS = {
 }
 
 
-def _run_named(
-    cache: SessionCache, names: tuple[str, ...], chunks: int, steps: int, seed: int
-) -> list[torch.Tensor]:
-    worker = cache.worker
-    session = cache.begin_session("s", 1)
-    gen = torch.Generator().manual_seed(seed)
-    outs: list[torch.Tensor] = []
-    for _ in range(chunks):
-        chunk = cache.append_chunk(session)
-        assert chunk is not None
-        with worker.stepper() as runtime:
-            for _step in range(steps):
-                runtime.ensure_rows(chunk.rows())
-                for name in names:
-                    q, k, v = (torch.randn(chunk.tokens, H, D, generator=gen) for _ in range(3))
-                    outs.append(worker.forward(name, q, k, v))
-        cache.commit(chunk)
-    return outs
-
-
 def test_twin_layers_bind_from_the_first_ones_binding_with_the_same_results() -> None:
-    fast, _ = _twins_worker(TWINS)
-    full, _ = _twins_worker(TWINS)
+    fast, _ = _session(layers=TWINS)
+    full, _ = _session(layers=TWINS)
     full.worker.backends[0].bind_layer = lambda *args: None  # type: ignore[method-assign]
     backend = fast.worker.backends[0]
     forwards: list[str] = []
@@ -380,24 +352,18 @@ def test_twin_layers_bind_from_the_first_ones_binding_with_the_same_results() ->
 
     backend.forward = counted  # type: ignore[method-assign]
     names = ("a", "b", "odd", "c")
-    fast_outs = _run_named(fast, names, chunks=5, steps=3, seed=21)
-    full_outs = _run_named(full, names, chunks=5, steps=3, seed=21)
+    fast_outs = _run_chunks(fast, chunks=5, steps=3, seed=21, names=names)
+    full_outs = _run_chunks(full, chunks=5, steps=3, seed=21, names=names)
     assert len(fast_outs) == len(full_outs) == 5 * 3 * 4
     assert all(torch.equal(x, y) for x, y in zip(fast_outs, full_outs, strict=True))
     # per chunk: "a" (the first) and "odd" (another scale: no twin) take the full path once;
     # "b" and "c" are bound from "a" before their first calls
     assert forwards == ["a", "odd"] * 5
-    for name in TWINS:
-        for x, y in zip(
-            key_value_caches(fast.worker.kv_caches[name]),
-            key_value_caches(full.worker.kv_caches[name]),
-            strict=True,
-        ):
-            assert torch.equal(x, y)
+    _assert_same_pages(fast.worker, full.worker, tuple(TWINS))
 
 
 def test_a_backend_declining_twins_takes_the_full_path_once_per_layer() -> None:
-    cache, _ = _twins_worker({name: spec for name, spec in TWINS.items() if name != "odd"})
+    cache, _ = _session(layers={name: spec for name, spec in TWINS.items() if name != "odd"})
     backend = cache.worker.backends[0]
     asked: list[tuple[str, str]] = []
 
@@ -407,14 +373,14 @@ def test_a_backend_declining_twins_takes_the_full_path_once_per_layer() -> None:
 
     backend.bind_layer_like = declined  # type: ignore[method-assign,assignment]
     calls = _count_forward(backend)
-    _run_named(cache, ("a", "b", "c"), chunks=2, steps=2, seed=23)
+    _run_chunks(cache, chunks=2, steps=2, seed=23, names=("a", "b", "c"))
     # asked once per twin and chunk, then each layer's own first call bound it
     assert asked == [("b", "a"), ("c", "a")] * 2
     assert calls["forward"] == 3 * 2
 
 
 def test_a_failure_binding_a_twin_is_named_and_the_layer_not_counted_done() -> None:
-    cache, pool = _twins_worker(TWINS)
+    cache, pool = _session(layers=TWINS)
     worker = cache.worker
     backend = worker.backends[0]
 
@@ -444,7 +410,7 @@ def test_a_failure_binding_a_twin_is_named_and_the_layer_not_counted_done() -> N
 
 
 def test_the_sdpa_backend_binds_no_twin_over_a_cache_of_another_shape() -> None:
-    cache, _ = _twins_worker(TWINS)
+    cache, _ = _session(layers=TWINS)
     worker = cache.worker
     backend = worker.backends[0]
     session = cache.begin_session("s", 1)
