@@ -193,6 +193,15 @@ class PagedBackend(abc.ABC):
     """For ``uses_host_kernels`` backends: the host's KV-cache layout names the kernel reads
     (vLLM's ``KVCacheLayout``, e.g. ``("LBHNC",)``); None: any. A host choosing the layout takes
     the first."""
+    retains_metadata: ClassVar[bool] = False
+    """What :meth:`build` returns stays valid after later builds: no later build (nor anything
+    the backend does for a later batch) writes into what an earlier metadata holds or reads.
+    Where the BlockTables retain their batches too (``TorchBlockTables.retains_batches``), a
+    prepared batch then stays usable after newer preparations -- a host alternating between
+    compositions (CFG branches as rows of their own) re-activates each one's batch instead of
+    preparing again -- until the block tables change. Default False: a newer preparation makes
+    every earlier batch stale. A subclass that overrides :meth:`build` must set it again to keep
+    it."""
 
     # --- selection (class level) ------------------------------------------------------------
 

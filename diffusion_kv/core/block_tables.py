@@ -14,7 +14,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -182,6 +182,27 @@ def pinned_memory_available() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def declared(cls: type, flag: str, methods: Sequence[str]) -> bool:
+    """Whether class ``cls`` holds boolean class attribute ``flag`` true *for the methods that
+    make it so*: the class of ``cls``'s MRO that sets ``flag`` must also be where each of
+    ``methods`` comes from (or below it), so a subclass that replaces one of them without
+    setting ``flag`` again does not inherit a promise it may break."""
+    mro = cls.__mro__
+    owner = next((k for k in mro if flag in vars(k)), None)
+    if owner is None or vars(owner)[flag] is not True:
+        return False
+    at = mro.index(owner)
+    for name in methods:
+        definer = next((k for k in mro if name in vars(k)), None)
+        if definer is not None and mro.index(definer) < at:
+            return False
+    return True
+
+
+RETAINING_METHODS = ("prepare_batch", "_prepare_batch_host", "gather_block_tables", "compute_slot_mappings")
+"""What a BlockTables' ``retains_batches`` speaks for (:func:`declared`)."""
 
 
 def prepare_batch_torch(bt: BlockTables, host: HostBatch, device: torch.device) -> DeviceBatch:
@@ -404,6 +425,13 @@ class TorchBlockTables:
     Everything per token is vectorised; no host synchronisation happens in gather or slots.
     """
 
+    retains_batches: ClassVar[bool] = True
+    """Every prepared batch's tensors are its own: :meth:`prepare_batch` (and the methods it
+    calls) makes new tensors each time and never writes into an earlier batch's, so a batch
+    stays valid after later preparations until the tables change. A BlockTables class that
+    fills persistent buffers says False (or leaves the attribute out); a subclass replacing
+    one of these methods must set it again to keep it (``diffusion_kv.core.block_tables.declared``)."""
+
     def __init__(self, geometry: BlockTablesGeometry | None = None, /, **keywords: Any) -> None:
         """From the geometry record (what the runner hands over), or from its ten keywords
         (``block_sizes=..., max_num_reqs=...``: vLLM's ``BlockTables`` signature, which the
@@ -550,7 +578,9 @@ class TorchBlockTables:
         The hook the translator calls once per ``prepare`` (BlockTables without it get
         :func:`prepare_batch_torch`). An override may return views of persistent buffers that
         the next call overwrites: the translator never prepares while a batch is active, and a
-        new preparation makes every earlier batch stale.
+        new preparation makes every earlier batch stale -- unless the class declares
+        :attr:`retains_batches`, which such an override does not (a subclass overriding this
+        method loses the inherited declaration).
 
         On the host (``device`` is the CPU) without DCP, each row's tokens are one run of
         positions, so a row's slots are a slice of its block grid (``table[b] * kbs + o``)

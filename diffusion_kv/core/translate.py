@@ -7,9 +7,12 @@ metadata out to the group's layers, and returns a :class:`PreparedBatch` shared 
 of one forward.
 
 Prepared batches are stamped with their translator and a generation. Any BlockTables mutation
-(through :meth:`Translator.invalidate`, the registry's ``before_mutation`` hook) or a newer
-preparation makes older batches stale; activating a stale batch is an error. While a batch is
-active, preparation and BlockTables mutation are refused.
+(through :meth:`Translator.invalidate`, the registry's ``before_mutation`` hook) makes older
+batches stale, and so does a newer preparation -- unless the batch is *retained*: its BlockTables
+declare ``retains_batches`` and every backend ``retains_metadata`` (each preparation makes tensors
+of its own and no later one writes into them), in which case it stays valid until the tables
+change. Activating a stale batch is an error. While a batch is active, preparation and
+BlockTables mutation are refused.
 
 Page provenance: ``prepare`` refuses a row that would read a token its row source does not
 report as written (:class:`~diffusion_kv.core.errors.StateError`) or that would write inside
@@ -36,9 +39,11 @@ from diffusion_kv.core.attention import AttentionMode, build_block_plan
 from diffusion_kv.core.backend import PagedBackend
 from diffusion_kv.core.batch import CommonBatchMetadata
 from diffusion_kv.core.block_tables import (
+    RETAINING_METHODS,
     BlockTables,
     DeviceBatch,
     HostBatch,
+    declared,
     pinned_memory_available,
     prepare_batch_torch,
 )
@@ -78,6 +83,10 @@ class PreparedBatch:
     num_tokens: int
     owner: object = field(repr=False, compare=False)
     generation: int = field(repr=False, compare=False)
+    mutation: int = field(default=0, repr=False, compare=False)
+    """The translator's count of BlockTables changes when the batch was prepared."""
+    retained: bool = field(default=False, repr=False, compare=False)
+    """Later preparations leave the batch valid (module docstring); a BlockTables change does not."""
     write_spans: tuple[WrittenSpan, ...] = field(default=(), repr=False, compare=False)
     """What the batch writes into each row; recorded once every paged layer ran on it."""
     slots_valid: bool = field(default=False, compare=False)
@@ -146,6 +155,8 @@ class Translator:
         self.device = resolve_device(device)
         self._owner = object()
         self._generation = 0
+        self._mutation = 0
+        self._retaining: tuple[type, bool] | None = None
         self._active: _ActiveState | None = None
         # pinned staging where the host runtime supports it
         self._pin = self.device.type != "cpu" and pinned_memory_available()
@@ -183,6 +194,22 @@ class Translator:
         if self._active is not None:
             raise StateError("cannot change paged BlockTables while a prepared batch is active")
         self._generation += 1
+        self._mutation += 1
+
+    @property
+    def retains_batches(self) -> bool:
+        """Whether a batch prepared now stays valid after later preparations (until the
+        BlockTables change): the BlockTables class declares ``retains_batches`` and every
+        backend ``retains_metadata``, each for the methods that keep the promise
+        (:func:`~diffusion_kv.core.block_tables.declared`)."""
+        cls = type(self.block_tables)
+        known = self._retaining
+        if known is None or known[0] is not cls:
+            retains = declared(cls, "retains_batches", RETAINING_METHODS) and all(
+                declared(type(b), "retains_metadata", ("build",)) for b in self.backends
+            )
+            known = self._retaining = (cls, retains)
+        return known[1]
 
     # -- preparation --------------------------------------------------------------------------
 
@@ -371,9 +398,10 @@ class Translator:
         rows = tuple(rows)
         bindings, identities = self._validate(rows)
         # Persistent native buffers may be reused by the next preparation: every earlier batch
-        # is stale from here on, even if the builder below fails.
+        # that is not retained is stale from here on, even if the builder below fails.
         self._generation += 1
         generation = self._generation
+        retained = self.retains_batches
         n = len(rows)
         query_lens = [r.query_len for r in rows]
         seq_lens = [r.seq_len for r in rows]
@@ -444,6 +472,8 @@ class Translator:
             num_tokens=num_tokens,
             owner=self._owner,
             generation=generation,
+            mutation=self._mutation,
+            retained=retained,
             write_spans=tuple(
                 [
                     (identity, b.install_serial, start, start + query_len)
@@ -480,10 +510,15 @@ class Translator:
         """Make ``batch`` the one every paged layer uses until the block exits."""
         if not isinstance(batch, PreparedBatch) or batch.owner is not self._owner:
             raise ValidationError("the prepared batch belongs to a different translator")
-        if batch.generation != self._generation:
+        if batch.mutation != self._mutation:
             raise StaleBatchError(
                 f"the prepared batch is stale (generation {batch.generation}; current {self._generation}): "
-                "BlockTables changed or a newer batch was prepared since"
+                "BlockTables changed since"
+            )
+        if batch.generation != self._generation and not batch.retained:
+            raise StaleBatchError(
+                f"the prepared batch is stale (generation {batch.generation}; current {self._generation}): "
+                "a newer batch was prepared since, and these BlockTables or backends reuse their buffers"
             )
         if self._active is not None:
             raise StateError("a prepared batch is already active")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -802,6 +802,12 @@ class TorchSdpaBackend(PagedBackend):
     their device row indices, made once per batch shape), ``write_kv`` copies by slot without a
     host sync, ``forward`` / ``forward_partial`` call SDPA per row group.
     """
+
+    retains_metadata: ClassVar[bool] = True
+    """``build`` makes new row groups and per-batch caches each time; what it shares between
+    batches (row shapes, planned groups) is never written after it is made. The write runs kept
+    for the last built batch are checked against the slot mapping handed in, so an earlier
+    batch's write takes the indexed copy."""
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)

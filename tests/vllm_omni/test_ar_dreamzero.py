@@ -237,3 +237,48 @@ def test_blocks_the_session_cannot_serve_are_refused_with_nothing_changed(env: A
         dkv.get_kv_caches("positive", seq_len=8, commit_current=False)
     assert (cache.pool.num_free, dkv.committed_tokens("positive"), dkv.first_block("positive")) == before
     dkv.close()
+
+
+@torch.no_grad()
+def test_each_cfg_branch_activates_its_own_prepared_batch_again(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline alternates the CFG branches forward after forward, each branch a session
+    row of its own. The worker's batches are retained (``Translator.retains_batches``: the cpu
+    tables and backends make fresh tensors per preparation), so a branch's denoise forwards
+    activate the batch prepared for its rows again after the other branch prepared its own --
+    until a block table change (a chunk opening or committing) makes them stale. Outputs equal
+    vLLM-Omni's either way; without retention every forward prepares."""
+    per_block: dict[bool, list[int]] = {}
+    for retained in (True, False):
+        model = M.dreamzero(SHAPE, seed=0)
+        layout = M.dreamzero_layout(SHAPE)
+        host, dkv = M.host_state(layout), M.dkv_cache(layout).state(f"r{retained}")
+        inputs = M.DreamZeroInputs(SHAPE, seed=1)
+        translator = dkv.cache.worker.translator
+        assert translator is not None and translator.retains_batches
+        if not retained:  # the same tables, taken as ones that reuse their buffers
+            translator._retaining = (type(translator.block_tables), False)
+        prepared: list[int] = []
+        real = translator.prepare
+
+        def counting(rows: Any, real: Any = real, prepared: list[int] = prepared) -> Any:
+            prepared.append(len(rows))
+            return real(rows)
+
+        monkeypatch.setattr(translator, "prepare", counting)
+        counts = []
+        observed: torch.Tensor | None = None
+        steps = (1000.0, 750.0, 500.0, 250.0)
+        for index in range(3):
+            before = len(prepared)
+            ours, _ = M.dreamzero_block(model, dkv, inputs, index, 2 * index, observed, steps=steps)
+            theirs, _ = M.dreamzero_block(model, host, inputs, index, 2 * index, observed, steps=steps)
+            torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+            counts.append(len(prepared) - before)
+            observed = theirs
+        per_block[retained] = counts
+        dkv.close()
+    # without retention: every forward prepares (4 steps x 2 branches, and the two committing
+    # forwards from the second block on); with it: 3 a block
+    assert per_block == {True: [3, 3, 3], False: [8, 10, 10]}

@@ -93,6 +93,10 @@ _MARKERS: dict[int, tuple[DiffusionKVARCache, int]] = {}
 _INSTALLED: set[str] = set()
 """Device types whose kernel of the op is registered (:func:`install_kernel`)."""
 
+PREPARED_KEPT = 8
+"""Prepared batches a :class:`DiffusionKVARCache` keeps for reuse (a few rows sets: the CFG
+branches' chunk rows and the first block's rows, on two workers)."""
+
 
 def _layer_name(index: int) -> str:
     return f"layer{index}"
@@ -428,8 +432,11 @@ class DiffusionKVARCache:
         for index, marker in enumerate(self._markers):
             _MARKERS[marker.data_ptr()] = (self, index)
         self.active: DiffusionKVARForward | None = None
-        self.prepared: dict[int, tuple[tuple[PagedRow, ...], Any]] = {}
-        """Per worker (by id), the rows and the batch last prepared for them (reused while fresh)."""
+        self.prepared: dict[tuple[int, tuple[PagedRow, ...]], Any] = {}
+        """Per worker (by id) and rows, the batch last prepared for them, reused while valid:
+        the CFG branches' forwards alternate, and where the worker's batches are retained
+        (``Translator.retains_batches``) each branch's batch outlives the other's preparation.
+        At most :data:`PREPARED_KEPT` entries (the oldest go first)."""
 
     def state(self, session_id: str) -> DiffusionKVARState:
         """A fresh session (one diffusion-kv session per KV branch)."""
@@ -638,10 +645,11 @@ class DiffusionKVARForward:
     def _step(self) -> None:
         """Activate this forward's rows on its worker (once per forward, at the first layer).
 
-        The batch prepared for the same rows by the previous forward is activated again when
-        nothing changed since (no block table change, no other preparation: the translator
-        refuses a stale batch with :class:`StaleBatchError`): a chunk's probe forwards and its
-        committing forward prepare once between them."""
+        The batch prepared for the same rows by an earlier forward is activated again while it
+        is valid (no block table change since, and no other preparation unless the worker
+        retains its batches: the translator refuses a stale batch with
+        :class:`StaleBatchError`): a chunk's probe forwards and its committing forward prepare
+        once between them, per CFG branch where batches are retained."""
         if self._stack is not None:
             return
         worker = self._worker()
@@ -650,16 +658,21 @@ class DiffusionKVARForward:
         translator = worker.translator
         assert translator is not None
         stack = contextlib.ExitStack()
-        cached = self.cache.prepared.get(id(worker))
-        if cached is not None and cached[0] == rows:
+        prepared = self.cache.prepared
+        key = (id(worker), tuple(rows))
+        cached = prepared.get(key)
+        if cached is not None:
             try:
-                stack.enter_context(translator.activate(cached[1]))
+                stack.enter_context(translator.activate(cached))
                 self._stack = stack
                 return
             except StaleBatchError:
-                pass
+                del prepared[key]
         batch = translator.prepare(rows)
-        self.cache.prepared[id(worker)] = (rows, batch)
+        prepared.pop(key, None)
+        while len(prepared) >= PREPARED_KEPT:
+            del prepared[next(iter(prepared))]
+        prepared[key] = batch
         stack.enter_context(translator.activate(batch))
         self._stack = stack
 

@@ -87,6 +87,7 @@ class CpuReferenceBackend(PagedBackend):
         max_sink=None,
         supports_live_from=True,
     )
+    retains_metadata: ClassVar[bool] = True  # build only reads the batch: nothing is shared or reused
 
     def __init__(self, group: GroupContext) -> None:
         super().__init__(group)

@@ -141,6 +141,7 @@ def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUD
 
 
 class TritonBlockTables(TorchBlockTables):
+    retains_batches = False  # prepare_batch fills persistent buffers: a new batch overwrites the last
     _buffers: _BatchBuffers | None = None
 
     def init_block_table_layout_tensors(self) -> None:
