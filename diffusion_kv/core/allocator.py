@@ -875,13 +875,15 @@ class DiffusionKVAllocator:
         snapshot one generation newer, handed to ``install`` (the worker's ``adopt``: a REPLACE;
         an exception leaves the allocator unchanged and propagates); then the request's old
         blocks go back to the pool and the donor's reservation ends (its blocks are the
-        request's now)."""
+        request's now).
+
+        A request whose leading blocks are shared through the prefix cache (a hit, or blocks it
+        published) gets the donor's private blocks there too: the new snapshot has no cached
+        prefix, the request drops its references (a block another request holds stays with it;
+        one nobody holds stays cached, idle) and forgets its prefix keys, so it never publishes
+        the new K/V under the old content's keys."""
         res, _ = self._reservation_rows("adopt", request_id, None)
         donor, _ = self._reservation_rows("adopt", donor_id, None)
-        if res.held and any(res.held):
-            raise ValidationError(
-                f"request {request_id!r} holds cached prefix blocks; adopt replaces own blocks only"
-            )
         theirs = {s.sequence_id: s for s in donor.allocation.sequences}
         sequences = []
         for s in res.allocation.sequences:
@@ -891,11 +893,20 @@ class DiffusionKVAllocator:
                     f"adopt: donor {donor_id!r} has no sequence {s.sequence_id} of {s.seq_len} tokens for "
                     f"request {request_id!r}"
                 )
-            sequences.append(replace(s, block_ids=d.block_ids))
+            sequences.append(replace(s, block_ids=d.block_ids, cached_prefix_len=0))
         snapshot = self._publish_rows(res, sequences, install)
-        old = res.private
+        old, held = res.private, res.held
         res.private = list(donor.private)
         res.block_ids = list(donor.block_ids)
+        if any(held):
+            res.held = [[] for _ in held]
+            if self.prefix_cache is not None:
+                for keys in held:
+                    self.prefix_cache.release(keys)
+        if any(s.prefix_keys for s in res.request.sequences):
+            res.request = replace(
+                res.request, sequences=tuple(replace(s, prefix_keys=()) for s in res.request.sequences)
+            )
         del self._reserved[donor_id]
         self.pool.free(old)
         return snapshot

@@ -1009,7 +1009,10 @@ class RowRegistry:
         shadow row the host recomputed). ``readable``: the token spans every row may read from
         now on, when that is fewer than today's (within them; a re-cache after the window slid
         recomputes the live keys only) -- the donor must have written those, and the rest stops
-        being readable. Returns False (rows changed, none added)."""
+        being readable. A row may drop its cached prefix (``cached_prefix_len`` 0 in
+        ``snapshot``): the donor's private blocks replace the shared ones, which the row stops
+        holding, and its tokens there stay readable (the donor wrote them). Returns False (rows
+        changed, none added)."""
         if self.mode is not KVCacheMode.PAGED:
             raise StateError("paged KV rows are not available in dense mode")
         installs = self._prepare(snapshot)
@@ -1042,7 +1045,10 @@ class RowRegistry:
                 f"adopt of request {rid!r} from {donor!r}: the rows must match one to one (sequences only)"
             )
         for a, b, d in zip(old.sequences, snapshot.sequences, given.sequences, strict=True):
-            if replace_ids(a) != replace_ids(b) or (d.sequence_id, d.seq_len, d.block_ids) != (
+            kept = replace_ids(a)
+            if b.cached_prefix_len == 0 and a.cached_prefix_len:  # the donor's blocks replace shared ones
+                kept = dc_replace(kept, cached_prefix_len=0)
+            if kept != replace_ids(b) or (d.sequence_id, d.seq_len, d.block_ids) != (
                 b.sequence_id,
                 b.seq_len,
                 b.block_ids,

@@ -219,6 +219,7 @@ OPS = (
     [
         (2, {"lru_offloaded", "offload", "reload", "sched", "shared", "chunk"}),
         (7, {"recache_slid", "offload", "reload", "sched", "shared", "abort"}),
+        (9, {"recache_shared", "recache_slid", "offload", "reload", "shared", "end"}),
     ],
 )
 def test_random_ops_with_offload_recache_shared_starts_and_scheduler_steps(
@@ -331,11 +332,12 @@ def test_random_ops_with_offload_recache_shared_starts_and_scheduler_steps(
                         write_context(cache, ctx_rows, seed=rng.randrange(1000))
             elif op == "recache" and session.committed_tokens:
                 snapshot = cache.worker.registry.snapshot_of(session.session_id)  # type: ignore[union-attr]
-                if snapshot is not None and snapshot.sequences[0].cached_prefix_len:
-                    with pytest.raises(NotImplementedError, match="shared through the prefix cache"):
-                        cache.begin_recache(session)
-                    assert pool.num_free == free
-                    continue
+                # a shared start: the commit gives the session private blocks where it shared
+                shared_blocks = (
+                    sum(s.cached_prefix_len // cache.allocator.block_size for s in snapshot.sequences)
+                    if snapshot is not None
+                    else 0
+                )
                 rc = cache.begin_recache(session)
                 if rc is None:
                     assert pool.num_free == free
@@ -343,14 +345,18 @@ def test_random_ops_with_offload_recache_shared_starts_and_scheduler_steps(
                 new = recache_slid_forward(stream, rc, seed=rng.randrange(1000))
                 if rng.random() < 0.3:
                     cache.abort_recache(rc)
+                    assert pool.num_free == free
                 else:
                     cache.commit_recache(rc)
                     for key, (k, v) in new.items():
                         stream.keys[key], stream.values[key] = k, v
-                    counts["recache_slid" if len(rc.spans) > 1 or rc.spans[0][0] else op] = (
-                        counts.get("recache_slid" if len(rc.spans) > 1 or rc.spans[0][0] else op, 0) + 1
+                    kind = (
+                        "recache_shared"
+                        if shared_blocks
+                        else ("recache_slid" if len(rc.spans) > 1 or rc.spans[0][0] else op)
                     )
-                assert pool.num_free == free
+                    counts[kind] = counts.get(kind, 0) + 1
+                    assert pool.num_free == free - shared_blocks
         if op in ("chunk", "abort", "sched") and any(
             st.session.offloaded is not None for s, st in streams.items() if s not in before_offloaded
         ):

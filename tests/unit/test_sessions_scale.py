@@ -515,12 +515,6 @@ def test_sessions_from_the_same_first_chunk_share_its_blocks() -> None:
         host.keys[("follow", 0, layer)] = (k[:4], v[:4])
     write(follower, "prefix")  # same content, same inputs for [4, 6)
     starts.commit(follower)
-    free = cache.allocator.pool.num_free
-    with pytest.raises(
-        NotImplementedError, match=r"re-cache of session 'follow', whose first tokens \(4\) are shared"
-    ):
-        cache.begin_recache(follower.session)
-    assert cache.allocator.pool.num_free == free and follower.session.recache is None
     for layer in LAYERS:
         hk, hv = host.history("follow", 0, layer)
         sk, sv = host.pending.pop(("follow", 0, layer))
@@ -541,6 +535,83 @@ def test_sessions_from_the_same_first_chunk_share_its_blocks() -> None:
     cache.end_session(follower.session)
     pool = cache.allocator.pool
     assert prefix_cache.refs(keys[0]) == 0 and prefix_cache.num_idle == 1
+    assert pool.num_free == pool.num_total - 1
+    pool.free(prefix_cache.evict(prefix_cache.num_idle))
+    assert pool.num_free == pool.num_total
+
+
+def test_a_shared_start_session_re_caches_into_blocks_of_its_own() -> None:
+    """A prompt switch (re-cache) of a session whose first chunk is shared through the prefix
+    cache: the shadow takes fresh blocks at the shared places too, and the commit drops the
+    session's reference. The other session keeps reading the shared block (dense-equal over the
+    old K/V), the re-cached one reads its new K/V, a later session with the same content still
+    hits the original block, and the re-cached session never publishes its new K/V under the old
+    content's keys. An aborted re-cache leaves the shared state as it was."""
+    cache = make(prefix=True)
+    host = Host(cache)
+    starts = SharedStarts(cache, "tiny-model")
+    prefix_cache = cache.allocator.prefix_cache
+    assert prefix_cache is not None
+    pool = cache.allocator.pool
+
+    first: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the shared block's K/V per layer
+
+    def begin(sid: str) -> Session:
+        begun = starts.begin(sid, "first-frame", 1)
+        assert begun is not None
+        if begun.hit[0]:  # the dense history of the shared block: the leader's first K/V
+            for layer in LAYERS:
+                k, v = first[layer]
+                host.keys[(sid, 0, layer)] = (k[: begun.hit[0]], v[: begun.hit[0]])
+        with cache.worker.stepper() as rt:
+            rows = begun.rows()
+            rt.ensure_rows(rows)
+            host.run_rows(rows, [f"prefix/b{r.sequence_id}" for r in rows], [0] * len(rows))
+        starts.commit(begun)
+        for layer in LAYERS:
+            hk, hv = host.history(sid, 0, layer)
+            sk, sv = host.pending.pop((sid, 0, layer))
+            host.keys[(sid, 0, layer)] = (torch.cat([hk, sk]), torch.cat([hv, sv]))
+        return begun.session
+
+    lead = begin("lead")
+    first.update({layer: host.history("lead", 0, layer) for layer in LAYERS})
+    follow = begin("follow")
+    key = starts.keys("first-frame", 1, 1)[0][0]
+    shared_block = prefix_cache.block_of(key)
+    assert prefix_cache.refs(key) == 2 and cache.allocator.blocks_of("lead")[0] == shared_block
+
+    aborted = cache.begin_recache(lead)
+    assert aborted is not None
+    cache.abort_recache(aborted)
+    assert prefix_cache.refs(key) == 2 and cache.allocator.blocks_of("lead")[0] == shared_block
+
+    free = pool.num_free
+    rc = cache.begin_recache(lead)
+    assert rc is not None and rc.spans == ((0, 6),)
+    assert pool.num_free == free - 2  # the shadow: a fresh block at each of the 2 live places
+    with cache.worker.stepper() as rt:
+        rt.ensure_rows(rc.rows())
+        host.run_rows(rc.rows(), ["recache/b0"], [0])
+    cache.commit_recache(rc)
+    for layer in LAYERS:
+        host.keys[("lead", 0, layer)] = host.pending.pop((rc.shadow_id, 0, layer))
+    # the old private block went back, the shared one stays with the follower
+    assert pool.num_free == free - 1
+    assert prefix_cache.refs(key) == 1 and prefix_cache.block_of(key) == shared_block
+    assert shared_block not in cache.allocator.blocks_of("lead")
+    snap = cache.worker.registry.snapshot_of("lead")  # type: ignore[union-attr]
+    assert snap is not None and snap.sequences[0].cached_prefix_len == 0
+    assert cache.allocator.publish("lead") is None  # no prefix keys any more: nothing to publish
+    for _ in range(3):
+        host.chunk(lead)  # attends over the re-cached K/V (dense-checked)
+        host.chunk(follow)  # still over the original shared block
+    third = begin("third")  # the same content hits the original block
+    assert cache.allocator.blocks_of("third")[0] == shared_block and prefix_cache.refs(key) == 2
+    host.chunk(third)
+    for session in (lead, follow, third):
+        cache.end_session(session)
+    assert prefix_cache.refs(key) == 0 and prefix_cache.num_idle == 1
     assert pool.num_free == pool.num_total - 1
     pool.free(prefix_cache.evict(prefix_cache.num_idle))
     assert pool.num_free == pool.num_total

@@ -449,7 +449,10 @@ class SessionCache:
         blocks, plus new contexts (``name -> tokens``) staged to replace the session's. The host
         runs one forward over ``pass.rows()`` (and writes each staged context over
         ``pass.context_rows(name)``), then :meth:`commit_recache` or :meth:`abort_recache`. None
-        when a pool is short (nothing taken)."""
+        when a pool is short (nothing taken). A session whose first chunks are shared through the
+        prefix cache (``SharedStarts``) is re-cached the same way: the shadow takes fresh blocks
+        there too, and the commit drops the session's references to the shared ones (sessions
+        still holding them keep reading them)."""
         self._own(session)
         sid = session.session_id
         if session.open_chunk is not None or session.recache is not None:
@@ -464,12 +467,6 @@ class SessionCache:
                 raise ValidationError(
                     f"session {sid!r} re-cache: no contexts {unknown} to replace (has {list(known)})"
                 )
-        snapshot = self.worker.registry.snapshot_of(sid) if self.worker.registry is not None else None
-        if snapshot is not None and any(s.cached_prefix_len for s in snapshot.sequences):
-            raise NotImplementedError(
-                f"re-cache of session {sid!r}, whose first tokens ({snapshot.sequences[0].cached_prefix_len}) are shared "
-                "through the prefix cache: the REPLACE would have to drop the shared references and seal nothing"
-            )
         live = self.live_spans(session)
         if live != ((0, session.committed_tokens),):
             self._check_live_from_served()

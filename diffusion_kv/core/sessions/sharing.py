@@ -23,7 +23,9 @@ The shared blocks are never written again: a hit is the row's cached prefix (the
 a write there) and, with a window, the shared chunks must lie in the sink (``chunks <=
 sink_chunks``), which no slide releases. A session that ends drops its references; a block
 stays for every other session holding it, and once nobody does it stays cached (idle, least
-recently used first out) until an allocation needs the room.
+recently used first out) until an allocation needs the room. A re-cache of a shared session
+(``SessionCache.begin_recache``) gives it blocks of its own at the shared places and drops its
+references (and its prefix keys) at the commit.
 """
 
 from __future__ import annotations
