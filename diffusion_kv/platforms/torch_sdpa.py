@@ -621,8 +621,12 @@ class CudaPagedMetadata:
     """Per layer cache object (by ``id``, the cache held in the entry): the batch's whole
     :meth:`TorchSdpaBackend.forward` resolved by its first call there, for the later calls on
     the same cache (the denoise steps of a chunk, the steps between two preparations) -- set
-    only where K/V are views of the cache (they read what later writes put there) and one SDPA
-    call covers every query in order."""
+    only where one SDPA call covers every query in order, over K/V that are views of the cache
+    (they read what later writes put there) or gathered by a block index the batch fixes."""
+    gathers: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict, compare=False, repr=False)
+    """Per row group (by ``id``; the group is held by ``sdpa_groups``): the block index its
+    pages are gathered by and the blocks per row, made by the batch's first call and reused by
+    every later one (no index conversion per layer)."""
 
 
 def _uniform_row_group(md: CudaPagedMetadata, query_len: int) -> SdpaRowGroup | None:
@@ -654,22 +658,42 @@ def _row_view(cache: torch.Tensor, view: tuple[int, int], rows: int, tokens: int
     )
 
 
+class _Gather(NamedTuple):
+    """How a recorded call gathers its K/V from the pages at every call (pages that are not one
+    strided view): the cache halves, the batch's block index (fixed at its first call) and the
+    ``[R, blocks * page, Hkv, D]`` shape the gathered blocks take, cut to ``keys``."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_index: torch.Tensor
+    shape: tuple[int, int, int, int]
+    keys: int
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kt``, ``vt`` ``[R, Hkv, keys, D]``: the pages as they are now."""
+        k = self.k_cache.index_select(0, self.block_index).view(self.shape)[:, : self.keys]
+        v = self.v_cache.index_select(0, self.block_index).view(self.shape)[:, : self.keys]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
 class _BoundCall(NamedTuple):
     """One layer cache's resolved attention for a batch (``CudaPagedMetadata.calls``): the
-    query's ``[R, ql, H, D]`` view shape, K/V as ``[R, Hkv, keys, D]`` views of the cache, and
-    the SDPA arguments the full path chose."""
+    query's ``[R, ql, H, D]`` view shape, K/V as ``[R, Hkv, keys, D]`` views of the cache (or,
+    with ``gather``, gathered from the pages by the batch's block index at every call), and the
+    SDPA arguments the full path chose."""
 
     kv_cache: Any
     layer: LayerGeometry
     tokens: int
     q_shape: tuple[int, int, int, int]
-    kt: torch.Tensor
-    vt: torch.Tensor
+    kt: torch.Tensor | None
+    vt: torch.Tensor | None
     mask: Any
     """SDPA's ``attn_mask``: a planned group's bool key mask, a lower-right causal bias, or None."""
     is_causal: bool
     gqa: bool
     cudnn: bool
+    gather: _Gather | None = None
 
 
 class _WriteViews(NamedTuple):
@@ -1146,8 +1170,9 @@ class TorchSdpaBackend(PagedBackend):
     ) -> LayerRunner | None:
         """Record for ``kv_cache`` the call (and the slot-run write views) recorded for its
         twin's cache ``like_kv_cache`` in this batch, each view moved onto ``kv_cache``'s
-        memory at the same offsets (:func:`_rebased`), then bind it as :meth:`bind_layer` does.
-        None where the twin's call is not recorded or a view is not the twin cache's own."""
+        memory at the same offsets (:func:`_rebased`) -- a recorded gather keeps its block index
+        over ``kv_cache``'s halves -- then bind it as :meth:`bind_layer` does. None where the
+        twin's call is not recorded or a view is not the twin cache's own."""
         md = metadata
         if not isinstance(md, CudaPagedMetadata) or md.cp_size > 1 or layer.kv_scales is not None:
             return None
@@ -1163,9 +1188,15 @@ class TorchSdpaBackend(PagedBackend):
         k1, v1 = key_value_caches(kv_cache)
         if not (_congruent(k0, k1) and _congruent(v0, v1)):
             return None
-        kt, vt = _rebased(call.kt, k0, k1), _rebased(call.vt, v0, v1)
-        if kt is None or vt is None:
-            return None
+        gather = call.gather
+        if gather is not None:  # the same block index over this cache's halves
+            kt = vt = None
+            gather = gather._replace(k_cache=k1, v_cache=v1)
+        else:
+            assert call.kt is not None and call.vt is not None
+            kt, vt = _rebased(call.kt, k0, k1), _rebased(call.vt, v0, v1)
+            if kt is None or vt is None:
+                return None
         hit = self._write_views.get(id(like_kv_cache))
         if hit is not None and hit.kv_cache is like_kv_cache and hit.runs is not None:
             runs: list[tuple[slice | None, torch.Tensor, torch.Tensor]] = []
@@ -1177,7 +1208,7 @@ class TorchSdpaBackend(PagedBackend):
             else:  # every destination moved: the slice copies serve this cache too
                 self._write_views[id(kv_cache)] = _WriteViews(kv_cache, k1.dtype, v1.dtype, tuple(runs))
         md.splits[id(kv_cache)] = (kv_cache, k1, v1)
-        md.calls[id(kv_cache)] = call._replace(kv_cache=kv_cache, layer=layer, kt=kt, vt=vt)
+        md.calls[id(kv_cache)] = call._replace(kv_cache=kv_cache, layer=layer, kt=kt, vt=vt, gather=gather)
         return self._bind_sdpa(layer, kv_cache, md, slot_mapping)
 
     def _bind_sdpa(
@@ -1362,8 +1393,11 @@ class TorchSdpaBackend(PagedBackend):
                 if len(grp.live_runs) == 1 and _aliases(k, k_cache) and _aliases(v, v_cache):
                     md.views[at] = (k, v)  # views (pages that flatten in place), not copies
         elif grp.live is not None:  # a planned mask: the live blocks only, gathered
-            flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
-            n_live = grp.live.shape[0]
+            gathered = md.gathers.get(id(grp))
+            if gathered is None:
+                flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
+                gathered = md.gathers[id(grp)] = (flat, grp.live.shape[0])
+            flat, n_live = gathered
             k = k_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
             v = v_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
         elif grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
@@ -1376,11 +1410,14 @@ class TorchSdpaBackend(PagedBackend):
                 )
             k, v = cached
         else:
-            if grp.row_index is None:
-                table = md.block_table[rows[0] : rows[0] + R, :nblk]
-            else:
-                table = md.block_table[grp.row_index, :nblk]
-            flat = table.reshape(-1).long()
+            gathered = md.gathers.get(id(grp))
+            if gathered is None:
+                if grp.row_index is None:
+                    table = md.block_table[rows[0] : rows[0] + R, :nblk]
+                else:
+                    table = md.block_table[grp.row_index, :nblk]
+                gathered = md.gathers[id(grp)] = (table.reshape(-1).long(), nblk)
+            flat = gathered[0]
             k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
             v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
         if grp.contiguous:
@@ -1476,6 +1513,25 @@ class TorchSdpaBackend(PagedBackend):
         return known
 
     @staticmethod
+    def _replayable_gather(
+        md: CudaPagedMetadata, grp: SdpaRowGroup, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor
+    ) -> _Gather | None:
+        """How ``k``/``v`` (what :meth:`_group_tensors` returned for ``grp`` over ``kv_cache``)
+        were gathered, where that is the block gather by the batch's fixed index
+        (:attr:`CudaPagedMetadata.gathers`) -- None for views and token gathers."""
+        gathered, split = md.gathers.get(id(grp)), md.splits.get(id(kv_cache))
+        if gathered is None or split is None or split[0] is not kv_cache:
+            return None
+        if grp.tokens is not None or grp.token_view is not None or grp.live_runs is not None:
+            return None  # another way of reading (a token gather, a view): not the block gather
+        if grp.live is None and grp.view is not None:
+            return None
+        block_index, blocks = gathered
+        k_cache, v_cache = split[1], split[2]
+        shape = (k.shape[0], blocks * md.page, k_cache.shape[2], k_cache.shape[3])
+        return _Gather(k_cache, v_cache, block_index, shape, k.shape[1])
+
+    @staticmethod
     def _views_cache(md: CudaPagedMetadata, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether ``k`` and ``v`` (what :meth:`_group_tensors` returned for ``kv_cache``) live in
         the cache's own memory -- views, which a :class:`_BoundCall` may hold because they see
@@ -1484,7 +1540,7 @@ class TorchSdpaBackend(PagedBackend):
         return split is not None and _aliases(k, split[1]) and _aliases(v, split[2])
 
     @staticmethod
-    def _sdpa_call(call: _BoundCall, qt: torch.Tensor) -> torch.Tensor:
+    def _sdpa_call(call: _BoundCall, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor) -> torch.Tensor:
         """SDPA of ``qt`` ``[R, H, ql, D]`` over ``call``'s K/V: ``[R, ql, H, D]`` (a transposed
         view of SDPA's own output)."""
         scale = call.layer.scale
@@ -1493,14 +1549,14 @@ class TorchSdpaBackend(PagedBackend):
             # cuDNN's kernel called directly: the kernel SDPA's priority below would pick,
             # without the dispatcher's per-call backend selection on the host
             o = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qt, call.kt, call.vt, None, False, 0.0, call.is_causal, False, scale=scale
+                qt, kt, vt, None, False, 0.0, call.is_causal, False, scale=scale
             )[0]
         else:
             with _sdpa_priority(qt.is_cuda):
                 o = torch.nn.functional.scaled_dot_product_attention(
                     qt,
-                    call.kt,
-                    call.vt,
+                    kt,
+                    vt,
                     attn_mask=call.mask,
                     is_causal=call.is_causal,
                     scale=scale,
@@ -1511,7 +1567,13 @@ class TorchSdpaBackend(PagedBackend):
     def _bound_sdpa(self, call: _BoundCall, query: torch.Tensor) -> torch.Tensor:
         """``call`` over ``query`` ``[tokens, H, D]`` (any token stride) holding its rows in
         order: ``[tokens, H, D]`` (a view when SDPA wrote ``[B, L, H, D]``)."""
-        o = self._sdpa_call(call, query.view(call.q_shape).transpose(1, 2))
+        g = call.gather
+        if g is None:
+            kt, vt = call.kt, call.vt
+            assert kt is not None and vt is not None
+        else:
+            kt, vt = g.kv()
+        o = self._sdpa_call(call, query.view(call.q_shape).transpose(1, 2), kt, vt)
         return o.reshape(call.tokens, call.layer.num_heads, call.layer.head_size)
 
     def _gather_sdpa(
@@ -1560,10 +1622,14 @@ class TorchSdpaBackend(PagedBackend):
             call = _BoundCall(
                 kv_cache, layer, R * ql, (R, ql, layer.num_heads, hd), kt, vt, mask, is_causal, gqa, cudnn
             )
-            o = self._sdpa_call(call, qt)
+            o = self._sdpa_call(call, qt, kt, vt)
             if single and contiguous and R * ql == query.shape[0]:
                 if self._views_cache(md, kv_cache, k, v):
                     md.calls[id(kv_cache)] = call  # later calls on this cache skip the decisions above
+                elif (gathered := self._replayable_gather(md, grp, kv_cache, k, v)) is not None:
+                    # K/V gathered by the batch's fixed block index: later calls gather the same
+                    # way (reading what later writes put in the pages), the decisions kept
+                    md.calls[id(kv_cache)] = call._replace(kt=None, vt=None, gather=gathered)
                 return o.reshape(R * ql, layer.num_heads, hd)  # a view when SDPA wrote [B, L, H, D]
             if result is None:
                 result = torch.empty_like(query)
