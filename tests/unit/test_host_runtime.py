@@ -92,9 +92,9 @@ def test_selection_and_explain_take_the_host() -> None:
     assert platform.host_reasons(CpuReferenceBackend, None) == []  # the default: no host needed
     assert platform.select_backend(req, force=HostedBackend, host=host) is HostedBackend
     lines = platform.explain(req, force=HostedBackend)
-    assert lines[-1].endswith(f"float32 math [a class given as the backend choice]: {NO_HOST_REASON}")
+    assert lines[-1].endswith(f"float64 math [a class given as the backend choice]: {NO_HOST_REASON}")
     assert platform.explain(req, force=HostedBackend, host=host)[-1].endswith(
-        "float32 math [a class given as the backend choice]: selected"
+        "float64 math [a class given as the backend choice]: selected"
     )
     with pytest.raises(ValidationError, match="host must be a HostRuntime or None; got dict"):
         platform.select_backend(req, host=CONFIG)  # type: ignore[arg-type]

