@@ -594,8 +594,9 @@ class TorchBlockTables:
         same memory): a row's gathered table is a slice copy, its slots one arithmetic over its
         slice of block ids -- a few microseconds a row, where torch dispatch costs that per op."""
         n, num_tokens = host.num_reqs, host.num_tokens
-        qsl, seq, rows, _ = host.split()
-        packed = host.packed.numpy()
+        p = host.packed  # the views host.split() gives, as plain slices (no split dispatch)
+        qsl, seq, rows = p[: n + 1], p[n + 1 : 2 * n + 1], p[2 * n + 1 : 3 * n + 1]
+        packed = p.numpy()
         qsl_l = packed[: n + 1].tolist()
         rows_l = packed[2 * n + 1 : 3 * n + 1].tolist()
         starts_l = packed[3 * n + 1 :].tolist()
@@ -603,7 +604,7 @@ class TorchBlockTables:
         for i in range(n):
             q0, q1 = qsl_l[i], qsl_l[i + 1]
             positions[q0:q1] = np.arange(starts_l[i], starts_l[i] + q1 - q0)
-        slot_dtype = torch.empty(0, dtype=self.slot_mapping_dtype).numpy().dtype
+        slot_dtype = np.int64 if self.slot_mapping_dtype == torch.int64 else np.int32
         slots = np.full((self.num_kv_cache_groups, num_tokens), PAD_SLOT_ID, dtype=slot_dtype)
         counts = self.num_blocks.np
         tables = []
