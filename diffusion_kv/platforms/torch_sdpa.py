@@ -671,9 +671,32 @@ class _Gather(NamedTuple):
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt``, ``vt`` ``[R, Hkv, keys, D]``: the pages as they are now."""
-        k = self.k_cache.index_select(0, self.block_index).view(self.shape)[:, : self.keys]
-        v = self.v_cache.index_select(0, self.block_index).view(self.shape)[:, : self.keys]
+        k = _gather_blocks(self.k_cache, self.block_index, self.shape, self.keys)
+        v = _gather_blocks(self.v_cache, self.block_index, self.shape, self.keys)
         return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _gather_blocks(
+    cache: torch.Tensor, block_index: torch.Tensor, shape: tuple[int, int, int, int], keys: int
+) -> torch.Tensor:
+    """``[R, keys, Hkv, D]``: the blocks ``block_index`` of ``cache`` ``[blocks, page, Hkv, D]``
+    as ``shape`` ``[R, blocks * page, Hkv, D]``, cut to the first ``keys`` of each row."""
+    return cache.index_select(0, block_index).view(shape)[:, :keys]
+
+
+def _block_index(md: CudaPagedMetadata, grp: SdpaRowGroup, blocks: int) -> tuple[torch.Tensor, int]:
+    """The block index a row group's pages are gathered by and the blocks per row: a planned
+    mask's live blocks, else the rows' first ``blocks`` table entries."""
+    if grp.live is not None:
+        index = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
+        return index, grp.live.shape[0]
+    first, rows = grp.rows[0], len(grp.rows)
+    table = (
+        md.block_table[first : first + rows, :blocks]
+        if grp.row_index is None
+        else md.block_table[grp.row_index, :blocks]
+    )
+    return table.reshape(-1).long(), blocks
 
 
 class _BoundCall(NamedTuple):
@@ -1392,15 +1415,16 @@ class TorchSdpaBackend(PagedBackend):
                 v = _runs_of(v_cache, grp.live_runs, keys)
                 if len(grp.live_runs) == 1 and _aliases(k, k_cache) and _aliases(v, v_cache):
                     md.views[at] = (k, v)  # views (pages that flatten in place), not copies
-        elif grp.live is not None:  # a planned mask: the live blocks only, gathered
+        elif grp.live is not None or grp.view is None:
+            # gathered by block (a planned mask's live blocks, or rows whose pages are not one
+            # strided view), by the index the batch's first call made
             gathered = md.gathers.get(id(grp))
             if gathered is None:
-                flat = grp.blocks if grp.blocks is not None else planned_blocks(grp, md.block_table)
-                gathered = md.gathers[id(grp)] = (flat, grp.live.shape[0])
-            flat, n_live = gathered
-            k = k_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
-            v = v_cache.index_select(0, flat).view(R, n_live * md.page, hkv, hd)[:, :keys]
-        elif grp.view is not None:  # contiguous pages: a strided view of the cache, no gather
+                gathered = md.gathers[id(grp)] = _block_index(md, grp, nblk)
+            index, blocks = gathered
+            shape = (R, blocks * md.page, hkv, hd)
+            k, v = _gather_blocks(k_cache, index, shape, keys), _gather_blocks(v_cache, index, shape, keys)
+        else:  # contiguous pages: a strided view of the cache, no gather
             at = (k_cache.data_ptr(), id(grp))
             cached = md.views.get(at)
             if cached is None:
@@ -1409,17 +1433,6 @@ class TorchSdpaBackend(PagedBackend):
                     _row_view(v_cache, grp.view, R, nblk * md.page)[:, :keys],
                 )
             k, v = cached
-        else:
-            gathered = md.gathers.get(id(grp))
-            if gathered is None:
-                if grp.row_index is None:
-                    table = md.block_table[rows[0] : rows[0] + R, :nblk]
-                else:
-                    table = md.block_table[grp.row_index, :nblk]
-                gathered = md.gathers[id(grp)] = (table.reshape(-1).long(), nblk)
-            flat = gathered[0]
-            k = k_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
-            v = v_cache.index_select(0, flat).view(R, nblk * md.page, hkv, hd)[:, :keys]
         if grp.contiguous:
             q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
         else:
@@ -1514,17 +1527,13 @@ class TorchSdpaBackend(PagedBackend):
 
     @staticmethod
     def _replayable_gather(
-        md: CudaPagedMetadata, grp: SdpaRowGroup, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor
+        md: CudaPagedMetadata, grp: SdpaRowGroup, kv_cache: KVCache, k: torch.Tensor
     ) -> _Gather | None:
-        """How ``k``/``v`` (what :meth:`_group_tensors` returned for ``grp`` over ``kv_cache``)
-        were gathered, where that is the block gather by the batch's fixed index
-        (:attr:`CudaPagedMetadata.gathers`) -- None for views and token gathers."""
+        """How ``k`` (what :meth:`_group_tensors` returned for ``grp`` over ``kv_cache``) was
+        gathered, where ``grp`` reads by the block gather -- its index in
+        :attr:`CudaPagedMetadata.gathers`, which only that way of reading makes -- else None."""
         gathered, split = md.gathers.get(id(grp)), md.splits.get(id(kv_cache))
         if gathered is None or split is None or split[0] is not kv_cache:
-            return None
-        if grp.tokens is not None or grp.token_view is not None or grp.live_runs is not None:
-            return None  # another way of reading (a token gather, a view): not the block gather
-        if grp.live is None and grp.view is not None:
             return None
         block_index, blocks = gathered
         k_cache, v_cache = split[1], split[2]
@@ -1626,7 +1635,7 @@ class TorchSdpaBackend(PagedBackend):
             if single and contiguous and R * ql == query.shape[0]:
                 if self._views_cache(md, kv_cache, k, v):
                     md.calls[id(kv_cache)] = call  # later calls on this cache skip the decisions above
-                elif (gathered := self._replayable_gather(md, grp, kv_cache, k, v)) is not None:
+                elif (gathered := self._replayable_gather(md, grp, kv_cache, k)) is not None:
                     # K/V gathered by the batch's fixed block index: later calls gather the same
                     # way (reading what later writes put in the pages), the decisions kept
                     md.calls[id(kv_cache)] = call._replace(kt=None, vt=None, gather=gathered)

@@ -13,6 +13,7 @@ from diffusion_kv.conformance.harness import PagedHarness
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.platforms.cpu import CpuPlatform
+from tests.unit.test_bound_layers import _count_forward
 
 LAYERS = ("l0", "l1", "l2")
 PREFIX, TARGET = 80, 48
@@ -37,22 +38,6 @@ def _harness(bind: bool) -> PagedHarness:
     h.install("r", [PREFIX + TARGET, PREFIX + TARGET], placement="permuted")
     h.prefill("r", [PREFIX + TARGET, PREFIX + TARGET], seed=3)
     return h
-
-
-def _count_forward(h: PagedHarness) -> dict[str, int]:
-    """Count the backend's own ``forward`` (the full path's attention; a bound call does not go
-    through it), wrapped on the instance so that the class's method -- what binding checks --
-    stays."""
-    calls = {"forward": 0}
-    inner = h.backend
-    real = inner.forward
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls["forward"] += 1
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    inner.forward = counted  # type: ignore[method-assign]
-    return calls
 
 
 def _steps(h: PagedHarness, steps: int, check: bool) -> list[torch.Tensor]:
@@ -80,7 +65,8 @@ def _steps(h: PagedHarness, steps: int, check: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("steps", [1, 3])
 def test_scattered_pages_bind_their_gather_and_equal_the_full_path(steps: int) -> None:
     fast, full = _harness(bind=True), _harness(bind=False)
-    fast_calls, full_calls = _count_forward(fast), _count_forward(full)
+    # the backend's own forward counted: a bound call does not go through it
+    fast_calls, full_calls = _count_forward(fast.backend), _count_forward(full.backend)
     got, want = _steps(fast, steps, check=True), _steps(full, steps, check=False)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

@@ -669,7 +669,6 @@ class DiffusionKVARForward:
             except StaleBatchError:
                 del prepared[key]
         batch = translator.prepare(rows)
-        prepared.pop(key, None)
         while len(prepared) >= PREPARED_KEPT:
             del prepared[next(iter(prepared))]
         prepared[key] = batch
