@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -461,6 +461,34 @@ class PagedBackend(abc.ABC):
         layer's later ones, as a :meth:`bind_layer` runner. A failure inside it, or here, is
         reported like one inside :meth:`forward`, and the layer is not counted done."""
         return None
+
+    def graph_key(self, metadata: Any) -> Hashable | None:
+        """What a CUDA graph captured over ``metadata`` depends on; None (the default): a graph
+        captured over it serves that batch only.
+
+        A backend may return a hashable key with this promise: for two metadata objects of this
+        backend with equal keys, every call of the per-layer path (:meth:`write_kv`,
+        :meth:`write_kv_valid`, :meth:`forward`, :meth:`forward_partial`, the runners of
+        :meth:`bind_layer` and :meth:`bind_layer_like`) on the same layer, cache and inputs
+        launches the same kernels with the same host arguments and the same device addresses --
+        every device tensor they read is the same memory, holding that batch's values. A graph
+        captured over one then computes the other when replayed, so a host replays one graph
+        per batch shape across preparations (a session's chunks once its window has filled)
+        instead of capturing each batch again (``diffusion_kv.core.graphs``). Typically the
+        addresses, shapes and strides of the metadata's tensors (views of persistent buffers
+        the BlockTables and the backend reuse for every batch of a shape) and every host value
+        the launches take. It is asked right after :meth:`build` and again before replays: a
+        key must not depend on anything the first layer call makes. Return None whenever one
+        of the batch's launches reads anything the key does not pin (a tensor made per batch,
+        a host decision taken from the batch's values)."""
+        del metadata
+        return None
+
+
+def tensor_address(t: torch.Tensor) -> tuple[Hashable, ...]:
+    """A tensor's memory and view as a :meth:`PagedBackend.graph_key` part: its data pointer,
+    shape, strides, dtype and device."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 BackendChoice = str | type[PagedBackend] | None

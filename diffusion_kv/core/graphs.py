@@ -15,7 +15,15 @@ Rules (each has a test):
   static buffers (consume or clone them before the next replay);
 * a replay after the active batch changed (a new phase, a new preparation, a BlockTables
   mutation) is a :class:`~diffusion_kv.core.errors.StaleBatchError`: a graph is never replayed
-  against metadata it was not captured with. Capture again for the new batch.
+  against metadata it was not captured with. Capture again for the new batch -- unless the new
+  batch is *graph-equal* to the captured one: every backend of the worker gave both the same
+  :meth:`~diffusion_kv.core.backend.PagedBackend.graph_key` (the same kernels over the same
+  memory, which the new batch's preparation refilled) and the core hands their layers the same
+  tensors (:meth:`~diffusion_kv.core.translate.Translator.graph_key`). The graph then replays for
+  the new batch (``retargets`` counts those batches), so a host keeps one graph per batch shape
+  -- a session's chunks once its window has filled, one graph per window-fill shape -- and
+  captures only shapes it has not seen. A capture whose step took a piecewise plan (full
+  attention spans: per-activation tensors) serves its own batch only;
 
 * the garbage collector is run before a capture and kept off during it, so an unreachable
   earlier capture (kept alive by a reference cycle) is never destroyed mid-capture, which would
@@ -94,18 +102,38 @@ class CapturedStep:
             if was_enabled:
                 gc.enable()
         self.replays = 0
+        self.retargets = 0
+        """Batches other than the captured one the graph replayed for (graph-equal ones)."""
+        self.layers_done = frozenset(state.layers_done)
+        """The paged layers the captured step ran: a replay for another batch counts them done,
+        so that batch's writes are recorded as an eager step's would be."""
+        self.key = translator.graph_key(self.batch) if state.plan is None and not state.packing else None
+        """The captured batch's :meth:`Translator.graph_key` (None: it serves that batch only)."""
+
+    def serves(self, batch: PreparedBatch | None, key: tuple[Any, ...] | None = None) -> bool:
+        """Whether a replay computes ``batch``: the captured batch, or one graph-equal to it
+        (``key``: the batch's :meth:`Translator.graph_key`, when the caller has it)."""
+        if batch is None:
+            return False
+        if batch is self.batch:
+            return True
+        if self.key is None or batch.owner is not self.batch.owner:
+            return False
+        return (key if key is not None else self.translator.graph_key(batch)) == self.key
 
     @property
     def valid(self) -> bool:
-        """Whether the batch it was captured with is still the active one."""
-        return self.translator.active_batch is self.batch
+        """Whether a replay now computes the active batch (the captured one or a graph-equal one)."""
+        return self.serves(self.translator.active_batch)
 
     def replay(self, *inputs: torch.Tensor) -> Any:
         """Copy ``inputs`` into the static buffers, replay, return the static outputs."""
-        if not self.valid:
+        active = self.translator.active_batch
+        if not self.serves(active):
             raise StaleBatchError(
                 "the captured step belongs to a batch that is no longer active (a new phase, preparation "
-                "or BlockTables change since): capture it again for the active batch"
+                "or BlockTables change since) and the active one is not graph-equal to it: capture it "
+                "again for the active batch"
             )
         given = _tensors(inputs, "inputs")
         if len(given) != len(self.static_inputs):
@@ -117,6 +145,63 @@ class CapturedStep:
                     f"{tuple(static.shape)} {static.dtype} {static.device}"
                 )
             static.copy_(new, non_blocking=True)
+        if active is not self.batch:  # graph-equal: the graph computes it from here on
+            assert active is not None
+            self.batch = active
+            self.retargets += 1
+        state = self.translator.active_state
+        if state is not None:
+            state.layers_done.update(self.layers_done)
         self.graph.replay()
         self.replays += 1
         return self.static_output
+
+
+class StepGraphs:
+    """Captured steps kept by batch shape (``PagedWorker.step_graphs``): :meth:`run` replays the
+    one that serves the active batch -- captured over it, or over a graph-equal one
+    (:meth:`CapturedStep.serves`) -- and captures the step otherwise. A session's chunks, once
+    its window has filled, are graph-equal on backends that give a
+    :meth:`~diffusion_kv.core.backend.PagedBackend.graph_key`, so a stream captures one graph per
+    window-fill shape; on others every new batch is captured again.
+
+    ``fn`` must compute the same step for every call (only its ``inputs`` vary: they are copied
+    into the graph's static buffers); the output of a replay is the graph's static buffer
+    (consume or clone it before the next :meth:`run`). At most ``limit`` graphs are kept, the
+    least recently used dropped first."""
+
+    def __init__(self, capture: Callable[..., CapturedStep], translator: Translator, limit: int = 8) -> None:
+        if type(limit) is not int or limit < 1:
+            raise ValidationError(f"step_graphs limit must be an int >= 1; got {limit!r}")
+        self._capture = capture
+        self.translator = translator
+        self.limit = limit
+        self.steps: list[CapturedStep] = []
+        """The kept captures, least recently used first."""
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+        """The step over the active batch: a kept graph's replay, or a new capture's eager
+        output (the step runs once eagerly, then is recorded)."""
+        check_capture_args(fn, inputs, 1)
+        active = self.translator.require_active().batch
+        key: tuple[Any, ...] | None = None
+        keyed = False
+        for i, step in enumerate(self.steps):
+            if step.batch is not active:
+                if step.key is None:
+                    continue
+                if not keyed:
+                    key, keyed = self.translator.graph_key(active), True
+                if key is None or not step.serves(active, key):
+                    continue
+            self.steps.append(self.steps.pop(i))
+            self.replays += 1
+            return step.replay(*inputs)
+        step = self._capture(fn, *inputs)
+        self.steps.append(step)
+        if len(self.steps) > self.limit:
+            del self.steps[0]
+        self.captures += 1
+        return step.warmup_output

@@ -50,7 +50,7 @@ from diffusion_kv.core.errors import (
     ValidationError,
 )
 from diffusion_kv.core.execute import PagedExecutor
-from diffusion_kv.core.graphs import CapturedStep, check_capture_args
+from diffusion_kv.core.graphs import CapturedStep, StepGraphs, check_capture_args
 from diffusion_kv.core.host import HostRuntime, check_host
 from diffusion_kv.core.kv_quant import (
     QUANTIZED_CACHE_DTYPES,
@@ -886,6 +886,12 @@ class PagedWorker:
                 f"{self.platform.name!r} do not"
             )
         return CapturedStep(translator, fn, inputs, warmups=warmups)
+
+    def step_graphs(self, limit: int = 8) -> StepGraphs:
+        """Captured steps kept by batch shape (:class:`~diffusion_kv.core.graphs.StepGraphs`):
+        ``run(fn, *inputs)`` replays the graph serving the active batch or captures one -- one
+        graph per window-fill shape for a session stream on backends giving a ``graph_key``."""
+        return StepGraphs(self.capture, self._require().translator, limit)
 
     # -- accounting ---------------------------------------------------------------------------
 

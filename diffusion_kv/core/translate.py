@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from diffusion_kv.core.attention import AttentionMode, build_block_plan
-from diffusion_kv.core.backend import PagedBackend
+from diffusion_kv.core.backend import PagedBackend, tensor_address
 from diffusion_kv.core.batch import CommonBatchMetadata
 from diffusion_kv.core.block_tables import (
     RETAINING_METHODS,
@@ -210,6 +210,29 @@ class Translator:
             )
             known = self._retaining = (cls, retains)
         return known[1]
+
+    def graph_key(self, batch: PreparedBatch) -> tuple[Any, ...] | None:
+        """What a CUDA graph captured over ``batch`` depends on, or None where it serves that
+        batch only: every group's :meth:`PagedBackend.graph_key`, plus what the core hands the
+        layers (the rows' query lengths, the slot mappings' and the common tensors' memory).
+        Two batches with equal keys are served by one graph (``diffusion_kv.core.graphs``)."""
+        if batch.owner is not self._owner:
+            raise ValidationError("the prepared batch belongs to a different translator")
+        parts: list[Any] = [batch.query_lens, batch.num_tokens, batch.slots_valid]
+        for g, group in enumerate(self.layout.groups):
+            key = self.backends[g].graph_key(batch.attn_metadata[group.layer_names[0]])
+            if key is None:
+                return None
+            parts.append(key)
+        seen: set[int] = set()
+        for slots in batch.slot_mappings_by_layer.values():
+            if id(slots) not in seen:
+                seen.add(id(slots))
+                parts.append(tensor_address(slots))
+        common = batch.common
+        for t in (common.query_start_loc, common.seq_lens, common.positions, batch.row_indices):
+            parts.append(tensor_address(t))
+        return tuple(parts)
 
     # -- preparation --------------------------------------------------------------------------
 

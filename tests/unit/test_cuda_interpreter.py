@@ -8,66 +8,25 @@ Triton is not installed.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+from tests.cuda_interpreted import InterpretedCudaPlatform  # sets TRITON_INTERPRET first
 
 pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh installs it)")
 
-import dataclasses
 from collections.abc import Iterator
 
 from diffusion_kv.conformance.test_paged_attention import *  # noqa: F403
 from diffusion_kv.core.block_tables import TorchBlockTables
 from diffusion_kv.platforms.cuda import CudaPlatform
-from diffusion_kv.platforms.cuda.backend import (
-    CudaPagedBackend,
-    SdpaPagedBackend,
-    TritonPagedBackend,
-    triton_available,
-)
 from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
-from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, PagedBackend
+from diffusion_kv.platforms.interface import ENV_BACKEND, PagedBackend
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.is_available(), reason="GPU present: tests/gpu covers the real kernels"),
 ]
-
-
-def interpreted(base: type[CudaPagedBackend]) -> type[PagedBackend]:
-    """``base`` on the CPU under Triton's interpreter, float32 allowed. e4m3 pages are left out:
-    the interpreter's float8 conversions do not round to nearest (Triton 3.6 turns -0.4941 into
-    -0.25), so the fp8 kernels are checked on the GPU only (tests/gpu); here the kit checks that
-    the undeclared cache dtype is refused."""
-
-    class Interpreted(base):  # type: ignore[valid-type,misc]
-        capabilities = dataclasses.replace(
-            base.capabilities, dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset()
-        )
-
-        @classmethod
-        def is_available(cls) -> Availability:
-            return triton_available()
-
-    Interpreted.__name__ = Interpreted.__qualname__ = f"Interpreted{base.__name__}"
-    return Interpreted
-
-
-class InterpretedCudaPlatform(CudaPlatform):
-    """The cuda plugin's own backends on the CPU device (Triton interpreter)."""
-
-    device_type = "cpu"
-    default_block_size = 16  # short sequences keep the interpreter quick
-    backends = (
-        interpreted(CudaPagedBackend),
-        interpreted(TritonPagedBackend),
-        interpreted(SdpaPagedBackend),
-    )
 
 
 @pytest.fixture(scope="module")

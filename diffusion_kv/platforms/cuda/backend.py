@@ -30,11 +30,13 @@ metadata.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Hashable
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from diffusion_kv.core.attention import AttentionMode
+from diffusion_kv.core.backend import tensor_address
 from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
@@ -95,6 +97,19 @@ DEFAULT_NUM_SMS = 132
 PLAN_CACHE_SIZE = 64
 """Batch plans (way, tile schedule or row shapes) a backend keeps, by batch shape (the oldest
 is dropped first)."""
+_GRAPH_PATH = (
+    "build",
+    "forward",
+    "forward_partial",
+    "write_kv",
+    "write_kv_valid",
+    "bind_layer",
+    "bind_layer_like",
+    "_triton",
+    "_schedule",
+    "_make_schedule",
+)
+"""The methods :meth:`CudaPagedBackend.graph_key` vouches for: a subclass overriding one gets None."""
 
 
 class _BatchPlan(NamedTuple):
@@ -253,6 +268,7 @@ class CudaPagedBackend(TorchSdpaBackend):
         self.quantized = layer.cache_dtype is not None
         """e4m3 pages: every batch takes the Triton way (the only one reading them in place)."""
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
+        self._schedules: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], dict[str, Any]] = {}
 
     def _plan(self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> _BatchPlan:
         """The plan of one batch shape, made once: a batch of a shape seen before reuses it, its
@@ -271,7 +287,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
         if way is KernelWay.TRITON:
-            extra: dict[str, Any] = self._make_schedule(qsl, seq, device)
+            extra: dict[str, Any] = self._schedule(qsl, seq, device)
             plan = _BatchPlan(way, reason, extra, ())
         else:
             plan = _BatchPlan(way, reason, {}, row_shapes(qsl, seq, device))
@@ -279,6 +295,64 @@ class CudaPagedBackend(TorchSdpaBackend):
             del self._plans[next(iter(self._plans))]
         self._plans[key] = plan
         return plan
+
+    def _keys_read(self, qsl: tuple[int, ...], seq: tuple[int, ...]) -> tuple[int, ...]:
+        """Per row, about the keys the kernel's query tiles read (what split-KV divides):
+        under a window mask the sink and the window of the row's last query, widened by the
+        queries before it in other chunks (the window ends at the query's chunk, or at the
+        query itself), however far the row's absolute length has grown or was compacted to
+        (the key tiles between sink and window are never read); else the row's length."""
+        mask = self.group.mask
+        if mask.window is None:
+            return seq
+        reach = mask.sink + mask.window - (mask.chunk or 1)
+        return tuple(min(s, reach + max(qsl[i + 1] - qsl[i], mask.chunk or 1)) for i, s in enumerate(seq))
+
+    def _schedule(self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device) -> dict[str, Any]:
+        """:meth:`_make_schedule` of the keys the rows read, made once per (query lengths, keys
+        read): batches that differ only in how far their windows have slid -- a session's
+        chunks once the window has filled -- share one schedule, its device tensors included
+        (what lets one CUDA graph serve them all, :meth:`graph_key`)."""
+        reads = self._keys_read(qsl, seq)
+        key = (qsl, reads, device)
+        hit = self._schedules.get(key)
+        if hit is None:
+            hit = self._make_schedule(qsl, reads, device)
+            if len(self._schedules) >= PLAN_CACHE_SIZE:
+                del self._schedules[next(iter(self._schedules))]
+            self._schedules[key] = hit
+        return hit
+
+    def graph_key(self, metadata: Any) -> Hashable | None:
+        """The Triton way's launches (write and attention kernels) read the batch's metadata
+        tensors only -- views of the Triton BlockTables' persistent buffers and the shared
+        schedule -- and take their host values from the schedule: a key of those. The gather +
+        SDPA way makes its indices and views per batch, and decode context parallelism its
+        local lengths: None. So does a subclass that overrides the per-layer path."""
+        md = metadata
+        if not isinstance(md, CudaPagedMetadata) or md.way is not KernelWay.TRITON or md.cp_size > 1:
+            return None
+        cls = type(self)
+        for name in _GRAPH_PATH:
+            if getattr(cls, name) is not getattr(CudaPagedBackend, name):
+                return None
+        assert md.tile_row is not None and md.tile_q0 is not None
+        return (
+            "triton",
+            tensor_address(md.query_start_loc),
+            tensor_address(md.seq_lens),
+            tensor_address(md.block_table),
+            tensor_address(md.slot_mapping),
+            tensor_address(md.tile_row),
+            tensor_address(md.tile_q0),
+            md.causal,
+            md.page,
+            md.block_m,
+            md.block_n,
+            md.num_splits,
+            md.num_warps,
+            md.num_stages,
+        )
 
     def _make_schedule(
         self, qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device

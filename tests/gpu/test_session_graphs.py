@@ -1,0 +1,111 @@
+"""One CUDA graph per window-fill shape on a GPU (``PagedWorker.step_graphs``): a session stream
+whose steps run through kept graphs gives exactly the eager stream's outputs and pages, capturing
+once per shape on the Triton way (its chunks graph-equal once the window has filled) and once per
+chunk on the gather + SDPA way (no graph key). Skipped without CUDA (see conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec, get_platform
+from diffusion_kv.core.batch import key_value_caches
+from diffusion_kv.core.runner import PagedWorker, RunnerConfig
+from diffusion_kv.core.sessions import SessionCache, SessionPolicy
+
+H, HKV, D, BLOCK = 8, 2, 128, 16
+LAYERS = ("l0", "l1", "l2")
+
+
+def _session(backend: str, policy: SessionPolicy) -> SessionCache:
+    dev = torch.device("cuda")
+    worker = PagedWorker(get_platform("cuda"), RunnerConfig(4096, 1, 2, 1024, device=dev, backend=backend))
+    worker.register_kv_cache_layers(
+        {name: PagedLayerSpec(H, HKV, D, torch.bfloat16, mode=policy.mask) for name in LAYERS}
+    )
+    num_blocks = 64
+    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
+    alloc = DiffusionKVAllocator(
+        block_size=BLOCK,
+        max_model_len=4096,
+        max_rows_per_request=1,
+        worker_rows=2,
+        pool=FreeListPool(num_blocks),
+    )
+    return SessionCache(worker, alloc, policy)
+
+
+def _stream(
+    cache: SessionCache, chunks: int, steps: int, graphs: bool
+) -> tuple[list[torch.Tensor], int, int]:
+    """``chunks`` chunks of ``steps`` steps, each step fresh Q/K/V for every layer (the same
+    seeds either way); returns every step's output and, with ``graphs``, the captures and
+    replays of the worker's kept graphs."""
+    worker = cache.worker
+    session = cache.begin_session("s", 1)
+    kept = worker.step_graphs() if graphs else None
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    outs: list[torch.Tensor] = []
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.stack([worker.forward(name, q[i], k[i], v[i]) for i, name in enumerate(LAYERS)])
+
+    with torch.no_grad():
+        for _ in range(chunks):
+            chunk = cache.append_chunk(session)
+            assert chunk is not None
+            with worker.stepper() as runtime:
+                for _ in range(steps):
+                    runtime.ensure_rows(chunk.rows())
+                    q = torch.randn(
+                        len(LAYERS), chunk.tokens, H, D, device="cuda", generator=gen, dtype=torch.bfloat16
+                    )
+                    k, v = (
+                        torch.randn(
+                            len(LAYERS),
+                            chunk.tokens,
+                            HKV,
+                            D,
+                            device="cuda",
+                            generator=gen,
+                            dtype=torch.bfloat16,
+                        )
+                        for _ in range(2)
+                    )
+                    out = kept.run(step, q, k, v) if kept is not None else step(q, k, v)
+                    outs.append(out.clone())
+            cache.commit(chunk)
+    torch.cuda.synchronize()
+    return outs, (kept.captures if kept else 0), (kept.replays if kept else 0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [64, 40])  # on block boundaries / cutting blocks
+def test_triton_session_replays_one_graph_per_window_fill_shape(chunk_tokens: int) -> None:
+    policy = SessionPolicy(chunk_tokens=chunk_tokens, window_chunks=3, sink_chunks=1)
+    chunks, steps = 10, 3
+    eager_cache = _session("triton", policy)
+    eager, _, _ = _stream(eager_cache, chunks, steps, graphs=False)
+    graph_cache = _session("triton", policy)
+    replayed, captures, replays = _stream(graph_cache, chunks, steps, graphs=True)
+    filled = policy.sink_chunks + (policy.window_chunks or 0)
+    assert captures == filled + 1  # one per filling chunk, then one for every filled chunk
+    assert replays == chunks * steps - captures
+    for i, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+        assert torch.equal(a, b), i
+    for name in LAYERS:
+        for x, y in zip(
+            key_value_caches(eager_cache.worker.kv_caches[name]),
+            key_value_caches(graph_cache.worker.kv_caches[name]),
+            strict=True,
+        ):
+            assert torch.equal(x, y)
+
+
+def test_sdpa_session_captures_each_chunk_again_and_agrees() -> None:
+    policy = SessionPolicy(chunk_tokens=64, window_chunks=2, sink_chunks=1)
+    chunks, steps = 6, 3
+    eager, _, _ = _stream(_session("sdpa", policy), chunks, steps, graphs=False)
+    replayed, captures, replays = _stream(_session("sdpa", policy), chunks, steps, graphs=True)
+    assert (captures, replays) == (chunks, chunks * (steps - 1))
+    for i, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+        assert torch.equal(a, b), i
