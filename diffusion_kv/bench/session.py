@@ -12,10 +12,14 @@ Shapes: ``small`` (CPU, seconds), ``medium`` (CPU, about a minute: hidden 512, 1
 4 layers) and ``wan13b`` (a Wan-1.3B-like shape for a GPU: 30 layers, 12
 heads x 128, 1560 tokens per frame, 3-frame chunks, sink 1 chunk, window 4 chunks, compared with
 dense SDPA/FlashAttention over a contiguous rolling window and with torch.cat rebuilding it).
-The CPU shapes also time ``chunk_only`` -- the model over the chunk alone, no context -- so the
-report's ``speedup_ceiling`` says what speedup over recomputing a cache costing nothing would
-reach at the shape: where the model's work does not scale with its tokens (``small``: 64-token
-matrices, per-call overheads) that ceiling sits near the token-count target itself.
+On a CUDA device the paged stream also runs under CUDA graphs kept per batch shape (mode
+``graphs``: one graph per window-fill shape where the backend gives a graph key, the cuda Triton
+way; eager steps where it does not), reported as ``graphs_vs_paged`` and ``graphs_vs_contiguous``
+with the captures counted in ``extra.graphs``. The CPU shapes also time ``chunk_only`` -- the
+model over the chunk alone, no context -- so the report's ``speedup_ceiling`` says what
+speedup over recomputing a cache costing nothing would reach at the shape: where the model's
+work does not scale with its tokens (``small``: 64-token matrices, per-call overheads) that
+ceiling sits near the token-count target itself.
 """
 
 from __future__ import annotations
@@ -126,6 +130,8 @@ def session_bench(
     if name not in SHAPES:
         raise ValueError(f"unknown session shape {name!r}; expected one of {sorted(SHAPES)}")
     params = {**SHAPES[name], **(overrides or {})}
+    if device.type == "cuda" and "graphs" not in params["modes"]:  # the paged stream under CUDA graphs too
+        params["modes"] = (*params["modes"], "graphs")
     base = SessionConfig(**params, dtype=dtype)
     base = SessionConfig(
         **{**params, "dtype": dtype, "abort_chunk": min(base.window_filled_at + 1, base.chunks - 1)},
@@ -199,6 +205,17 @@ def format_session_section(s: dict[str, Any]) -> list[str]:
             parts.append(f"{r['time_vs_concat']:.2f}x torch.cat's time (target <= 1.0)")
         if r.get("time_vs_contiguous") is not None:
             parts.append(f"{r['time_vs_contiguous']:.2f}x the contiguous window's")
+        graphs = r.get("extra", {}).get("graphs")
+        if graphs is not None and r.get("graphs_vs_paged") is not None:
+            parts.append(
+                f"with CUDA graphs {med['graphs']:.1f} ms ({r['graphs_vs_paged']:.2f}x eager paged"
+                + (
+                    f", {r['graphs_vs_contiguous']:.2f}x the contiguous window's"
+                    if r.get("graphs_vs_contiguous") is not None
+                    else ""
+                )
+                + f"; {graphs['captures']} captures)"
+            )
         parts.append(f"flatness {r['flatness']:.2f} (target <= {TARGETS['flatness']})")
         lines.append(f"  {name}: " + ", ".join(parts))
         lines.append(

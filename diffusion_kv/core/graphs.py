@@ -168,18 +168,34 @@ class StepGraphs:
     ``fn`` must compute the same step for every call (only its ``inputs`` vary: they are copied
     into the graph's static buffers); the output of a replay is the graph's static buffer
     (consume or clone it before the next :meth:`run`). At most ``limit`` graphs are kept, the
-    least recently used dropped first."""
+    least recently used dropped first.
 
-    def __init__(self, capture: Callable[..., CapturedStep], translator: Translator, limit: int = 8) -> None:
+    A batch no backend keys (:meth:`Translator.graph_key` None) could only replay its own graph,
+    for the steps left before the next preparation -- a session chunk's few denoise steps, which
+    a capture costs more than it saves (the H100 numbers in ``docs/benchmarks.md``). Such a
+    batch runs eagerly unless ``capture_unkeyed`` (a batch kept for many steps, such as a
+    one-shot request's denoise phase). ``captures``, ``replays`` and ``eager`` count the calls."""
+
+    def __init__(
+        self,
+        capture: Callable[..., CapturedStep],
+        translator: Translator,
+        limit: int = 8,
+        capture_unkeyed: bool = False,
+    ) -> None:
         if type(limit) is not int or limit < 1:
             raise ValidationError(f"step_graphs limit must be an int >= 1; got {limit!r}")
+        if type(capture_unkeyed) is not bool:
+            raise ValidationError(f"step_graphs capture_unkeyed must be a bool; got {capture_unkeyed!r}")
         self._capture = capture
         self.translator = translator
         self.limit = limit
+        self.capture_unkeyed = capture_unkeyed
         self.steps: list[CapturedStep] = []
         """The kept captures, least recently used first."""
         self.captures = 0
         self.replays = 0
+        self.eager = 0
 
     def run(self, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """The step over the active batch: a kept graph's replay, or a new capture's eager
@@ -199,6 +215,12 @@ class StepGraphs:
             self.steps.append(self.steps.pop(i))
             self.replays += 1
             return step.replay(*inputs)
+        if not self.capture_unkeyed:
+            if not keyed:
+                key, keyed = self.translator.graph_key(active), True
+            if key is None:
+                self.eager += 1
+                return fn(*inputs)
         step = self._capture(fn, *inputs)
         self.steps.append(step)
         if len(self.steps) > self.limit:

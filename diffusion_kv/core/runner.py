@@ -887,11 +887,12 @@ class PagedWorker:
             )
         return CapturedStep(translator, fn, inputs, warmups=warmups)
 
-    def step_graphs(self, limit: int = 8) -> StepGraphs:
+    def step_graphs(self, limit: int = 8, capture_unkeyed: bool = False) -> StepGraphs:
         """Captured steps kept by batch shape (:class:`~diffusion_kv.core.graphs.StepGraphs`):
         ``run(fn, *inputs)`` replays the graph serving the active batch or captures one -- one
-        graph per window-fill shape for a session stream on backends giving a ``graph_key``."""
-        return StepGraphs(self.capture, self._require().translator, limit)
+        graph per window-fill shape for a session stream on backends giving a ``graph_key`` --
+        and runs a batch without a key eagerly unless ``capture_unkeyed``."""
+        return StepGraphs(self.capture, self._require().translator, limit, capture_unkeyed)
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -46,8 +46,13 @@ from diffusion_kv.models.session_dit import CrossContext, SessionDiT, cross_atte
 from diffusion_kv.platforms.interface import Platform
 
 MODES = ("paged", "recompute", "concat")
-ALL_MODES = (*MODES, "contiguous", "chunk_only")
-"""``contiguous``: the best dense rolling cache -- one preallocated buffer per layer holding sink,
+ALL_MODES = (*MODES, "contiguous", "chunk_only", "graphs")
+"""``graphs`` (CUDA only): the paged session again, each denoise step run through CUDA graphs
+kept per batch shape (:meth:`~diffusion_kv.core.runner.PagedWorker.step_graphs`): one graph per
+window-fill shape where the backend gives a graph key (the cuda Triton way); a batch without one
+(the gather + SDPA way) runs eagerly, as a capture per chunk costs more than its few replays save.
+The captures are inside the chunks' times.
+``contiguous``: the best dense rolling cache -- one preallocated buffer per layer holding sink,
 window and chunk contiguously, the chunk's K/V written in place each step, the window shifted down
 one chunk at commit (the GPU shape's FlashAttention baseline). ``chunk_only``: the floor no cache
 can go under -- the model over the chunk alone, its self-attention over the chunk's own keys (no
@@ -263,6 +268,21 @@ class SessionResult:
         return self._ratio("contiguous")
 
     @property
+    def graphs_vs_paged(self) -> float | None:
+        """Median chunk time with CUDA graphs over the eager paged one's, after the window
+        filled (None: the graphs mode did not run)."""
+        if "graphs" not in self.chunk_ms:
+            return None
+        return self._median("graphs", self.steady) / self._median("paged", self.steady)
+
+    @property
+    def graphs_vs_contiguous(self) -> float | None:
+        """Median chunk time with CUDA graphs over the contiguous rolling cache's (eager)."""
+        if "graphs" not in self.chunk_ms or "contiguous" not in self.chunk_ms:
+            return None
+        return self._median("graphs", self.steady) / self._median("contiguous", self.steady)
+
+    @property
     def flatness(self) -> float:
         """Median paged chunk time over the last quarter of chunks / over as many chunks right
         after the window filled (nan when the stream is too short for both)."""
@@ -281,6 +301,8 @@ class SessionResult:
             speedup_ceiling=self.speedup_ceiling,
             time_vs_concat=self.time_vs_concat,
             time_vs_contiguous=self.time_vs_contiguous,
+            graphs_vs_paged=self.graphs_vs_paged,
+            graphs_vs_contiguous=self.graphs_vs_contiguous,
             flatness=self.flatness,
             agrees_as_dense=self.agrees_as_dense,
             rounding_step=self.rounding_step,
@@ -345,6 +367,7 @@ class PagedStream(_Base):
         platform: Platform,
         session_id: str = "session",
         count_writes: bool = True,
+        graphs: bool = False,
     ) -> None:
         super().__init__(model, cfg, cross, device)
         policy = cfg.policy
@@ -383,8 +406,14 @@ class PagedStream(_Base):
         self.session = self.cache.begin_session(session_id, cfg.branches)
         self.bytes_per_block = self.worker.kv_bytes_per_block()
         self.written = 0
+        if count_writes and graphs:
+            raise ValidationError(
+                "a graphed session stream cannot count its writes (replays run no host code)"
+            )
         if count_writes:  # run_session counts in its first run only: later runs time the bare path
             self._count_writes()
+        self.graphs = self.worker.step_graphs() if graphs else None
+        """Captured denoise steps kept per batch shape (None: every step eager)."""
 
     @staticmethod
     def _bound_blocks(policy: SessionPolicy, block: int) -> int:
@@ -435,6 +464,18 @@ class PagedStream(_Base):
         rows = chunk.rows()
         worker = self.worker
         with worker.stepper() as runtime:
+            graphs = self.graphs
+            if graphs is not None:
+
+                def model_step(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+                    return self.model.run(x, at, worker.forward, self.cross, self.cfg.chunk_tokens)
+
+                def replayed(_s: int, x: torch.Tensor) -> torch.Tensor:
+                    runtime.ensure_rows(rows)
+                    out: torch.Tensor = graphs.run(model_step, x, positions)
+                    return out  # a static buffer of the graph: consumed before the next step
+
+                return self.denoise(chunk.index, noise, replayed)
 
             def step(_s: int, x: torch.Tensor) -> torch.Tensor:
                 runtime.ensure_rows(rows)
@@ -465,6 +506,8 @@ class PagedStream(_Base):
         latent = self._steps(chunk, noise, per_step)
         before = self.written
         self.cache.commit(chunk)
+        if not per_step:  # graphed: nothing counted
+            return latent, held, per_step, 0
         return latent, held, per_step, per_step[-1] + (self.written - before)
 
     def abort_trial(self, index: int, noise: torch.Tensor) -> dict[str, Any]:
@@ -790,12 +833,19 @@ def run_session(
         "contiguous": ContiguousStream,
         "chunk_only": ChunkOnlyStream,
     }
+    if "graphs" in modes and device.type != "cuda":
+        raise ValidationError(f"the session's graphs mode needs a CUDA device; the run is on {device}")
+    graphed: PagedStream | None = None
     with torch.no_grad():
         for rep in range(cfg.repeats):
             # the first run counts the bytes every way copies (and is checked); later runs time
             # the ways bare (each chunk's time is its fastest over the runs)
             paged = PagedStream(model, cfg, cross, device, platform, count_writes=rep == 0)
-            dense = {m: kinds[m](model, cfg, cross, device) for m in modes if m != "paged"}
+            if "graphs" in modes:
+                graphed = PagedStream(
+                    model, cfg, cross, device, platform, session_id="graphed", count_writes=False, graphs=True
+                )
+            dense = {m: kinds[m](model, cfg, cross, device) for m in modes if m not in ("paged", "graphs")}
             for way in dense.values():
                 way.count_copies = rep == 0
             for name in modes:
@@ -808,6 +858,9 @@ def run_session(
                     t0 = time.perf_counter()
                     if name == "paged":
                         out, held, per_step, committed = paged.run(i, noise[i])
+                    elif name == "graphs":
+                        assert graphed is not None
+                        out, held, _, _ = graphed.run(i, noise[i])
                     else:
                         out, held = dense[name].run(i, noise[i])
                     if device.type == "cuda":
@@ -822,6 +875,8 @@ def run_session(
                         commit_writes.append(committed)
                 say("chunks", rep * cfg.chunks + i + 1, total)
             checks[f"session ended (run {rep + 1})"] = paged.end()
+            if graphed is not None:
+                checks[f"graphed session ended (run {rep + 1})"] = graphed.end()
             if rep == 0:
                 copied = {
                     m: {"per_chunk": s.copied_commit, "per_step": s.copied_step}
@@ -888,6 +943,19 @@ def run_session(
         failing_session=failing,
         cross_context_bytes=cross.nbytes,
         oracle_max_abs=max(float(o.double().abs().max()) for o in oracle_outputs),
+        extra={}
+        if graphed is None or graphed.graphs is None
+        else {
+            "graphs": {
+                "captures": graphed.graphs.captures,
+                "replays": graphed.graphs.replays,
+                "eager": graphed.graphs.eager,
+                "max_abs_diff_vs_paged": max(
+                    _diff(g, p) for g, p in zip(outputs["graphs"], mine, strict=True)
+                ),
+                "note": "the last run's steps; captures are inside the chunks' times; eager: batches without a graph key",
+            }
+        },
     )
 
 
@@ -901,6 +969,7 @@ def format_session(r: SessionResult) -> str:
         "concat": "torch.cat",
         "contiguous": "contiguous",
         "chunk_only": "chunk alone",
+        "graphs": "paged+graphs",
     }
     lines = [
         f"platform: {r.platform} (device {r.device}, {r.dtype}), paged backend {', '.join(r.backends)}",
@@ -930,6 +999,14 @@ def format_session(r: SessionResult) -> str:
         ratio = r._ratio(m)
         if ratio is not None:
             parts.append(f"{label[m]} {med[m]:.1f} ms (paged / {label[m]} {ratio:.2f})")
+    graphs = r.extra.get("graphs")
+    if graphs is not None and r.graphs_vs_paged is not None:
+        parts.append(
+            f"paged with CUDA graphs {med['graphs']:.1f} ms ({r.graphs_vs_paged:.2f} of eager paged; "
+            f"{graphs['captures']} captures, {graphs['replays']} replays, {graphs.get('eager', 0)} eager steps; "
+            f"max |graphs - paged| "
+            f"{graphs['max_abs_diff_vs_paged']:.3g})"
+        )
     if r.speedup_ceiling is not None:
         parts.append(
             f"the chunk alone {med['chunk_only']:.1f} ms (no context: the floor; a cache costing nothing would "

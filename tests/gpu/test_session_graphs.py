@@ -36,14 +36,14 @@ def _session(backend: str, policy: SessionPolicy) -> SessionCache:
 
 
 def _stream(
-    cache: SessionCache, chunks: int, steps: int, graphs: bool
-) -> tuple[list[torch.Tensor], int, int]:
+    cache: SessionCache, chunks: int, steps: int, graphs: bool, capture_unkeyed: bool = False
+) -> tuple[list[torch.Tensor], int, int, int]:
     """``chunks`` chunks of ``steps`` steps, each step fresh Q/K/V for every layer (the same
-    seeds either way); returns every step's output and, with ``graphs``, the captures and
-    replays of the worker's kept graphs."""
+    seeds either way); returns every step's output and, with ``graphs``, the captures, replays
+    and eager steps of the worker's kept graphs."""
     worker = cache.worker
     session = cache.begin_session("s", 1)
-    kept = worker.step_graphs() if graphs else None
+    kept = worker.step_graphs(capture_unkeyed=capture_unkeyed) if graphs else None
     gen = torch.Generator(device="cuda").manual_seed(11)
     outs: list[torch.Tensor] = []
 
@@ -76,7 +76,7 @@ def _stream(
                     outs.append(out.clone())
             cache.commit(chunk)
     torch.cuda.synchronize()
-    return outs, (kept.captures if kept else 0), (kept.replays if kept else 0)
+    return outs, (kept.captures if kept else 0), (kept.replays if kept else 0), (kept.eager if kept else 0)
 
 
 @pytest.mark.parametrize("chunk_tokens", [64, 40])  # on block boundaries / cutting blocks
@@ -84,9 +84,10 @@ def test_triton_session_replays_one_graph_per_window_fill_shape(chunk_tokens: in
     policy = SessionPolicy(chunk_tokens=chunk_tokens, window_chunks=3, sink_chunks=1)
     chunks, steps = 10, 3
     eager_cache = _session("triton", policy)
-    eager, _, _ = _stream(eager_cache, chunks, steps, graphs=False)
+    eager, _, _, _ = _stream(eager_cache, chunks, steps, graphs=False)
     graph_cache = _session("triton", policy)
-    replayed, captures, replays = _stream(graph_cache, chunks, steps, graphs=True)
+    replayed, captures, replays, unkeyed = _stream(graph_cache, chunks, steps, graphs=True)
+    assert unkeyed == 0
     filled = policy.sink_chunks + (policy.window_chunks or 0)
     assert captures == filled + 1  # one per filling chunk, then one for every filled chunk
     assert replays == chunks * steps - captures
@@ -101,11 +102,41 @@ def test_triton_session_replays_one_graph_per_window_fill_shape(chunk_tokens: in
             assert torch.equal(x, y)
 
 
-def test_sdpa_session_captures_each_chunk_again_and_agrees() -> None:
+def test_sdpa_session_steps_run_eagerly_or_capture_each_chunk_again() -> None:
+    """The gather + SDPA way keys no batch: its steps run eagerly by default, and with
+    ``capture_unkeyed`` each chunk is captured and replayed for its later steps -- the same
+    outputs either way."""
     policy = SessionPolicy(chunk_tokens=64, window_chunks=2, sink_chunks=1)
     chunks, steps = 6, 3
-    eager, _, _ = _stream(_session("sdpa", policy), chunks, steps, graphs=False)
-    replayed, captures, replays = _stream(_session("sdpa", policy), chunks, steps, graphs=True)
-    assert (captures, replays) == (chunks, chunks * (steps - 1))
-    for i, (a, b) in enumerate(zip(eager, replayed, strict=True)):
-        assert torch.equal(a, b), i
+    eager, _, _, _ = _stream(_session("sdpa", policy), chunks, steps, graphs=False)
+    same, captures, replays, unkeyed = _stream(_session("sdpa", policy), chunks, steps, graphs=True)
+    assert (captures, replays, unkeyed) == (0, 0, chunks * steps)
+    replayed, captures, replays, unkeyed = _stream(
+        _session("sdpa", policy), chunks, steps, graphs=True, capture_unkeyed=True
+    )
+    assert (captures, replays, unkeyed) == (chunks, chunks * (steps - 1), 0)
+    for i, (a, b, c) in enumerate(zip(eager, same, replayed, strict=True)):
+        assert torch.equal(a, b) and torch.equal(a, c), i
+
+
+def test_the_session_bench_runs_the_paged_stream_under_graphs_too() -> None:
+    """``bench --sections session`` on a CUDA device: the graphed paged stream agrees with the
+    eager one exactly and captures once per window-fill shape on the Triton way."""
+    from diffusion_kv.bench.session import session_bench
+
+    s = session_bench(
+        get_platform("cuda"),
+        torch.device("cuda"),
+        torch.bfloat16,
+        "small",
+        backend="triton",
+        shape="small",
+        overrides=dict(chunks=8, repeats=1),
+    )
+    r = s["by_backend"]["triton"]
+    graphs = r["extra"]["graphs"]
+    filled = r["shapes"]["window_filled_at"]
+    assert graphs["captures"] == filled + 1
+    assert graphs["replays"] == 8 * r["shapes"]["steps"] - graphs["captures"] and graphs["eager"] == 0
+    assert graphs["max_abs_diff_vs_paged"] == 0.0
+    assert r["graphs_vs_paged"] > 0 and r["pool_full_after"]

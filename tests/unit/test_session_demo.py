@@ -15,7 +15,16 @@ from diffusion_kv.bench.session import session_bench
 from diffusion_kv.cli import main
 from diffusion_kv.conformance.reference import tolerance
 from diffusion_kv.core.errors import ValidationError
-from diffusion_kv.models.session import KIT_TOLERANCE, SessionConfig, format_session, run_session
+from diffusion_kv.models.session import (
+    KIT_TOLERANCE,
+    PagedStream,
+    SessionConfig,
+    build_session_model,
+    format_session,
+    run_session,
+    session_inputs,
+)
+from diffusion_kv.models.session_dit import cross_attention_context
 from diffusion_kv.platforms.cpu import CpuPlatform
 
 TINY = dict(chunks=7, chunk_tokens=8, window_chunks=2, sink_chunks=1, steps=2, hidden=32, heads=2, kv_heads=2)
@@ -106,6 +115,34 @@ def test_bad_session_configs_are_refused() -> None:
         SessionConfig(modes=("concat",))
     with pytest.raises(ValidationError, match="abort_chunk 9 is not a chunk index below 7"):
         SessionConfig(**TINY, abort_chunk=9)  # type: ignore[arg-type]
+
+
+def test_the_graphs_mode_needs_cuda_and_its_figures_are_ratios_of_medians() -> None:
+    cfg = SessionConfig(**TINY, modes=("paged", "graphs"))  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="graphs mode needs a CUDA device; the run is on cpu"):
+        run_session(CpuPlatform(), cfg)
+    r = run_session(CpuPlatform(), SessionConfig(**TINY, modes=("paged", "contiguous")))  # type: ignore[arg-type]
+    assert r.graphs_vs_paged is None and r.graphs_vs_contiguous is None and "graphs" not in r.extra
+    r.chunk_ms = {
+        "paged": [1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 4.0],
+        "contiguous": [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0],
+        "graphs": [9.0, 9.0, 9.0, 9.0, 1.0, 1.0, 1.0],  # chunk 3: the filled shape's capture
+    }
+    r.extra["graphs"] = {"captures": 4, "replays": 24, "max_abs_diff_vs_paged": 0.0}
+    r.kv_bytes["graphs"] = r.kv_bytes["paged"]
+    assert (r.graphs_vs_paged, r.graphs_vs_contiguous) == (0.25, 0.5)
+    d = r.as_dict()
+    assert (d["graphs_vs_paged"], d["graphs_vs_contiguous"]) == (0.25, 0.5)
+    assert "paged with CUDA graphs 1.0 ms (0.25 of eager paged; 4 captures, 24 replays" in format_session(r)
+
+
+def test_a_graphed_stream_cannot_count_writes() -> None:
+    cfg = SessionConfig(**TINY)  # type: ignore[arg-type]
+    device = torch.device("cpu")
+    model = build_session_model(cfg, device)
+    text, _ = session_inputs(cfg, device)
+    with pytest.raises(ValidationError, match="cannot count its writes"):
+        PagedStream(model, cfg, cross_attention_context(model, text), device, CpuPlatform(), graphs=True)
 
 
 def test_session_bench_section_records_refused_backends_and_checks() -> None:
