@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -547,6 +548,42 @@ def test_retained_batch_serves_after_newer_preparations(dkv_platform: Platform, 
     # its writes counted: a row reading them now is served
     later = rows_for("a", [(lens_a[0] - 4, lens_a[0]), (5, 9)])
     check(h, run(h, later, data_a), expected(h, later, data_a, AttentionMode.CAUSAL))
+
+
+def test_graph_equal_batches_are_served_by_each_others_metadata(
+    dkv_platform: Platform, dkv_backend: Backend
+) -> None:
+    """Where the backend gives a ``graph_key`` and two batches of one shape get equal keys, a
+    CUDA graph captured over the first would replay, for the second, the launches the first
+    one's metadata made: so the second batch's layers run with the first batch's metadata
+    objects must attend exactly as dense attention says for the second batch (its own pages,
+    lengths and slots), the first batch's run before it included."""
+    h = harness(dkv_platform, dkv_backend)
+    lens = [h.block_size + 5, 9]
+    h.install("a", lens, placement="permuted")
+    h.install("b", lens, placement="reversed")
+    data_a, data_b = make_rows(h, lens, seed=31), make_rows(h, lens, seed=32)
+    rows_a, rows_b = rows_for("a", [(0, n) for n in lens]), rows_for("b", [(0, n) for n in lens])
+    first = h.translator.prepare(rows_a)
+    name = h.layer_names[0]
+    key = h.backend.graph_key(first.attn_metadata[name])
+    if key is None:
+        pytest.skip(f"{dkv_backend.name}: graph_key gives no key (a graph serves its own batch only)")
+    kept = dict(first.attn_metadata)
+    q, k, v = packed(data_a, rows_a)
+    with h.translator.activate(first):
+        for layer in h.layer_names:
+            check(h, h.executor.forward(layer, q, k, v), expected(h, rows_a, data_a, AttentionMode.CAUSAL))
+    second = h.translator.prepare(rows_b)
+    if h.backend.graph_key(second.attn_metadata[name]) != key:
+        pytest.skip(f"{dkv_backend.name}: two batches of one shape got different graph keys")
+    cast(dict[str, Any], second.attn_metadata).update(
+        kept
+    )  # what a replay of the first batch's graph launches
+    q, k, v = packed(data_b, rows_b)
+    with h.translator.activate(second):
+        for layer in h.layer_names:
+            check(h, h.executor.forward(layer, q, k, v), expected(h, rows_b, data_b, AttentionMode.CAUSAL))
 
 
 def test_paged_layer_without_active_batch_is_an_error(dkv_platform: Platform, dkv_backend: Backend) -> None:
