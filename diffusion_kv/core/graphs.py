@@ -22,8 +22,8 @@ Rules (each has a test):
   tensors (:meth:`~diffusion_kv.core.translate.Translator.graph_key`). The graph then replays for
   the new batch (``retargets`` counts those batches), so a host keeps one graph per batch shape
   -- a session's chunks once its window has filled, one graph per window-fill shape -- and
-  captures only shapes it has not seen. A capture whose step took a piecewise plan (full
-  attention spans: per-activation tensors) serves its own batch only;
+  captures only shapes it has not seen (:class:`StepGraphs`). A capture whose step took a
+  piecewise plan (full attention spans: per-activation tensors) serves its own batch only;
 
 * the garbage collector is run before a capture and kept off during it, so an unreachable
   earlier capture (kept alive by a reference cycle) is never destroyed mid-capture, which would
@@ -163,7 +163,7 @@ class StepGraphs:
     (:meth:`CapturedStep.serves`) -- and captures the step otherwise. A session's chunks, once
     its window has filled, are graph-equal on backends that give a
     :meth:`~diffusion_kv.core.backend.PagedBackend.graph_key`, so a stream captures one graph per
-    window-fill shape; on others every new batch is captured again.
+    window-fill shape; on others each new batch runs eagerly (below).
 
     ``fn`` must compute the same step for every call (only its ``inputs`` vary: they are copied
     into the graph's static buffers); the output of a replay is the graph's static buffer
