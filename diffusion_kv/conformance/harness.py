@@ -234,6 +234,7 @@ class PagedHarness:
             self.executor.backends[name] = self.backends[name]
         gen = torch.Generator().manual_seed(self.placement_seed)
         self._block_order = torch.randperm(self.num_blocks, generator=gen).tolist()
+        self._taken: set[int] = set()
 
     @property
     def kernel_block_size(self) -> int:
@@ -244,14 +245,20 @@ class PagedHarness:
         start = self._next_block
         if start + n > self.num_blocks:
             raise ValueError(f"harness out of blocks: {start + n} > {self.num_blocks}")
-        self._next_block += n
         if placement == "contiguous":
-            return list(range(start, start + n))
-        if placement == "reversed":
-            return [self.num_blocks - 1 - b for b in range(start, start + n)]
-        if placement == "permuted":
-            return self._block_order[start : start + n]
-        raise ValueError(f"unknown placement {placement!r}")
+            ids = list(range(start, start + n))
+        elif placement == "reversed":
+            ids = [self.num_blocks - 1 - b for b in range(start, start + n)]
+        elif placement == "permuted":
+            ids = self._block_order[start : start + n]
+        else:
+            raise ValueError(f"unknown placement {placement!r}")
+        taken = self._taken.intersection(ids)
+        if taken:  # placements mixed in one harness may meet (reversed ids are permuted ones too)
+            raise ValueError(f"harness placement {placement!r} gives blocks {sorted(taken)} out twice")
+        self._next_block += n
+        self._taken.update(ids)
+        return ids
 
     def install(
         self, request_id: str, seq_lens: Sequence[int], placement: str = "permuted", generation: int = 0

@@ -36,3 +36,17 @@ def test_a_key_promising_more_than_the_metadata_keeps_fails_the_kit_case() -> No
 def test_the_default_key_skips_the_case() -> None:
     with pytest.raises(pytest.skip.Exception, match="graph_key gives no key"):
         kit.test_graph_equal_batches_are_served_by_each_others_metadata(CpuPlatform(), CpuSdpaBackend)
+
+
+def test_the_harness_never_hands_a_block_out_twice() -> None:
+    """Placements mixed in one harness may meet (reversed ids run down from the top while the
+    others take from the bottom): the harness refuses the second hand-out, naming the block,
+    instead of two rows sharing it, and a refused hand-out takes nothing."""
+    from diffusion_kv.conformance.harness import PagedHarness
+
+    h = PagedHarness(CpuPlatform(), num_blocks=8, block_size=16)
+    assert h.take_blocks(3, "contiguous") == [0, 1, 2]
+    assert h.take_blocks(1, "reversed") == [4] and h.take_blocks(1, "reversed") == [3]
+    with pytest.raises(ValueError, match=r"harness placement 'reversed' gives blocks \[2\] out twice"):
+        h.take_blocks(1, "reversed")
+    assert h.take_blocks(1, "contiguous") == [5]
