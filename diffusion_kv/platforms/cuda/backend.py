@@ -101,6 +101,8 @@ _GRAPH_PATH = (
     "build",
     "forward",
     "forward_partial",
+    "forward_partial_extra",
+    "forward_extra_keys",
     "write_kv",
     "write_kv_valid",
     "bind_layer",
