@@ -6,17 +6,13 @@ tensors. Skipped when Triton is not installed; on a GPU machine tests/gpu covers
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+from tests.cuda_interpreted import InterpretedCudaPlatform  # sets TRITON_INTERPRET first
 
 pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh installs it)")
 
-import dataclasses
 import random
 from typing import Any
 
@@ -33,16 +29,9 @@ from diffusion_kv.core.block_tables import (
 from diffusion_kv.core.errors import StaleBatchError
 from diffusion_kv.core.rows import PagedRow
 from diffusion_kv.platforms.cpu import CpuPlatform
-from diffusion_kv.platforms.cuda import CudaPlatform
 from diffusion_kv.platforms.cuda import backend as cuda_backend
-from diffusion_kv.platforms.cuda.backend import (
-    CudaPagedBackend,
-    SdpaPagedBackend,
-    TritonPagedBackend,
-    triton_available,
-)
 from diffusion_kv.platforms.cuda.block_tables import TritonBlockTables
-from diffusion_kv.platforms.interface import ENV_BACKEND, Availability, PagedBackend
+from diffusion_kv.platforms.interface import ENV_BACKEND
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="GPU present: tests/gpu covers the real kernel"
@@ -187,24 +176,6 @@ def test_buffers_grow_with_the_capacities() -> None:
 
 
 # --- through the translator ------------------------------------------------------------------
-
-
-def interpreted(base: type[CudaPagedBackend]) -> type[PagedBackend]:
-    class Interpreted(base):  # type: ignore[valid-type,misc]
-        capabilities = dataclasses.replace(base.capabilities, dtypes=frozenset({torch.float32}))
-
-        @classmethod
-        def is_available(cls) -> Availability:
-            return triton_available()
-
-    Interpreted.__name__ = Interpreted.__qualname__ = f"Interpreted{base.__name__}"
-    return Interpreted
-
-
-class InterpretedCudaPlatform(CudaPlatform):
-    device_type = "cpu"
-    default_block_size = 16
-    backends = (interpreted(CudaPagedBackend), interpreted(TritonPagedBackend), interpreted(SdpaPagedBackend))
 
 
 def harness(platform: Any, **kw: Any) -> PagedHarness:
