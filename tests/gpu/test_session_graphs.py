@@ -8,31 +8,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec, get_platform
+from diffusion_kv import get_platform
 from diffusion_kv.core.batch import key_value_caches
-from diffusion_kv.core.runner import PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import SessionCache, SessionPolicy
+from tests.session_setup import session_cache
 
 H, HKV, D, BLOCK = 8, 2, 128, 16
 LAYERS = ("l0", "l1", "l2")
 
 
 def _session(backend: str, policy: SessionPolicy) -> SessionCache:
-    dev = torch.device("cuda")
-    worker = PagedWorker(get_platform("cuda"), RunnerConfig(4096, 1, 2, 1024, device=dev, backend=backend))
-    worker.register_kv_cache_layers(
-        {name: PagedLayerSpec(H, HKV, D, torch.bfloat16, mode=policy.mask) for name in LAYERS}
-    )
-    num_blocks = 64
-    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
-    alloc = DiffusionKVAllocator(
-        block_size=BLOCK,
+    return session_cache(
+        get_platform("cuda"),
+        backend,
+        policy,
+        LAYERS,
+        (H, HKV, D),
+        torch.bfloat16,
+        device=torch.device("cuda"),
         max_model_len=4096,
-        max_rows_per_request=1,
-        worker_rows=2,
-        pool=FreeListPool(num_blocks),
+        max_tokens=1024,
+        num_blocks=64,
+        block_size=BLOCK,
     )
-    return SessionCache(worker, alloc, policy)
 
 
 def _stream(

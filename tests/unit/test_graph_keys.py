@@ -20,9 +20,8 @@ from tests.cuda_interpreted import InterpretedCudaPlatform  # sets TRITON_INTERP
 
 pytest.importorskip("triton", reason="Triton is not installed (ci/bootstrap.sh installs it)")
 
-from diffusion_kv import DiffusionKVAllocator, FreeListPool, PagedLayerSpec
-from diffusion_kv.core.runner import PagedWorker, RunnerConfig
 from diffusion_kv.core.sessions import SessionCache, SessionPolicy
+from tests.session_setup import session_cache
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,23 +33,19 @@ LAYERS = ("l0", "l1")
 
 
 def _session(backend: str, policy: SessionPolicy) -> SessionCache:
-    worker = PagedWorker(
+    return session_cache(
         InterpretedCudaPlatform(),
-        RunnerConfig(1024, 1, 2, 256, device=torch.device("cpu"), backend=backend),
-    )
-    worker.register_kv_cache_layers(
-        {name: PagedLayerSpec(H, HKV, D, torch.float32, mode=policy.mask) for name in LAYERS}
-    )
-    num_blocks = 16
-    worker.initialize_kv_cache(num_blocks=num_blocks, block_size=BLOCK)
-    alloc = DiffusionKVAllocator(
-        block_size=BLOCK,
+        backend,
+        policy,
+        LAYERS,
+        (H, HKV, D),
+        torch.float32,
+        device=torch.device("cpu"),
         max_model_len=1024,
-        max_rows_per_request=1,
-        worker_rows=2,
-        pool=FreeListPool(num_blocks),
+        max_tokens=256,
+        num_blocks=16,
+        block_size=BLOCK,
     )
-    return SessionCache(worker, alloc, policy)
 
 
 def _stream(
