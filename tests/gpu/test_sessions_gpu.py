@@ -51,24 +51,26 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("mask", sorted(MASKS))
-@pytest.mark.parametrize("kv_heads", [8, 2])
-@pytest.mark.parametrize("page", [16, 128])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page: int, splits: int) -> None:
-    """Rows of one or two chunks over long histories (released pages hold NaN in the cache and
-    the null entry 0 in the table: a kernel loading them fails), bfloat16, GQA."""
+def _planned_mask_case(
+    spec: MaskSpec, kv_heads: int, page: int, splits: int, fp8: bool = False, **modes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel over rows of one or two chunks with long histories under ``spec``
+    (released pages hold NaN in the cache and the null entry 0 in the table: a kernel loading
+    them fails), bfloat16 queries, GQA; ``fp8``: e4m3 pages with per-KV-head scales, the
+    reference over the dequantised pages. Returns (kernel output, dense reference) as float64."""
     from diffusion_kv.platforms.cuda import kernels
 
-    spec = MASKS[mask]
     dev, dtype, heads, d = torch.device("cuda"), torch.bfloat16, 8, 128
     group = heads // kv_heads
     gen = torch.Generator().manual_seed(0)
     seq_lens = [1152, 480, 960]
     query_lens = [192, 96, 64]
     num_blocks = sum(-(-s // page) for s in seq_lens) + 1
-    k_cache = torch.full((num_blocks, page, kv_heads, d), float("nan"), dtype=dtype, device=dev)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    k_cache = torch.full((num_blocks, page, kv_heads, d), float("nan"), dtype=cache_dtype, device=dev)
     v_cache = torch.full_like(k_cache, float("nan"))
+    k_scale = torch.rand(kv_heads, generator=gen) + 0.25
+    v_scale = torch.rand(kv_heads, generator=gen) + 0.25
     width = max(-(-s // page) for s in seq_lens)
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: the null entry
@@ -79,6 +81,12 @@ def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page:
         at += n
         k = torch.randn(sl, kv_heads, d, generator=gen).to(dtype)
         v = torch.randn(sl, kv_heads, d, generator=gen).to(dtype)
+        if fp8:  # what the pages hold, and the keys they stand for
+            k8 = (k.float() / k_scale[:, None]).to(cache_dtype)
+            v8 = (v.float() / v_scale[:, None]).to(cache_dtype)
+            k, v = k8.float() * k_scale[:, None], v8.float() * v_scale[:, None]
+        else:
+            k8, v8 = k, v
         q = torch.randn(ql, heads, d, generator=gen).to(dtype)
         visible = spec.row_mask(sl - ql, ql, sl)
         seen_by_any = visible.any(dim=0)
@@ -87,8 +95,8 @@ def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page:
             if not bool(seen_by_any[keys].any()):  # released: NaN stays, the table holds 0
                 continue
             table[r, i] = b
-            k_cache[b, : keys.stop - keys.start] = k[keys].to(dev)
-            v_cache[b, : keys.stop - keys.start] = v[keys].to(dev)
+            k_cache[b, : keys.stop - keys.start] = k8[keys].to(dev)
+            v_cache[b, : keys.stop - keys.start] = v8[keys].to(dev)
         queries.append(q)
         refs.append(dense_attention(q, k, v, visible, d**-0.5))
     query = torch.cat(queries).to(dev)
@@ -99,6 +107,7 @@ def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page:
     tile_row = torch.tensor([t[0] for t in tiles], dtype=torch.int32, device=dev)
     tile_q0 = torch.tensor([t[1] for t in tiles], dtype=torch.int32, device=dev)
     out = torch.empty_like(query)
+    scales = dict(k_scale=k_scale.to(dev), v_scale=v_scale.to(dev)) if fp8 else {}
     kernels.paged_attention(
         query,
         k_cache,
@@ -118,8 +127,33 @@ def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page:
         chunk=spec.chunk,
         window=spec.window,
         sink=spec.sink,
+        **scales,  # type: ignore[arg-type]
+        **modes,  # type: ignore[arg-type]
     )
-    torch.testing.assert_close(out.double().cpu(), torch.cat(refs), atol=2e-2, rtol=2e-2)
+    return out.double().cpu(), torch.cat(refs).double()
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_kernel_planned_masks_match_dense(mask: str, kv_heads: int, page: int, splits: int) -> None:
+    got, ref = _planned_mask_case(MASKS[mask], kv_heads, page, splits)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("modes", [{}, {"qk_mode": 0, "pv_mode": 0}, {"qk_mode": 2, "pv_mode": 1}])
+def test_triton_kernel_planned_masks_on_e4m3_pages(mask: str, modes: dict[str, int]) -> None:
+    """Planned masks over e4m3 pages, 128-row query tiles: the default modes on this GPU (fp8
+    MMAs from SM90 on), widened tiles, and fp8 MMAs named. The queries' second e4m3 term and the
+    planned mask's per-query window bounds are separate values in the kernel (they once shared a
+    name, and the planned mask's overwrote the queries')."""
+    got, ref = _planned_mask_case(MASKS[mask], 2, 128, 4, fp8=True, **modes)
+    assert not got.isnan().any()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(1), ref.flatten(1), dim=1)
+    assert float(cos.min()) >= 0.999, float(cos.min())
+    torch.testing.assert_close(got, ref, atol=6e-2, rtol=6e-2)
 
 
 @pytest.mark.parametrize("backend", ["paged", "sdpa"])

@@ -387,6 +387,11 @@ class CudaPagedBackend(TorchSdpaBackend):
             # few 128-row tiles (GQA heads packed over a few query tokens, regime B): deeper
             # pipelining of the page loads, one program per SM
             stages, resident = 4, 1
+        elif block_m >= 128 and self.head_size <= 128:
+            # many 128-row tiles (long queries, regime A): a third stage, the next page id
+            # fetched ahead (H100 sweep, benchmarks/tune_cuda_paged.py: 1.32-1.38 ms against
+            # 1.61-1.74 at two stages, bf16, 24 heads x 4096 queries over 6144 keys)
+            stages, resident = 3, 1
         # Split the keys until the launch roughly fills every SM with as many programs as fit
         # at once (fewer fit as the query tile grows or the pipeline deepens); tuned on an H200
         # with benchmarks/tune_cuda_paged.py and on an H100 with benchmarks/sweep_gqa_fp8.py

@@ -178,6 +178,132 @@ _FP8_LO: tl.constexpr = tl.constexpr(16.0)
 
 
 @triton.jit
+def _attend_key_tile(
+    acc,
+    m_i,
+    l_i,
+    next_page,
+    v0,
+    end,
+    q,
+    q_mma,
+    q_lo8,
+    row_scale,
+    qpos,
+    q_lo_pos,
+    q_hi_pos,
+    key_cache_ptr,
+    value_cache_ptr,
+    bt_row,
+    kvh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    sink_span,
+    gap,
+    tile_lo,
+    tile_hi,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CP: tl.constexpr,
+    CP_RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    FP8_VIA_F16: tl.constexpr,
+    QK_MODE: tl.constexpr,
+    PV_MODE: tl.constexpr,
+    PREFETCH_PAGE: tl.constexpr,
+    PLANNED: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINK: tl.constexpr,
+):
+    """One key tile (virtual keys ``[v0, v0 + BLOCK_N)``) into the online softmax. ``MASKED``
+    False is the main loop's tile: every key of it exists and every query of the program sees
+    it, so nothing is masked and no row can be all ``-inf``; True checks each key (the tail
+    tile, the causal diagonal, a planned mask, DCP)."""
+    n_offs = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_D)
+    n0 = v0
+    kmask = v0 + n_offs < end
+    if PLANNED:
+        n0 = v0 + tl.where(v0 >= sink_span, gap, 0)
+    kidx = n0 + n_offs
+    if PLANNED:  # keys no query of the tile sees are never loaded
+        kmask = kmask & (kidx < tile_hi) & ((kidx >= tile_lo) | (kidx < SINK))
+    if PAGE % BLOCK_N == 0:
+        # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
+        # page, found with one scalar load, and its rows are evenly strided. PREFETCH_PAGE
+        # loads the next tile's page id one iteration ahead, so the K/V loads do not wait
+        # for the block table.
+        if PREFETCH_PAGE:
+            page_s = next_page
+            nxt = n0 + BLOCK_N
+            next_page = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0).to(tl.int64)
+        else:
+            page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+        kv_off = page_s * stride_cb + (n0 % PAGE + n_offs) * stride_cs + kvh * stride_ch
+    elif MASKED:
+        page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
+        kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
+    else:
+        page = tl.load(bt_row + kidx // PAGE).to(tl.int64)
+        kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
+    if MASKED:
+        k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :])
+    # Scores before the softmax scale (which is positive): the row maximum is taken unscaled
+    # and scaled once per row, and the scale then joins the subtraction of the maximum in one
+    # multiply-add per score.
+    if KV_SCALED and QK_MODE == _FP8_MMA:  # e4m3 keys straight into the MMAs
+        kt = tl.trans(k)
+        s = tl.dot(q_mma, kt) + tl.dot(q_lo8, kt) * (1.0 / _FP8_LO)
+    elif KV_SCALED and QK_MODE == _FP8_F16:  # one native widening, a float16 MMA
+        s = tl.dot(q_mma, tl.trans(k.to(tl.float16)))
+    else:
+        if KV_SCALED:
+            k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        allowed = kmask[None, :]
+        if CAUSAL:
+            kpos = (
+                kidx
+                if CP == 1
+                else (kidx // INTERLEAVE) * (INTERLEAVE * CP) + CP_RANK * INTERLEAVE + kidx % INTERLEAVE
+            )
+            allowed = allowed & (kpos[None, :] <= qpos[:, None])
+        if PLANNED:
+            allowed = allowed & (kidx[None, :] < q_hi_pos[:, None])
+            if WINDOW > 0:
+                allowed = allowed & ((kidx[None, :] >= q_lo_pos[:, None]) | (kidx[None, :] < SINK))
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every score finite: so is the new maximum
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = m_new
+    p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :])
+    acc = acc * alpha[:, None]
+    if KV_SCALED and PV_MODE == _FP8_F16:
+        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+    else:
+        if KV_SCALED:
+            v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i, next_page
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     key_cache_ptr,
@@ -258,6 +384,7 @@ def _paged_attention_kernel(
     if KV_SCALED:  # e4m3 pages: this program's KV head's key scale joins the softmax scale
         s_scale = scale_log2 * tl.load(k_scale_ptr + kvh)
     q_mma = q
+    q_lo8 = q  # the second e4m3 term of the queries (fp8 MMAs only)
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * s_scale
     if KV_SCALED and QK_MODE != _FP8_WIDEN:
         # Each query row (one token of one head) is scaled by its own largest magnitude, once
@@ -268,9 +395,9 @@ def _paged_attention_kernel(
         amax = tl.where(amax == 0.0, 1.0, amax)
         if QK_MODE == _FP8_MMA:  # two e4m3 terms: q ~ hi + lo / 16 (one alone costs accuracy)
             q448 = qf * (448.0 / amax)[:, None]
-            q_hi = _round_e4m3(q448)
-            q_mma = q_hi.to(tl.float8e4nv)
-            q_lo = _round_e4m3((q448 - q_hi) * _FP8_LO).to(tl.float8e4nv)
+            q_top = _round_e4m3(q448)
+            q_mma = q_top.to(tl.float8e4nv)
+            q_lo8 = _round_e4m3((q448 - q_top) * _FP8_LO).to(tl.float8e4nv)
             row_scale = (amax * (1.0 / 448.0)) * s_scale
         else:
             q_mma = (qf * (1.0 / amax)[:, None]).to(tl.float16)
@@ -295,6 +422,8 @@ def _paged_attention_kernel(
     gap = 0
     tile_lo = 0
     tile_hi = kv_end
+    q_lo_pos = qpos * 0  # per query, the planned mask's window: keys [q_lo_pos, q_hi_pos)
+    q_hi_pos = qpos * 0 + sl
     if PLANNED:
         t_first = sl - ql + q0
         t_last = sl - ql + tl.minimum(q0 + Q_PER_TILE, ql) - 1
@@ -320,10 +449,9 @@ def _paged_attention_kernel(
             q_raw = qpos + 1
         else:
             q_raw = qpos * 0 + sl
-        q_hi = tl.minimum(q_raw, sl)
-        q_lo = q_raw * 0
+        q_hi_pos = tl.minimum(q_raw, sl)
         if WINDOW > 0:
-            q_lo = tl.maximum(q_raw - WINDOW, 0)
+            q_lo_pos = tl.maximum(q_raw - WINDOW, 0)
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_end)
@@ -331,69 +459,64 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    n_offs = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + row.to(tl.int64) * stride_bt
-    next_page = 0
+    next_page = (start * 0).to(tl.int64)
     if PREFETCH_PAGE and PAGE % BLOCK_N == 0:
         next_page = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
-    for v0 in range(start, end, BLOCK_N):
-        n0 = v0
-        kmask = v0 + n_offs < end
-        if PLANNED:
-            n0 = v0 + tl.where(v0 >= sink_span, gap, 0)
-        kidx = n0 + n_offs
-        if PLANNED:  # keys no query of the tile sees are never loaded
-            kmask = kmask & (kidx < tile_hi) & ((kidx >= tile_lo) | (kidx < SINK))
-        if PAGE % BLOCK_N == 0:
-            # n0 is a multiple of BLOCK_N (so is every split's start): the key tile lies in one
-            # page, found with one scalar load, and its rows are evenly strided. PREFETCH_PAGE
-            # loads the next tile's page id one iteration ahead, so the K/V loads do not wait
-            # for the block table.
-            if PREFETCH_PAGE:
-                page_s = next_page
-                nxt = n0 + BLOCK_N
-                next_page = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0).to(tl.int64)
-            else:
-                page_s = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-            kv_off = page_s * stride_cb + (n0 % PAGE + n_offs) * stride_cs + kvh * stride_ch
-        else:
-            page = tl.load(bt_row + kidx // PAGE, mask=kmask, other=0).to(tl.int64)
-            kv_off = page * stride_cb + (kidx % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(key_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED and QK_MODE == _FP8_MMA:  # e4m3 keys straight into the MMAs
-            kt = tl.trans(k)
-            s = (tl.dot(q_mma, kt) + tl.dot(q_lo, kt) * (1.0 / _FP8_LO)) * row_scale[:, None]
-        elif KV_SCALED and QK_MODE == _FP8_F16:  # one native widening, a float16 MMA
-            s = tl.dot(q_mma, tl.trans(k.to(tl.float16))) * row_scale[:, None]
-        else:
-            if KV_SCALED:
-                k = k.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else k.to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * s_scale
-        allowed = kmask[None, :]
-        if CAUSAL:
-            kpos = (
-                kidx if CP == 1 else (kidx // INTERLEAVE) * ROUND + CP_RANK * INTERLEAVE + kidx % INTERLEAVE
+    # The main loop takes the key tiles that need no mask: whole tiles every query of the
+    # program sees (all of them under a full mask; below the diagonal of the tile's first query
+    # under a causal one). The rest -- the tail, the causal diagonal, and every tile of a
+    # planned mask or of DCP -- checks each key.
+    full_end = start
+    if CP == 1 and not PLANNED:
+        full_end = (end // BLOCK_N) * BLOCK_N
+        if CAUSAL:  # the keys the tile's first query sees
+            full_end = tl.minimum(full_end, ((sl - ql + q0 + 1) // BLOCK_N) * BLOCK_N)
+        full_end = tl.maximum(full_end, start)
+    for masked in tl.static_range(2):
+        for v0 in range(full_end if masked else start, end if masked else full_end, BLOCK_N):
+            acc, m_i, l_i, next_page = _attend_key_tile(
+                acc,
+                m_i,
+                l_i,
+                next_page,
+                v0,
+                end,
+                q,
+                q_mma,
+                q_lo8,
+                row_scale,
+                qpos,
+                q_lo_pos,
+                q_hi_pos,
+                key_cache_ptr,
+                value_cache_ptr,
+                bt_row,
+                kvh,
+                stride_cb,
+                stride_cs,
+                stride_ch,
+                sink_span,
+                gap,
+                tile_lo,
+                tile_hi,
+                masked == 1,
+                CAUSAL,
+                HEAD_D,
+                PAGE,
+                BLOCK_N,
+                CP,
+                CP_RANK,
+                INTERLEAVE,
+                KV_SCALED,
+                FP8_VIA_F16,
+                QK_MODE,
+                PV_MODE,
+                PREFETCH_PAGE,
+                PLANNED,
+                WINDOW,
+                SINK,
             )
-            allowed = allowed & (kpos[None, :] <= qpos[:, None])
-        if PLANNED:
-            allowed = allowed & (kidx[None, :] < q_hi[:, None])
-            if WINDOW > 0:
-                allowed = allowed & ((kidx[None, :] >= q_lo[:, None]) | (kidx[None, :] < SINK))
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if KV_SCALED and PV_MODE == _FP8_F16:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            if KV_SCALED:
-                v = v.to(tl.float16).to(q.dtype) if FP8_VIA_F16 else v.to(q.dtype)
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
