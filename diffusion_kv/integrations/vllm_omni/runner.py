@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -102,10 +103,20 @@ def _is_vllm_config(config: Any) -> bool:
     return any(c.__name__ == "VllmConfig" and c.__module__.startswith("vllm.") for c in type(config).__mro__)
 
 
+_last_mode: tuple[Any, bool] = (object(), False)
+"""The last immutable mode object :func:`_is_paged` read, and its answer (one tuple: replaced whole)."""
+
+
 def _is_paged(od_config: Any) -> bool:
+    global _last_mode
     mode = getattr(od_config, "diffusion_kv_mode", None)
-    value = str(getattr(mode, "value", mode) or "").lower()
-    return value == "paged_scheduler"
+    last = _last_mode
+    if mode is last[0]:  # the mode object of the last call (a request's install asks every time)
+        return last[1]
+    paged = str(getattr(mode, "value", mode) or "").lower() == "paged_scheduler"
+    if type(mode) is str or isinstance(mode, enum.Enum):  # immutable: the answer stays valid
+        _last_mode = (mode, paged)
+    return paged
 
 
 def _positive(value: Any, message: str) -> int:
