@@ -160,6 +160,55 @@ def test_paged_kernel_matches_dense_for_both_page_paths(page: int, block_n: int,
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("page,block_n", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_query_tiles_past_the_first_split_their_keys_into_unmasked_and_masked_tiles(
+    page: int, block_n: int, causal: bool, splits: int
+) -> None:
+    """Several query tiles per row: under a causal mask each tile's main loop ends at the
+    diagonal of its own first query (a different key tile for each), the rest checked key by
+    key; rows with a prefix, without one, and shorter than a key tile; every key split. Equal to
+    dense attention."""
+    from diffusion_kv.platforms.cuda import kernels
+
+    g = torch.Generator().manual_seed(page + 3 * block_n + 5 * splits + int(causal))
+    hkv, group, d, block_m = 2, 2, 32, 16
+    h = hkv * group
+    seqs, qlens = [100, 37, 90, 9], [40, 37, 5, 9]
+    nblk = [-(-s // page) for s in seqs]
+    nb = sum(nblk) + 2
+    kc, vc = torch.randn(nb, page, hkv, d, generator=g), torch.randn(nb, page, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(nblk):
+        bt[r, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    q = torch.randn(sum(qlens), h, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    per_tile = block_m // group
+    tiles = [(r, t) for r, n in enumerate(qlens) for t in range(0, n, per_tile)]
+    rows = torch.tensor([r for r, _ in tiles], dtype=torch.int32)
+    q0 = torch.tensor([t for _, t in tiles], dtype=torch.int32)
+    expected = torch.empty_like(q)
+    for r, (sl, ql) in enumerate(zip(seqs, qlens, strict=True)):
+        k = kc[bt[r, : nblk[r]].long()].reshape(-1, hkv, d)[:sl].repeat_interleave(group, 1)
+        v = vc[bt[r, : nblk[r]].long()].reshape(-1, hkv, d)[:sl].repeat_interleave(group, 1)
+        qr = q[int(qsl[r]) : int(qsl[r + 1])]
+        sc = torch.einsum("thd,khd->htk", qr, k) * 0.25
+        if causal:  # bottom-right aligned
+            allowed = torch.arange(sl)[None, :] <= (sl - ql + torch.arange(ql))[:, None]
+            sc = sc.masked_fill(~allowed[None], float("-inf"))
+        expected[int(qsl[r]) : int(qsl[r + 1])] = torch.einsum("htk,khd->thd", sc.softmax(-1), v)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(
+        q, kc, vc, out, bt, torch.tensor(seqs, dtype=torch.int32), qsl, rows, q0,
+        scale=0.25, causal=causal, block_m=block_m, block_n=block_n, num_splits=splits,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "group,page,block_n,prefetch",
     [(1, 16, 16, True), (2, 32, 16, True), (4, 32, 16, False), (4, 16, 32, True), (4, 128, 64, True)],
