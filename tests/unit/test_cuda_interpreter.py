@@ -160,6 +160,66 @@ def test_paged_kernel_matches_dense_for_both_page_paths(page: int, block_n: int,
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+PLANNED_MASKS = {
+    "chunk-window-sink": dict(kind="CHUNK_CAUSAL", chunk=32, window=96, sink=32),
+    "chunk-window-sink-unaligned": dict(kind="CHUNK_CAUSAL", chunk=24, window=72, sink=20),
+    "chunk-no-window": dict(kind="CHUNK_CAUSAL", chunk=40),
+    "causal-window-sink": dict(kind="CAUSAL", window=50, sink=16),
+    "full-window": dict(kind="FULL", window=64),
+}
+
+
+@pytest.mark.parametrize("mask", sorted(PLANNED_MASKS))
+@pytest.mark.parametrize("splits", [1, 4])
+def test_planned_masks_split_their_key_runs_into_unmasked_and_checked_tiles(mask: str, splits: int) -> None:
+    """Chunk-causal, windowed and sink masks over long histories: each program's sink run and
+    window run take unmasked tiles where every query of the program sees the whole tile, the
+    edges checked key by key. Released pages hold NaN in the cache and the null entry 0 in the
+    table, so an unmasked tile reaching one would poison the output. Equal to dense attention
+    under the mask."""
+    from diffusion_kv.conformance.reference import dense_attention
+    from diffusion_kv.core.attention import AttentionMode, MaskSpec
+    from diffusion_kv.platforms.cuda import kernels
+
+    kw = dict(PLANNED_MASKS[mask])
+    spec = MaskSpec(AttentionMode[str(kw.pop("kind"))], **kw)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(len(mask) + splits)
+    hkv, group, d, page, block_n, block_m = 2, 2, 16, 16, 16, 32
+    h = hkv * group
+    seqs, qlens = [300, 160, 64], [64, 40, 64]
+    nblk = [-(-s // page) for s in seqs]
+    nb = sum(nblk) + 1
+    kc = torch.full((nb, page, hkv, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    order = (torch.randperm(nb - 1, generator=g) + 1).tolist()  # block 0: the null entry
+    bt = torch.zeros(len(seqs), max(nblk), dtype=torch.int32)
+    q = torch.randn(sum(qlens), h, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    expected, at = [], 0
+    for r, (sl, ql) in enumerate(zip(seqs, qlens, strict=True)):
+        k, v = torch.randn(sl, hkv, d, generator=g), torch.randn(sl, hkv, d, generator=g)
+        visible = spec.row_mask(sl - ql, ql, sl)
+        seen = visible.any(dim=0)
+        for i in range(nblk[r]):
+            keys = slice(i * page, min((i + 1) * page, sl))
+            if bool(seen[keys].any()):  # else released: NaN stays, the table holds 0
+                bt[r, i] = order[at + i]
+                kc[order[at + i], : keys.stop - keys.start] = k[keys]
+                vc[order[at + i], : keys.stop - keys.start] = v[keys]
+        at += nblk[r]
+        expected.append(dense_attention(q[int(qsl[r]) : int(qsl[r + 1])], k, v, visible, 0.25))
+    per_tile = block_m // group
+    tiles = [(r, t) for r, n in enumerate(qlens) for t in range(0, n, per_tile)]
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(
+        q, kc, vc, out, bt, torch.tensor(seqs, dtype=torch.int32), qsl,
+        torch.tensor([r for r, _ in tiles], dtype=torch.int32), torch.tensor([t for _, t in tiles], dtype=torch.int32),
+        scale=0.25, causal=spec.kind is AttentionMode.CAUSAL, block_m=block_m, block_n=block_n,
+        num_splits=splits, chunk=spec.chunk, window=spec.window, sink=spec.sink,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("page,block_n", [(16, 16), (32, 16), (16, 32)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("splits", [1, 4])
