@@ -171,12 +171,11 @@ PLANNED_MASKS = {
 
 @pytest.mark.parametrize("mask", sorted(PLANNED_MASKS))
 @pytest.mark.parametrize("splits", [1, 4])
-def test_planned_masks_split_their_key_runs_into_unmasked_and_checked_tiles(mask: str, splits: int) -> None:
-    """Chunk-causal, windowed and sink masks over long histories: each program's sink run and
-    window run take unmasked tiles where every query of the program sees the whole tile, the
-    edges checked key by key. Released pages hold NaN in the cache and the null entry 0 in the
-    table, so an unmasked tile reaching one would poison the output. Equal to dense attention
-    under the mask."""
+def test_planned_masks_over_long_histories_match_dense(mask: str, splits: int) -> None:
+    """Chunk-causal, windowed and sink masks over long histories, sinks and windows of several
+    key tiles, aligned to the tiles and not: the kernel reads each program's sink run and window
+    run only. Released pages hold NaN in the cache and the null entry 0 in the table, so a tile
+    reaching one would poison the output. Equal to dense attention under the mask."""
     from diffusion_kv.conformance.reference import dense_attention
     from diffusion_kv.core.attention import AttentionMode, MaskSpec
     from diffusion_kv.platforms.cuda import kernels

@@ -420,7 +420,6 @@ def _paged_attention_kernel(
     # below sink_span, else v + gap. Key tiles between the runs (released ones) are never loaded.
     sink_span = 0
     gap = 0
-    win_start = 0
     tile_lo = 0
     tile_hi = kv_end
     q_lo_pos = qpos * 0  # per query, the planned mask's window: keys [q_lo_pos, q_hi_pos)
@@ -464,35 +463,18 @@ def _paged_attention_kernel(
     next_page = (start * 0).to(tl.int64)
     if PREFETCH_PAGE and PAGE % BLOCK_N == 0:
         next_page = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
-    # Key tiles that need no mask -- whole tiles every query of the program sees -- take an
-    # unmasked body; the rest (the tail, a causal diagonal, the edges of a planned mask's sink
-    # and window, every tile under DCP) check each key. Keys every query sees: [0, sink_all)
-    # and [lo_all, hi_all), from the program's first query (the smallest hi) and last one (the
-    # largest lo); in virtual keys the range splits into unmasked / checked / unmasked / checked
-    # runs [start, b1) [b1, b2) [b2, b3) [b3, end). Without a planned mask the first two are
-    # empty.
-    hi_all = kv_end
-    lo_all = kv_end * 0
-    sink_all = kv_end * 0
-    if CP > 1:
-        hi_all = kv_end * 0  # every tile checked
-    elif PLANNED:
-        hi_all = tl.minimum(raw_first, sl)
-        if WINDOW > 0:
-            lo_all = tl.maximum(raw_last - WINDOW, 0)
-            sink_all = tl.minimum(SINK, hi_all)
-    elif CAUSAL:
-        hi_all = sl - ql + q0 + 1
-    end_full = (end // BLOCK_N) * BLOCK_N
-    wlo_v = tl.maximum(tl.cdiv(lo_all, BLOCK_N) * BLOCK_N, win_start) - gap
-    whi_v = (hi_all // BLOCK_N) * BLOCK_N - gap
-    b1 = tl.maximum(tl.minimum((sink_all // BLOCK_N) * BLOCK_N, end_full), start)
-    b2 = tl.maximum(tl.minimum(tl.maximum(wlo_v, start), end), b1)
-    b3 = tl.maximum(tl.minimum(whi_v, end_full), b2)
-    for run in tl.static_range(0 if PLANNED else 2, 4):
-        lo = start if run == 0 else (b1 if run == 1 else (b2 if run == 2 else b3))
-        hi = b1 if run == 0 else (b2 if run == 1 else (b3 if run == 2 else end))
-        for v0 in range(lo, hi, BLOCK_N):
+    # The main loop takes the key tiles that need no mask: whole tiles every query of the
+    # program sees (all of them under a full mask; below the diagonal of the tile's first query
+    # under a causal one). The rest -- the tail, the causal diagonal, and every tile of a
+    # planned mask or of DCP -- checks each key.
+    full_end = start
+    if CP == 1 and not PLANNED:
+        full_end = (end // BLOCK_N) * BLOCK_N
+        if CAUSAL:  # the keys the tile's first query sees
+            full_end = tl.minimum(full_end, ((sl - ql + q0 + 1) // BLOCK_N) * BLOCK_N)
+        full_end = tl.maximum(full_end, start)
+    for masked in tl.static_range(2):
+        for v0 in range(full_end if masked else start, end if masked else full_end, BLOCK_N):
             acc, m_i, l_i, next_page = _attend_key_tile(
                 acc,
                 m_i,
@@ -518,7 +500,7 @@ def _paged_attention_kernel(
                 gap,
                 tile_lo,
                 tile_hi,
-                run % 2 == 1,
+                masked == 1,
                 CAUSAL,
                 HEAD_D,
                 PAGE,
