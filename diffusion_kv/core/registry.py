@@ -250,6 +250,10 @@ class RowRegistry:
         # order they took it. _claimed: per installed request and group, the blocks its rows
         # write (what removal releases).
         self._writer: list[np.ndarray] = [np.zeros(layout.num_blocks, dtype=np.int32) for _ in layout.groups]
+        # the same per group as a set: the blocks some live row writes (``_writer``'s nonzero
+        # entries; every write to ``_writer`` updates it alike), so the plain install's
+        # ownership check is one C set operation on the set its duplicate check built
+        self._owned: list[set[int]] = [set() for _ in layout.groups]
         self._sharers: list[dict[int, dict[Identity, None]]] = [{} for _ in layout.groups]
         self._identity_at: list[Identity | None] = [None] * block_tables.max_num_reqs  # row -> identity
         # the core's own tables (not a subclass, which may stage differently) write whole rows at once
@@ -270,7 +274,8 @@ class RowRegistry:
                 self._geometry, cast(TorchBlockTables, block_tables).block_tables, strict=True
             )
         )
-        self._claimed: dict[str, list[np.ndarray]] = {}
+        # per request: per group its blocks as an array, and as a set where the plain install built one
+        self._claimed: dict[str, tuple[list[np.ndarray], list[set[int]] | None]] = {}
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
         # resolve()'s answers: each depends on _rows, _states and _written of its identity only,
         # and is dropped whenever one of them changes (install, record_writes, remove).
@@ -678,7 +683,8 @@ class RowRegistry:
         """Record the blocks of request ``rid``'s rows (``claims`` from :meth:`_check_ownership`
         over ``installs``, every row of the request, installed)."""
         rows = [self._rows[install.identity] + 1 for install in installs]
-        for writer, (blocks, counts) in zip(self._writer, claims, strict=True):
+        for writer, owned, (blocks, counts) in zip(self._writer, self._owned, claims, strict=True):
+            owned.update(blocks.tolist())
             if len(rows) == 1:
                 writer[blocks] = rows[0]
                 continue
@@ -686,7 +692,7 @@ class RowRegistry:
             for label, count in zip(rows, counts, strict=True):
                 writer[blocks[start : start + count]] = label
                 start += count
-        self._claimed[rid] = [blocks for blocks, _ in claims]
+        self._claimed[rid] = ([blocks for blocks, _ in claims], None)
         for install in installs:
             if install.read_only_tokens:
                 self._share(install)
@@ -771,10 +777,11 @@ class RowRegistry:
         """Install the common snapshot in one pass over its block ids per group: a request not
         installed (never, or removed at an older generation), sequences only, no cached prefix,
         no released place, no block listed twice in the request or held by a live row, enough
-        free rows, the core's own host tables. Per group one array of the request's ids gives
-        the ownership check, the table rows and the claim. ``False``, nothing changed, for any
-        other snapshot: :meth:`install`'s general path then installs it or refuses it, naming
-        the offence, exactly as it always did."""
+        free rows, the core's own host tables. Per group the set of the request's ids (its
+        duplicate check) gives the ownership check against the blocks live rows write
+        (``_owned``) and the claim, one array of them the table rows and the writer record.
+        ``False``, nothing changed, for any other snapshot: :meth:`install`'s general path
+        then installs it or refuses it, naming the offence, exactly as it always did."""
         if type(snapshot) is not RequestAllocation or snapshot.contexts or not self._plain_fits:
             return False
         rid, gen, sequences = snapshot.request_id, snapshot.allocation_generation, snapshot.sequences
@@ -789,7 +796,8 @@ class RowRegistry:
             return False
         geometry = self._geometry
         num_groups = len(geometry)
-        listed: list[list[int]] = [[] for _ in geometry]
+        # (no comprehension: a function call of its own before Python 3.12)
+        listed: list[list[int]] = [[]] if num_groups == 1 else [[] for _ in geometry]
         one_group = listed[0] if num_groups == 1 else None  # the common layout: no group loop
         tokens_per_block, capacity = geometry[0]
         installs: list[RowInstall] = []
@@ -837,34 +845,46 @@ class RowRegistry:
             installs.append(install)
         num_blocks = self.layout.num_blocks
         arrays: list[np.ndarray] = []
+        claimed: list[set[int]] = []
         for g, blocks in enumerate(listed):
             if not blocks:
                 arrays.append(np.empty(0, dtype=np.int64))
+                claimed.append(set())
                 continue
             # in C: ints only (bool is no block id), none twice, within [0, num_blocks)
-            if not _INT_ONLY.issuperset(map(type, blocks)) or len(set(blocks)) != len(blocks):
+            unique = set(blocks)
+            if not _INT_ONLY.issuperset(map(type, blocks)) or len(unique) != len(blocks):
                 return False
             ordered = sorted(blocks)
             if ordered[0] < 0 or ordered[-1] >= num_blocks:
                 return False
             sharers = self._sharers[g]
-            if sharers and not sharers.keys().isdisjoint(blocks):
+            if sharers and not sharers.keys().isdisjoint(unique):
                 return False  # read by a live row's cached prefix
+            if not self._owned[g].isdisjoint(unique):
+                return False  # written by a live row
             # the ids as int64 (checked ints in range): one NumPy conversion, cheaper than
             # array.array plus np.frombuffer when the caches are cold between requests
-            array = np.array(blocks, dtype=np.int64)
-            if np.count_nonzero(self._writer[g][array]):
-                return False  # written by a live row
-            arrays.append(array)
+            arrays.append(np.array(blocks, dtype=np.int64))
+            claimed.append(unique)
         # every check passed: the n lowest free rows, each row's run of each group's array
         rows = free[: -n - 1 : -1]
-        runs: list[list[np.ndarray]] = [[] for _ in installs]
-        for g, array in enumerate(arrays):
-            start = 0
-            for install, run in zip(installs, runs, strict=True):
-                end = start + len(install.block_ids[g])
-                run.append(array[start:end])
+        runs: list[list[np.ndarray]] = []
+        if one_group is not None:
+            array, start = arrays[0], 0
+            for install in installs:
+                end = start + len(install.block_ids[0])
+                runs.append([array[start:end]])
                 start = end
+        else:
+            for _ in installs:
+                runs.append([])
+            for g, array in enumerate(arrays):
+                start = 0
+                for install, run in zip(installs, runs, strict=True):
+                    end = start + len(install.block_ids[g])
+                    run.append(array[start:end])
+                    start = end
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
@@ -877,6 +897,7 @@ class RowRegistry:
         for g, writer in enumerate(self._writer):
             for run, row in zip(runs, rows, strict=True):
                 writer[run[g]] = row + 1
+            self._owned[g] |= claimed[g]
         self._bindings.clear()
         del free[-n:]
         identity_at, written = self._identity_at, self._written
@@ -887,7 +908,7 @@ class RowRegistry:
             serial += 1
             written[install.identity] = (serial, ())
         self._serial = serial
-        self._claimed[rid] = arrays
+        self._claimed[rid] = (arrays, claimed)
         self._states[rid] = _RequestState(gen, snapshot, tuple(installs), by_identity)
         if removed_at is not None:
             del self._removed[rid]
@@ -1285,10 +1306,13 @@ class RowRegistry:
                 for start, end in self._released_tokens(install, g, group.block_size * cp):
                     spans = remove_span(spans, start, end)
             self._written[install.identity] = (entry[0], spans)
-        self._claimed[rid] = [
-            np.fromiter(written, dtype=np.intp, count=len(written))
-            for _, written, _, _ in self._held_blocks(installs)
-        ]
+        self._claimed[rid] = (
+            [
+                np.fromiter(written, dtype=np.intp, count=len(written))
+                for _, written, _, _ in self._held_blocks(installs)
+            ],
+            None,
+        )
         self._states[rid] = _RequestState(snapshot.allocation_generation, snapshot, tuple(installs))
         self._bindings.clear()
         self._high_water = max(self._high_water, snapshot.allocation_generation)
@@ -1316,16 +1340,24 @@ class RowRegistry:
         """Record (or, ``release``, drop) the blocks one installed row holds (a transition
         re-holds its changed rows; :meth:`_claim` records whole requests)."""
         label = 0 if release else self._rows[install.identity] + 1
-        for writer, (_, written, _, _) in zip(self._writer, self._held_blocks((install,)), strict=True):
+        for writer, owned, (_, written, _, _) in zip(
+            self._writer, self._owned, self._held_blocks((install,)), strict=True
+        ):
             if written:
                 writer[np.fromiter(written, dtype=np.intp, count=len(written))] = label
+                if release:
+                    owned.difference_update(written)
+                else:
+                    owned.update(written)
         if install.read_only_tokens:
             self._share(install, release)
 
     def _release(self, rid: str, installs: Sequence[RowInstall]) -> None:
         """Drop every block request ``rid``'s rows (``installs``) hold."""
-        for writer, blocks in zip(self._writer, self._claimed.pop(rid), strict=True):
+        arrays, sets = self._claimed.pop(rid)
+        for g, (writer, owned, blocks) in enumerate(zip(self._writer, self._owned, arrays, strict=True)):
             writer[blocks] = 0
+            owned -= sets[g] if sets is not None else set(blocks.tolist())
         for install in installs:
             if install.read_only_tokens:
                 self._share(install, release=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from diffusion_kv.core.allocation import ContextAllocation, RequestAllocation, SequenceAllocation
@@ -87,7 +88,17 @@ def context(cid: str, num_tokens: int, blocks: list[int], role: str = "image") -
     return ContextAllocation(cid, role, num_tokens, (tuple(blocks),))
 
 
+def owned_mirrors_writer(reg: RowRegistry) -> None:
+    """The registry's set of written blocks per group is exactly ``_writer``'s nonzero entries,
+    and a request's claimed sets (the plain install's) hold exactly its claimed arrays."""
+    assert reg._owned == [set(np.flatnonzero(w).tolist()) for w in reg._writer]
+    for rid, (arrays, sets) in reg._claimed.items():
+        if sets is not None:
+            assert sets == [set(a.tolist()) for a in arrays], rid
+
+
 def state_of(reg: RowRegistry) -> tuple:
+    owned_mirrors_writer(reg)
     bt = reg.block_tables
     return (
         reg.rows,
@@ -99,4 +110,5 @@ def state_of(reg: RowRegistry) -> tuple:
         [{b: dict(h) for b, h in group.items()} for group in reg._holders],
         dict(reg._written),
         dict(reg._removed),
+        [sorted(owned) for owned in reg._owned],
     )

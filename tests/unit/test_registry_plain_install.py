@@ -40,7 +40,7 @@ def full_state(reg: RowRegistry) -> tuple[Any, ...]:
         {rid: reg.snapshot_of(rid) for rid in reg.installed_requests()},
         reg.generation_high_water,
         reg._serial,
-        {rid: [a.tolist() for a in arrays] for rid, arrays in reg._claimed.items()},
+        {rid: [a.tolist() for a in arrays] for rid, (arrays, _) in reg._claimed.items()},
         [w.tolist() for w in reg._writer],
     )
 

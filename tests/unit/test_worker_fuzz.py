@@ -77,7 +77,7 @@ from diffusion_kv.core.scheduler import reap_unreserved
 from diffusion_kv.platforms.cpu import CpuPlatform
 from diffusion_kv.platforms.cpu.backend import CpuReferenceBackend
 
-from .registry_helpers import FlakyBlockTables, state_of
+from .registry_helpers import FlakyBlockTables, owned_mirrors_writer, state_of
 
 H, HKV, D, BS = 2, 1, 4, 4
 LAYERS = ("l0", "l1")
@@ -1159,6 +1159,7 @@ class Fuzz:
 
     def check(self) -> None:
         m = self.model
+        owned_mirrors_writer(self.registry)
         held: dict[int, list[tuple[Any, bool]]] = {}
         for g in range(1):
             for b in range(NUM_BLOCKS):
