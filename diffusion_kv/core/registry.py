@@ -1467,6 +1467,18 @@ class RowRegistry:
         except KeyError:
             raise UnknownIdentityError(f"no worker row is installed for {identity!r}") from None
 
+    def resolve_identities(self, identities: Sequence[Identity]) -> list[RowBinding]:
+        """:meth:`resolve` of each ``(request_id, sequence_id, context_id)``, in order: the
+        translator's one call per batch. Identities with an answer kept since the last change
+        are found in one pass; any other (or dense mode) goes through :meth:`resolve`, which
+        refuses it exactly as a call of its own would."""
+        if self.mode is KVCacheMode.PAGED:
+            get = self._bindings.get
+            found = [get(identity) for identity in identities]
+            if all(found):  # a RowBinding is always true: no None among them
+                return found  # type: ignore[return-value]
+        return [self.resolve(*identity) for identity in identities]
+
     def resolve(self, request_id: str, sequence_id: int | None, context_id: str | None = None) -> RowBinding:
         # identity_of, inlined: the translator resolves every row of every batch
         identity = (

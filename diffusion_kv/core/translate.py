@@ -62,7 +62,10 @@ from diffusion_kv.core.rows import PagedRow
 
 
 class RowSource(Protocol):
-    """Where the translator resolves identities and reports written tokens (the registry)."""
+    """Where the translator resolves identities and reports written tokens (the registry). A
+    source may also offer ``resolve_identities(identities) -> list[RowBinding]`` (the core
+    registry does), which the translator then calls once per batch instead of ``resolve`` per
+    row; it must answer exactly as those calls would, errors included."""
 
     def resolve(
         self, request_id: str, sequence_id: int | None, context_id: str | None = None
@@ -252,8 +255,12 @@ class Translator:
             raise ValidationError(f"paged batch contains duplicate row identities {dup!r}")
         if self.rows is None:
             raise StateError("the translator has no row source (registry) bound")
-        resolve = self.rows.resolve
-        bindings = [resolve(r.request_id, r.sequence_id, r.context_id) for r in rows]
+        resolve_all = getattr(self.rows, "resolve_identities", None)
+        if resolve_all is not None:  # the core registry: one call for the batch
+            bindings = resolve_all(identities)
+        else:
+            resolve = self.rows.resolve
+            bindings = [resolve(r.request_id, r.sequence_id, r.context_id) for r in rows]
         indices = [b.row_index for b in bindings]
         if len(set(indices)) != len(indices):
             raise ValidationError(f"paged batch resolves several rows to the same worker row: {indices}")
@@ -265,6 +272,7 @@ class Translator:
             (g, counts[g], block_size * bt.cp_size, ratio)
             for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True))
         ]
+        first_group = groups[0] if len(groups) == 1 else None
         max_rows = bt.max_num_reqs
         short_of_blocks: tuple[PagedRow, int, int, int, int] | None = None
         unread_by: tuple[PagedRow, RowBinding, TokenSpans] | None = None
@@ -292,12 +300,18 @@ class Translator:
                 )
             num_tokens += row.query_len
             if short_of_blocks is None:
-                for g, group_counts, tokens_per_block, ratio in groups:
-                    required = -(-seq_len // tokens_per_block)  # cdiv, inlined: runs per row
-                    installed = group_counts[row_index]
-                    if required * ratio > installed:
-                        short_of_blocks = (row, g, required, installed, ratio)
-                        break
+                if first_group is not None:  # one KV-cache group (the common layout): no group loop
+                    required = -(-seq_len // first_group[2])  # cdiv, inlined: runs per row
+                    installed = first_group[1][row_index]
+                    if required * first_group[3] > installed:
+                        short_of_blocks = (row, 0, required, installed, first_group[3])
+                else:
+                    for g, group_counts, tokens_per_block, ratio in groups:
+                        required = -(-seq_len // tokens_per_block)
+                        installed = group_counts[row_index]
+                        if required * ratio > installed:
+                            short_of_blocks = (row, g, required, installed, ratio)
+                            break
             if row.live_from:
                 self._check_live_from(row)
             written = binding.written

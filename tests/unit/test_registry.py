@@ -220,6 +220,34 @@ def test_resolve_follows_every_change() -> None:
         reg.resolve("a", 0)
 
 
+def test_resolve_identities_answers_as_resolve_does_for_each() -> None:
+    """The translator's one call per batch: the same bindings, in order, as one resolve() per
+    identity, before and after the answers are kept; an unknown identity, a context row and
+    dense mode give what resolve() gives."""
+    reg, _ = make_registry()
+    reg.install(
+        request(
+            "a",
+            0,
+            (seq(0, 4, [1], context_ids=("ref",)), seq(1, 4, [2], context_ids=("ref",))),
+            (context("ref", 6, [5, 6]),),
+        )
+    )
+    reg.install(request("b", 0, (seq(0, 5, [7, 3]),)))
+    idents = [("b", 0, None), ("a", None, "ref"), ("a", 1, None), ("a", 0, None)]
+    cold = reg.resolve_identities(idents)  # nothing kept yet: each through resolve()
+    assert cold == [reg.resolve(*i) for i in idents]
+    assert [b.row_index for b in cold] == [3, 2, 1, 0]
+    assert reg.resolve_identities(idents) == cold  # kept answers, one pass
+    with pytest.raises(UnknownIdentityError, match=r"no worker row is installed for \('c', 0, None\)"):
+        reg.resolve_identities([("b", 0, None), ("c", 0, None)])
+    reg.record_writes([(("b", 0, None), cold[0].install_serial, 0, 5)])  # a change: seen
+    assert reg.resolve_identities(idents)[0].written == ((0, 5),)
+    reg.mode = KVCacheMode.DENSE
+    with pytest.raises(StateError, match="dense mode"):
+        reg.resolve_identities(idents)
+
+
 def test_orphaned_identity_is_detected() -> None:
     reg, _ = make_registry()
     reg._rows[("a", 0, None)] = 5  # an inconsistent registry (e.g. a bug elsewhere)
