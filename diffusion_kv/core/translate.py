@@ -272,7 +272,6 @@ class Translator:
             (g, counts[g], block_size * bt.cp_size, ratio)
             for g, (block_size, ratio) in enumerate(zip(bt.block_sizes, bt.blocks_per_kv_block, strict=True))
         ]
-        first_group = groups[0] if len(groups) == 1 else None
         max_rows = bt.max_num_reqs
         short_of_blocks: tuple[PagedRow, int, int, int, int] | None = None
         unread_by: tuple[PagedRow, RowBinding, TokenSpans] | None = None
@@ -300,18 +299,12 @@ class Translator:
                 )
             num_tokens += row.query_len
             if short_of_blocks is None:
-                if first_group is not None:  # one KV-cache group (the common layout): no group loop
-                    required = -(-seq_len // first_group[2])  # cdiv, inlined: runs per row
-                    installed = first_group[1][row_index]
-                    if required * first_group[3] > installed:
-                        short_of_blocks = (row, 0, required, installed, first_group[3])
-                else:
-                    for g, group_counts, tokens_per_block, ratio in groups:
-                        required = -(-seq_len // tokens_per_block)
-                        installed = group_counts[row_index]
-                        if required * ratio > installed:
-                            short_of_blocks = (row, g, required, installed, ratio)
-                            break
+                for g, group_counts, tokens_per_block, ratio in groups:
+                    required = -(-seq_len // tokens_per_block)  # cdiv, inlined: runs per row
+                    installed = group_counts[row_index]
+                    if required * ratio > installed:
+                        short_of_blocks = (row, g, required, installed, ratio)
+                        break
             if row.live_from:
                 self._check_live_from(row)
             written = binding.written
