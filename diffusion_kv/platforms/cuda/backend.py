@@ -29,6 +29,7 @@ metadata.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Hashable
 from typing import Any, ClassVar, NamedTuple
@@ -112,6 +113,13 @@ _GRAPH_PATH = (
     "_make_schedule",
 )
 """The methods :meth:`CudaPagedBackend.graph_key` vouches for: a subclass overriding one gets None."""
+
+
+@functools.cache
+def _keeps_graph_path(cls: type) -> bool:
+    """Whether ``cls`` runs :class:`CudaPagedBackend`'s own :data:`_GRAPH_PATH` (asked once per
+    class, not per batch)."""
+    return all(getattr(cls, name) is getattr(CudaPagedBackend, name) for name in _GRAPH_PATH)
 
 
 class _BatchPlan(NamedTuple):
@@ -334,10 +342,8 @@ class CudaPagedBackend(TorchSdpaBackend):
         md = metadata
         if not isinstance(md, CudaPagedMetadata) or md.way is not KernelWay.TRITON or md.cp_size > 1:
             return None
-        cls = type(self)
-        for name in _GRAPH_PATH:
-            if getattr(cls, name) is not getattr(CudaPagedBackend, name):
-                return None
+        if not _keeps_graph_path(type(self)):
+            return None
         assert md.tile_row is not None and md.tile_q0 is not None
         return (
             "triton",
