@@ -106,39 +106,29 @@ def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(map(tuple, value))
 
 
-_new = object.__new__
-_set_dict = object.__setattr__
-
-
 def allocation_from_metadata(metadata: Any) -> RequestAllocation:
     """A vLLM-Omni ``DiffusionKVMetadata`` (or a :class:`RequestAllocation`) as a snapshot.
 
-    The records are built in this one function, each in one step: its fields' dict in normal
-    form (what :meth:`SequenceAllocation.normalised` and :meth:`RequestAllocation.normalised`
-    take), equal to the constructors' records of the same fields -- block ids become a tuple
-    of tuples and context ids a tuple here, which is all the constructors would normalise, so
-    any shape is converted the same way, no call per sequence and no shape test first."""
+    Block ids become a tuple of tuples and context ids a tuple here, which is all the records'
+    constructors would normalise, so every shape takes the records' ``normalised`` builders:
+    one call per record, no shape test first."""
     if isinstance(metadata, RequestAllocation):
         return metadata
     try:
         sequences = []
         for s in metadata.sequences:
             block_ids, context_ids = s.block_ids, getattr(s, "context_ids", ()) or ()
-            record = _new(SequenceAllocation)
-            _set_dict(
-                record,
-                "__dict__",
-                {  # (read and converted in the constructor's order: the same first error)
-                    "sequence_id": s.sequence_id,
-                    "prefix_len": s.prefix_len,
-                    "target_len": s.target_len,
-                    "seq_len": s.seq_len,
-                    "block_ids": tuple(map(tuple, block_ids)),
-                    "context_ids": context_ids if type(context_ids) is tuple else tuple(context_ids),
-                    "cached_prefix_len": getattr(s, "cached_prefix_len", 0),
-                },
+            sequences.append(
+                SequenceAllocation.normalised(
+                    s.sequence_id,
+                    s.prefix_len,
+                    s.target_len,
+                    s.seq_len,
+                    tuple(map(tuple, block_ids)),
+                    context_ids if type(context_ids) is tuple else tuple(context_ids),
+                    getattr(s, "cached_prefix_len", 0),
+                )
             )
-            sequences.append(record)
         contexts = getattr(metadata, "contexts", ()) or ()
         if contexts:
             contexts = tuple(
@@ -151,18 +141,9 @@ def allocation_from_metadata(metadata: Any) -> RequestAllocation:
                 for c in contexts
             )
         # the fields are in normal form: tuples of the records built just now
-        snapshot = _new(RequestAllocation)
-        _set_dict(
-            snapshot,
-            "__dict__",
-            {
-                "request_id": metadata.request_id,
-                "allocation_generation": metadata.allocation_generation,
-                "sequences": tuple(sequences),
-                "contexts": contexts,
-            },
+        return RequestAllocation.normalised(
+            metadata.request_id, metadata.allocation_generation, tuple(sequences), contexts
         )
-        return snapshot
     except (AttributeError, TypeError) as exc:
         raise ValidationError(
             f"{type(metadata).__name__} is not DiffusionKVMetadata-shaped: {type(exc).__name__}: {exc}"
