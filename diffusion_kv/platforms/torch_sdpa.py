@@ -28,6 +28,7 @@ from diffusion_kv.core.backend import GroupContext, LayerRunner, PagedBackend
 from diffusion_kv.core.batch import KVCache, LayerGeometry, PagedBatch, key_value_caches, write_pages
 from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
+from diffusion_kv.core.kv_quant import dequantize
 from diffusion_kv.core.layout import cdiv
 from diffusion_kv.core.translate import dcp_local_seq_lens
 
@@ -1385,12 +1386,44 @@ class TorchSdpaBackend(PagedBackend):
         return self._gather_sdpa_partial(layer, query, kv_cache, md, extra_query, (extra_key, extra_value))
 
     @staticmethod
+    def _gather_dequantized(
+        cache: torch.Tensor,
+        index: torch.Tensor,
+        rows: int,
+        keys: int,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``[rows, keys, Hkv, D]`` in ``dtype``: e4m3 pages gathered by block (``index``, each
+        row's pages in order) times the per-KV-head ``scale``. Here a gather, then
+        :func:`dequantize`; a plugin overrides it with one pass (the cuda plugin: a Triton
+        kernel)."""
+        blocks = index.numel() // max(rows, 1)
+        shape = (rows, blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+        return dequantize(_gather_blocks(cache, index, shape, keys), scale, dtype)
+
+    @staticmethod
+    def _dequantized(pages: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[R, keys, Hkv, D]`` e4m3 ``pages`` (a view or a gathered copy) times the per-KV-head
+        ``scale``, in ``dtype`` (overridden as :meth:`_gather_dequantized` is)."""
+        return dequantize(pages, scale, dtype)
+
+    @classmethod
     def _group_tensors(
-        layer: LayerGeometry, query: torch.Tensor, kv_cache: KVCache, md: CudaPagedMetadata, grp: SdpaRowGroup
+        cls,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        md: CudaPagedMetadata,
+        grp: SdpaRowGroup,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One row group's ``q [R, ql, H, D]`` and ``k``/``v`` ``[R, keys, Hkv, D]`` (a view of the
-        cache when its pages are contiguous, else gathered)."""
+        cache when its pages are contiguous, else gathered). e4m3 pages (``layer.kv_scales``)
+        come back dequantised into a copy in the query's dtype: gathered and dequantised in one
+        pass where the keys are gathered by block."""
         hkv, hd = layer.num_kv_heads, layer.head_size
+        scales = layer.kv_scales
+        dequantized = False
         qsl, rows, ql, keys = md.host_query_start_loc, grp.rows, grp.query_len, grp.keys
         nblk = cdiv(keys, md.page)
         R = len(rows)
@@ -1422,8 +1455,16 @@ class TorchSdpaBackend(PagedBackend):
             if gathered is None:
                 gathered = md.gathers[id(grp)] = _block_index(md, grp, nblk)
             index, blocks = gathered
-            shape = (R, blocks * md.page, hkv, hd)
-            k, v = _gather_blocks(k_cache, index, shape, keys), _gather_blocks(v_cache, index, shape, keys)
+            if scales is not None:
+                k = cls._gather_dequantized(k_cache, index, R, keys, scales.k_scale, query.dtype)
+                v = cls._gather_dequantized(v_cache, index, R, keys, scales.v_scale, query.dtype)
+                dequantized = True
+            else:
+                shape = (R, blocks * md.page, hkv, hd)
+                k, v = (
+                    _gather_blocks(k_cache, index, shape, keys),
+                    _gather_blocks(v_cache, index, shape, keys),
+                )
         else:  # contiguous pages: a strided view of the cache, no gather
             at = (k_cache.data_ptr(), id(grp))
             cached = md.views.get(at)
@@ -1433,6 +1474,9 @@ class TorchSdpaBackend(PagedBackend):
                     _row_view(v_cache, grp.view, R, nblk * md.page)[:, :keys],
                 )
             k, v = cached
+        if scales is not None and not dequantized:
+            k = cls._dequantized(k, scales.k_scale, query.dtype)
+            v = cls._dequantized(v, scales.v_scale, query.dtype)
         if grp.contiguous:
             q = query[qsl[rows[0]] : qsl[rows[0]] + R * ql].view(R, ql, layer.num_heads, hd)
         else:
@@ -1633,9 +1677,13 @@ class TorchSdpaBackend(PagedBackend):
             )
             o = self._sdpa_call(call, qt, kt, vt)
             if single and contiguous and R * ql == query.shape[0]:
-                if self._views_cache(md, kv_cache, k, v):
+                # (e4m3 pages record nothing: their K/V are dequantised copies, made at every call)
+                if layer.kv_scales is None and self._views_cache(md, kv_cache, k, v):
                     md.calls[id(kv_cache)] = call  # later calls on this cache skip the decisions above
-                elif (gathered := self._replayable_gather(md, grp, kv_cache, k)) is not None:
+                elif (
+                    layer.kv_scales is None
+                    and (gathered := self._replayable_gather(md, grp, kv_cache, k)) is not None
+                ):
                     # K/V gathered by the batch's fixed block index: later calls gather the same
                     # way (reading what later writes put in the pages), the decisions kept
                     md.calls[id(kv_cache)] = call._replace(kt=None, vt=None, gather=gathered)

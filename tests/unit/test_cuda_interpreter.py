@@ -344,3 +344,135 @@ def test_fp8_mode_defaults_and_refusals() -> None:
                 k_scale=one, v_scale=one, qk_mode=qk, pv_mode=pv,
             )  # fmt: skip
         assert torch.equal(out, torch.full_like(q, 7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv,d", [(3, 32), (2, 64)])
+def test_gather_dequant_equals_torch_dequantise_of_the_gathered_pages(
+    dtype: torch.dtype, hkv: int, d: int
+) -> None:
+    """The gather + SDPA way's e4m3 read: ``gather_dequant`` (pages named by block, rows cut to
+    ``keys``) and ``dequant`` (a strided view) equal ``kv_quant.dequantize`` of the same bytes --
+    float32 times the head's scale, rounded once -- over pages that are one half of a combined
+    K/V cache (strided, not contiguous). float16 exactly; bfloat16 within one bfloat16 step,
+    because Triton's interpreter truncates float32 to bfloat16 where the GPU rounds to nearest."""
+    from diffusion_kv.core.kv_quant import dequantize
+    from diffusion_kv.platforms.cuda import kernels
+
+    g = torch.Generator().manual_seed(hkv * d)
+    nb, page = 9, 16
+    both = (torch.randn(nb, 2, page, hkv, d, generator=g) * 40).to(torch.float8_e4m3fn)
+    cache = both[:, 0]  # [nb, page, hkv, d], page stride 2 * page * hkv * d
+    scale = torch.rand(hkv, generator=g) + 0.25
+    index = torch.tensor([4, 0, 7, 2, 8, 1])
+    rows, keys = 2, 3 * page - 5
+    want = dequantize(cache.index_select(0, index).view(rows, 3 * page, hkv, d)[:, :keys], scale, dtype)
+    got = kernels.gather_dequant(cache, index, rows, keys, scale, dtype)
+    view = cache[2:5, 3:13]  # [3 rows, 10 keys, hkv, d]: rows a page apart, K and V interleaved
+    assert not view.is_contiguous()
+    want_view = dequantize(view, scale, dtype)
+    got_view = kernels.dequant(view, scale, dtype)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    assert got_view.shape == want_view.shape and got_view.is_contiguous()
+    for a, b in ((got, want), (got_view, want_view)):
+        if dtype == torch.float16:
+            assert torch.equal(a, b)
+        else:
+            step = b.float().abs() * 2.0**-7
+            assert bool(((a.float() - b.float()).abs() <= step).all())
+
+
+def test_gather_dequant_refuses_what_it_cannot_read() -> None:
+    """16-bit pages, a scale of the wrong shape or dtype, more keys than the rows' pages hold, and
+    block ids that do not split into the rows are refused with the reason."""
+    from diffusion_kv.platforms.cuda import kernels
+
+    cache = torch.zeros(4, 16, 2, 32).to(torch.float8_e4m3fn)
+    one = torch.ones(2)
+    idx = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="got torch.bfloat16 pages"):
+        kernels.gather_dequant(cache.to(torch.bfloat16), idx, 2, 32, one, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale must be float32 \[2\]"):
+        kernels.gather_dequant(cache, idx, 2, 32, torch.ones(3), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale must be float32 \[2\]"):
+        kernels.dequant(cache[None, 0], one.half(), torch.bfloat16)
+    with pytest.raises(ValueError, match="33 keys exceed 2 pages of 16"):
+        kernels.gather_dequant(cache, idx, 2, 33, one, torch.bfloat16)
+    with pytest.raises(ValueError, match="4 block ids do not split into 3 rows"):
+        kernels.gather_dequant(cache, idx, 3, 16, one, torch.bfloat16)
+
+
+def test_paged_takes_gather_sdpa_for_compute_bound_e4m3_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda:paged`` over e4m3 pages chooses its way as for 16-bit pages: with the compute-bound
+    threshold lowered to this test's row length, the batch takes gather + SDPA (its reason says
+    the pages are dequantised in the gather), reads the pages through ``gather_dequant`` or
+    ``dequant`` and never through the Triton attention kernel, and equals dense attention over
+    the values the pages hold, prefill and a denoise step over the cached prefix alike.
+
+    The interpreter's float8 casts do not round to nearest (``tests/cuda_interpreted.py``), so
+    the pages are written by torch's quantiser here (``write_pages``: what the Triton writer
+    computes on a GPU, where ``tests/gpu`` checks it); reading e4m3 is exact in the interpreter."""
+    import dataclasses
+
+    from diffusion_kv.conformance.test_paged_attention import (
+        _stored,
+        check,
+        expected,
+        harness,
+        make_rows,
+        rows_for,
+        run,
+    )
+    from diffusion_kv.core.attention import AttentionMode
+    from diffusion_kv.core.batch import write_pages
+    from diffusion_kv.core.kv_quant import FP8_E4M3, FP8_MAX
+    from diffusion_kv.platforms.cuda import backend as cuda_backend
+    from diffusion_kv.platforms.cuda import kernels
+    from diffusion_kv.platforms.cuda.backend import CudaPagedBackend
+    from tests.cuda_interpreted import interpreted
+
+    class E4m3Paged(interpreted(CudaPagedBackend)):  # type: ignore[misc]
+        capabilities = dataclasses.replace(CudaPagedBackend.capabilities, dtypes=frozenset({torch.float16}))
+
+    class E4m3Platform(InterpretedCudaPlatform):
+        backends = (E4m3Paged,)
+
+    def torch_writer(
+        key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor,
+        k_scale: torch.Tensor, v_scale: torch.Tensor, saturated: torch.Tensor,
+    ) -> None:  # fmt: skip
+        keep = slots >= 0
+        write_pages(kc, slots[keep], key[keep], k_scale, saturated[0])
+        write_pages(vc, slots[keep], value[keep], v_scale, saturated[1])
+
+    monkeypatch.setattr(kernels, "write_kv", torch_writer)
+    monkeypatch.setattr(cuda_backend, "SDPA_MIN_QUERY", 16)
+    calls: dict[str, int] = {"gather_dequant": 0, "dequant": 0, "paged_attention": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*a: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            calls[_name] += 1
+            return _real(*a, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernels, name, counted)
+    monkeypatch.setenv(ENV_BACKEND, "cuda:paged")
+    h = harness(
+        E4m3Platform(), E4m3Paged, kv_cache_dtype=FP8_E4M3, num_heads=4, num_kv_heads=2, dtype=torch.float16,
+        k_scale=[7.0 / FP8_MAX, 8.0 / FP8_MAX], v_scale=[7.5 / FP8_MAX, 0.25],
+    )  # fmt: skip
+    bs = h.block_size
+    prefix, target = 2 * bs + 3, bs + 5
+    n = prefix + target
+    h.install("r", [n, n])
+    data = make_rows(h, [n, n], seed=91)
+    rows = rows_for("r", [(0, n), (0, n)])
+    run(h, rows, data)  # writes every token
+    check(h, run(h, rows, data), expected(h, rows, _stored(h, data), AttentionMode.CAUSAL))
+    denoise = rows_for("r", [(prefix, n), (prefix, n)])
+    md = h.translator.prepare(denoise).attn_metadata[h.layer_names[0]]
+    assert md.way is cuda_backend.KernelWay.SDPA and "dequantised" in md.reason, (md.way, md.reason)
+    out = run(h, denoise, data)
+    check(h, out, expected(h, denoise, _stored(h, data), AttentionMode.CAUSAL))
+    assert calls["paged_attention"] == 0, calls
+    assert calls["gather_dequant"] + calls["dequant"] >= 2, calls

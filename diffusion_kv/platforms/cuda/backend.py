@@ -216,9 +216,11 @@ CAPABILITIES = Capabilities(
 """Per layer the backends only launch work (plans, row groups, DCP masks and device indices are
 fixed in ``build``): a denoise step can be captured as a CUDA graph and replayed. Ulysses: the
 backends see rank-local heads only. DCP: :meth:`CudaPagedBackend.forward_partial`. e4m3 pages
-(``kv_cache_dtypes``): written and read by the Triton kernels only (quantised in the write,
-converted in registers in the attention), so ``paged`` takes the Triton way for them and the
-``sdpa`` backend, which would need a dequantised copy, does not declare them. Chunk-causal,
+(``kv_cache_dtypes``): written by the Triton writer (quantised in the write); the Triton kernel
+reads them in place (converted in registers or fed to fp8 MMAs), and ``paged``'s gather + SDPA way
+(compute-bound batches, as for 16-bit pages) gathers them into a 16-bit copy dequantised in the
+same pass (``kernels.gather_dequant``) before cuDNN; the ``sdpa`` backend does not declare them,
+and under DCP e4m3 pages always take the Triton way. Chunk-causal,
 windowed and sink masks (``attention_modes``, ``max_window``, ``max_sink``): the Triton kernel
 computes each query's bounds from its position in-kernel and loads only the key tiles of the
 sink and the window; the gather + SDPA way gathers only the block plan's live blocks (both fixed
@@ -276,7 +278,8 @@ class CudaPagedBackend(TorchSdpaBackend):
         if group.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
         self.quantized = layer.cache_dtype is not None
-        """e4m3 pages: every batch takes the Triton way (the only one reading them in place)."""
+        """e4m3 pages: the Triton kernel reads them in place; the gather + SDPA way (compute-bound
+        batches of ``paged``) reads a 16-bit copy dequantised in its gather."""
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], _BatchPlan] = {}
         self._schedules: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], dict[str, Any]] = {}
 
@@ -289,13 +292,13 @@ class CudaPagedBackend(TorchSdpaBackend):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        if self.quantized:
-            way, reason = KernelWay.TRITON, "e4m3 pages are read in place by the Triton kernel only"
-        elif self.way is not None:
+        if self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
             lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
             way, reason = choose_way(lens, seq, triton_ok=self.triton_ok)
+            if self.quantized and way is KernelWay.SDPA:
+                reason += " (e4m3 pages dequantised into a 16-bit copy in the gather, one pass)"
         if way is KernelWay.TRITON:
             extra: dict[str, Any] = self._schedule(qsl, seq, device)
             plan = _BatchPlan(way, reason, extra, ())
@@ -452,7 +455,7 @@ class CudaPagedBackend(TorchSdpaBackend):
         local, local_dev = self._dcp_local(batch, device)
         lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
         if self.quantized:
-            way, reason = KernelWay.TRITON, "e4m3 pages are read in place by the Triton kernel only"
+            way, reason = KernelWay.TRITON, "e4m3 pages under DCP: read in place by the Triton kernel"
         elif self.way is not None:
             way, reason = self.way, f"backend {self.name!r} always takes this way"
         else:
@@ -464,6 +467,29 @@ class CudaPagedBackend(TorchSdpaBackend):
             groups = self._dcp_sdpa_groups(batch, qsl, seq, local, device)
             extra = dict(sdpa_groups=groups)
         return self._metadata(batch, qsl, seq, way, reason, extra, local_dev)
+
+    @staticmethod
+    def _gather_dequantized(
+        cache: torch.Tensor,
+        index: torch.Tensor,
+        rows: int,
+        keys: int,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """e4m3 pages gathered and dequantised in one Triton pass (page bytes read once, the
+        16-bit copy written once). Triton is there: a backend of this class serves e4m3 pages
+        only with it (:meth:`not_supported_reasons`)."""
+        from diffusion_kv.platforms.cuda import kernels
+
+        return kernels.gather_dequant(cache, index, rows, keys, scale, dtype)
+
+    @staticmethod
+    def _dequantized(pages: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """e4m3 pages (a strided view) dequantised into a contiguous copy in one Triton pass."""
+        from diffusion_kv.platforms.cuda import kernels
+
+        return kernels.dequant(pages, scale, dtype)
 
     def write_kv(
         self,

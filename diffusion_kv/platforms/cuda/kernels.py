@@ -15,6 +15,9 @@
   Optionally it also writes each query's natural-log log-sum-exp, and in its decode context
   parallelism (DCP) mode it attends over one rank's interleaved keys only (see
   :func:`paged_attention`).
+* ``gather_dequant`` / ``dequant``: e4m3 pages times their per-KV-head scales into a contiguous
+  16-bit copy, gathered by block or from a view, in one pass (what the gather + SDPA way reads
+  e4m3 pages through).
 * ``gather_block_tables`` / ``compute_slot_mappings``: one launch each per KV-cache group.
 * ``prepare_batch``: what ``Translator.prepare`` needs on the device, in one launch per
   KV-cache group, from the batch's per-row integers: positions, slot mappings and the
@@ -754,6 +757,124 @@ def paged_attention(
             WRITE_LSE=lse is not None,
         )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# e4m3 pages dequantised into a contiguous copy (the gather + SDPA way)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dequant_kv_kernel(
+    src_ptr,
+    index_ptr,
+    scale_ptr,
+    out_ptr,
+    keys,
+    blocks_per_row,
+    s_outer,
+    s_tok,
+    s_head,
+    s_dim,
+    PAGE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    """``out[r, t, h, d] = float32(src) * scale[h]`` rounded once to ``out``'s dtype, for
+    ``BLOCK_T`` keys of row ``r``. ``GATHER``: key ``t`` of row ``r`` lives in page
+    ``index[r * blocks_per_row + t // PAGE]`` at offset ``t % PAGE`` (``s_outer`` is the
+    pages' stride); else ``src`` is a ``[R, keys, Hkv, D]`` view (``s_outer``: its row stride)."""
+    r = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)  # head and dimension, flattened
+    h = e // HEAD_D
+    d = e % HEAD_D
+    tm = t < keys
+    em = e < NUM_KV_HEADS * HEAD_D
+    if GATHER:
+        page = tl.load(index_ptr + r * blocks_per_row + t // PAGE, mask=tm, other=0).to(tl.int64)
+        at = page * s_outer + (t % PAGE).to(tl.int64) * s_tok
+    else:
+        at = r.to(tl.int64) * s_outer + t.to(tl.int64) * s_tok
+    m = tm[:, None] & em[None, :]
+    x = tl.load(src_ptr + at[:, None] + (h * s_head + d * s_dim)[None, :], mask=m, other=0.0)
+    scale = tl.load(scale_ptr + h, mask=em, other=0.0)
+    y = x.to(tl.float32) * scale[None, :]
+    dst = (r.to(tl.int64) * keys + t.to(tl.int64))[:, None] * (NUM_KV_HEADS * HEAD_D) + e[None, :]
+    tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _dequant_launch(
+    src: torch.Tensor,
+    index: torch.Tensor | None,
+    scale: torch.Tensor,
+    rows: int,
+    keys: int,
+    blocks_per_row: int,
+    s_outer: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    hkv, d = src.shape[-2], src.shape[-1]
+    if src.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequantising e4m3 pages: got {src.dtype} pages")
+    if scale.shape != (hkv,) or scale.dtype != torch.float32:
+        raise ValueError(
+            f"dequantising e4m3 pages: scale must be float32 [{hkv}]; got {scale.dtype} {tuple(scale.shape)}"
+        )
+    out = torch.empty((rows, keys, hkv, d), dtype=dtype, device=src.device)
+    if rows == 0 or keys == 0:
+        return out
+    block_e = triton.next_power_of_2(hkv * d)
+    block_t = max(1, min(64, 8192 // block_e))
+    _dequant_kv_kernel[(rows, triton.cdiv(keys, block_t))](
+        src,
+        index if index is not None else scale,
+        scale,
+        out,
+        keys,
+        blocks_per_row,
+        s_outer,
+        src.stride(-3),
+        src.stride(-2),
+        src.stride(-1),
+        PAGE=src.shape[1] if index is not None else 1,
+        NUM_KV_HEADS=hkv,
+        HEAD_D=d,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        GATHER=index is not None,
+    )
+    return out
+
+
+def gather_dequant(
+    cache: torch.Tensor,
+    block_index: torch.Tensor,
+    rows: int,
+    keys: int,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[rows, keys, Hkv, D]`` in ``dtype``: the first ``keys`` keys of each row's pages,
+    ``block_index`` ``[rows * blocks]`` naming each row's pages in order, from e4m3 ``cache``
+    ``[NB, PAGE, Hkv, D]`` (any strides) times the per-KV-head ``scale`` -- one pass reading the
+    page bytes once, what ``dequantize(cache[block_index])`` computes exactly."""
+    if block_index.numel() % max(rows, 1):
+        raise ValueError(f"gather_dequant: {block_index.numel()} block ids do not split into {rows} rows")
+    blocks = block_index.numel() // max(rows, 1)
+    if keys > blocks * cache.shape[1]:
+        raise ValueError(f"gather_dequant: {keys} keys exceed {blocks} pages of {cache.shape[1]} per row")
+    return _dequant_launch(cache, block_index, scale, rows, keys, blocks, cache.stride(0), dtype)
+
+
+def dequant(pages: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[R, keys, Hkv, D]`` in ``dtype`` (contiguous): e4m3 ``pages`` ``[R, keys, Hkv, D]`` (any
+    strides: a view of the cache) times the per-KV-head ``scale``."""
+    rows, keys = pages.shape[0], pages.shape[1]
+    return _dequant_launch(pages, None, scale, rows, keys, 0, pages.stride(0), dtype)
 
 
 # --------------------------------------------------------------------------------------------
