@@ -6,7 +6,10 @@ similarity to the same kernel over bf16 pages. Also regime A (4096 queries) over
 The variants are compiled first in parallel worker processes (Triton's on-disk cache), then timed
 one after another in this process. Needs a CUDA device.
 
-    python benchmarks/sweep_gqa_fp8.py [--json OUT] [--workers 12] [--quick]
+    python benchmarks/sweep_gqa_fp8.py [--json OUT] [--workers 12] [--quick] [--mha]
+
+``--mha``: regime B with 32 KV heads instead (MHA: 32-row query tiles, one head each), 16-bit
+and e4m3 pages, every e4m3 way, key tile, stage count and split count.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from diffusion_kv.bench.timing import time_device
 Config = dict[str, Any]
 
 
-def shape(regime: str, cfg: int) -> dict[str, int]:
+def shape(regime: str, cfg: int, gqa: bool = True) -> dict[str, int]:
     (case,) = attention_cases(
-        "full", regimes=(regime,), block_sizes=(128,), cfgs=(cfg,), gqa=(True,), contiguous_regimes=()
+        "full", regimes=(regime,), block_sizes=(128,), cfgs=(cfg,), gqa=(gqa,), contiguous_regimes=()
     )
     return dict(
         rows=case.rows,
@@ -88,6 +91,25 @@ def configs(quick: bool) -> list[Config]:
                 prefetch=True,
             )
         )
+    return out
+
+
+def configs_mha() -> list[Config]:
+    """Regime B, MHA: 32-row tiles (the builder's: 4 warps), 16-bit and e4m3 pages."""
+    out: list[Config] = []
+    for n, st, sp in itertools.product((64, 128), (2, 3, 4), (2, 4, 8)):
+        out.append(
+            dict(regime="B", fp8=False, block_m=32, block_n=n, warps=4, stages=st, splits=sp, prefetch=True)
+        )
+    for (qk, pv), n, st, sp in itertools.product(
+        [(0, 0), (1, 1), (1, 0), (2, 1)], (64, 128), (2, 3, 4), (2, 4, 8)
+    ):
+        out.append(
+            dict(
+                regime="B", fp8=True, qk=qk, pv=pv, block_m=32, block_n=n, warps=4, stages=st, splits=sp,
+                prefetch=True,
+            )
+        )  # fmt: skip
     return out
 
 
@@ -195,14 +217,19 @@ def main() -> int:
     ap.add_argument(
         "--splits-check", action="store_true", help="only: the builder's GQA settings, 1 vs 2 splits"
     )
+    ap.add_argument("--mha", action="store_true", help="regime B with 32 KV heads (MHA) instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     if args.splits_check:
         return splits_check(args.min_ms)
-    shapes = {("B", 1): shape("B", 1), ("B", 2): shape("B", 2), ("A", 1): shape("A", 1)}
-    cfgs = configs(args.quick)
+    if args.mha:
+        shapes = {("B", 1): shape("B", 1, gqa=False), ("B", 2): shape("B", 2, gqa=False)}
+        cfgs = configs_mha()
+    else:
+        shapes = {("B", 1): shape("B", 1), ("B", 2): shape("B", 2), ("A", 1): shape("A", 1)}
+        cfgs = configs(args.quick)
     t0 = time.perf_counter()
     jobs = [(shapes[(c["regime"], 1)], c) for c in cfgs]
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -234,7 +261,9 @@ def main() -> int:
         report["dense"][key] = dense
         ref16: torch.Tensor | None = None
         for c, err in zip(cfgs, errors, strict=True):
-            if c["regime"] != regime or (cfg == 2 and c["fp8"] and c["regime"] == "B" and c["stages"] == 3):
+            if c["regime"] != regime or (
+                cfg == 2 and c["fp8"] and c["regime"] == "B" and c["stages"] == 3 and not args.mha
+            ):
                 continue
             row: Config = dict(c, case=key)
             if err:
