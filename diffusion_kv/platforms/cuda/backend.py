@@ -392,6 +392,11 @@ class CudaPagedBackend(TorchSdpaBackend):
             # e4m3 pages: a 128-key tile is the bytes of a 64-key 16-bit one; 3 stages, the
             # next page id fetched ahead (H100 sweep, benchmarks/sweep_gqa_fp8.py)
             block_n, stages, resident = 128, 3, 1
+        elif self.quantized:
+            # e4m3 pages in small query tiles (MHA over a few queries): 128-key tiles at 3
+            # stages, and fewer splits the better (H100, sweep_gqa_fp8.py --mha: 2 splits 0.240
+            # ms, 4 splits 0.274, 8 splits 0.298 at 256 programs); two such programs fit an SM
+            block_n, stages, resident = 128, 3, 2
         elif block_m >= 128 and programs < resident * self.num_sms:
             # few 128-row tiles (GQA heads packed over a few query tokens, regime B): deeper
             # pipelining of the page loads, one program per SM

@@ -580,18 +580,24 @@ def _combine_kernel(
 LOG2E = 1.4426950408889634
 
 SM90_FP8_MODES = (FP8_MMA, FP8_F16)
-"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later: fp8 tensor cores for Q.K^T, float16
-for P.V (the fastest pair of the H100 sweep, ``benchmarks/sweep_gqa_fp8.py``)."""
+"""``(qk_mode, pv_mode)`` for e4m3 pages on SM90 and later, query tiles of 128 rows: fp8 tensor
+cores for Q.K^T, float16 for P.V (the fastest pair of the H100 sweep, ``benchmarks/sweep_gqa_fp8.py``)."""
+SM90_FP8_MODES_SMALL_TILES = (FP8_F16, FP8_F16)
+"""The same for smaller query tiles (MHA over a few queries: 32-row tiles): one native widening
+to float16 and float16 MMAs for both products (H100, regime B MHA, ``sweep_gqa_fp8.py --mha``:
+0.240 / 0.473 ms against 0.255 / 0.499 widened to bfloat16 and 0.284 / 0.551 with the two fp8
+MMAs, at the best key tile, stage and split count of each; cfg 1 / 2)."""
 
 
 def fp8_modes(device: torch.device, block_m: int = 128) -> tuple[int, int]:
-    """How :func:`paged_attention` multiplies e4m3 pages on ``device`` by default: fp8 tensor
-    cores from SM90 on (:data:`SM90_FP8_MODES`) for query tiles of at least 128 rows (GQA heads
-    packed, or long queries); elsewhere (smaller tiles, where the two fp8 MMAs measured 12%
-    slower than widening on an H100, older GPUs, the interpreter on CPU) widened tiles and
-    16-bit MMAs."""
-    if block_m >= 128 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return SM90_FP8_MODES
+    """How :func:`paged_attention` multiplies e4m3 pages on ``device`` by default. From SM90 on:
+    fp8 tensor cores for Q.K^T (:data:`SM90_FP8_MODES`) in query tiles of at least 128 rows (GQA
+    heads packed, or long queries), float16 MMAs in smaller ones
+    (:data:`SM90_FP8_MODES_SMALL_TILES`: the two fp8 MMAs measured 12% slower than widening
+    there on an H100). Elsewhere (older GPUs, the interpreter on CPU) widened tiles and 16-bit
+    MMAs."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return SM90_FP8_MODES if block_m >= 128 else SM90_FP8_MODES_SMALL_TILES
     return FP8_WIDEN, FP8_WIDEN
 
 
