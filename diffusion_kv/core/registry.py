@@ -278,7 +278,8 @@ class RowRegistry:
         self._claimed: dict[str, tuple[list[np.ndarray], list[set[int]] | None]] = {}
         self._written: dict[Identity, tuple[int, TokenSpans]] = {}  # identity -> (install serial, spans)
         # resolve()'s answers: each depends on _rows, _states and _written of its identity only,
-        # and is dropped whenever one of them changes (install, record_writes, remove).
+        # and is dropped whenever one of them changes (install, a record_writes that adds tokens,
+        # remove).
         self._bindings: dict[Identity, RowBinding] = {}
         self._serial = 0
         self._removed: OrderedDict[str, int] = OrderedDict()  # request id -> last generation
@@ -1367,7 +1368,12 @@ class RowRegistry:
         ran); spans of an identity that was removed or reinstalled since are ignored."""
         for identity, serial, start, end in spans:
             entry = self._written.get(identity)
-            if entry is not None and entry[0] == serial:
+            if entry is None or entry[0] != serial or end <= start:
+                continue
+            for a, b in entry[1]:
+                if a <= start and end <= b:  # written already (a denoise step rewrites its span):
+                    break  # nothing changes, and the kept binding stays valid
+            else:
                 self._written[identity] = (serial, add_span(entry[1], start, end))
                 self._bindings.pop(identity, None)
 

@@ -220,6 +220,32 @@ def test_resolve_follows_every_change() -> None:
         reg.resolve("a", 0)
 
 
+def test_record_writes_of_written_tokens_keeps_the_binding() -> None:
+    """A denoise step rewrites the span it wrote before: recording it changes nothing, so the
+    kept binding stays (the same object, the next batch's rows found in one pass). A write that
+    adds tokens -- past the span, bridging two spans, or after an empty write -- is merged and
+    seen by the next lookup; an empty span and an older install's write change nothing."""
+    reg, _ = make_registry()
+    ident = ("a", 0, None)
+    reg.install(request("a", 0, (seq(0, 9, [1, 2, 3]),)))
+    serial = reg.resolve("a", 0).install_serial
+    reg.record_writes([(ident, serial, 0, 4)])
+    kept = reg.resolve("a", 0)
+    assert kept.written == ((0, 4),)
+    for start, end in ((0, 4), (1, 3), (2, 4), (5, 5), (7, 6)):  # inside, or empty: no change
+        reg.record_writes([(ident, serial, start, end)])
+        assert reg.resolve("a", 0) is kept and reg.resolve_identities([ident])[0] is kept
+    reg.record_writes([(ident, serial - 1, 4, 9)])  # an older install's write: ignored
+    assert reg.resolve("a", 0) is kept
+    reg.record_writes([(ident, serial, 6, 8)])
+    assert reg.resolve("a", 0).written == ((0, 4), (6, 8))
+    reg.record_writes([(ident, serial, 3, 7)])  # bridges the two spans
+    assert reg.resolve("a", 0).written == ((0, 8),)
+    reg.record_writes([(ident, serial, 5, 9)])  # past the end of the only span
+    after = reg.resolve("a", 0)
+    assert after.written == ((0, 9),) and after is not kept
+
+
 def test_resolve_identities_answers_as_resolve_does_for_each() -> None:
     """The translator's one call per batch: the same bindings, in order, as one resolve() per
     identity, before and after the answers are kept; an unknown identity, a context row and
