@@ -200,3 +200,27 @@ def test_a_malformed_scale_on_16_bit_pages_is_refused_too(bad: object) -> None:
     ):
         worker.register_kv_cache_layers({"l0": PagedLayerSpec(2, 2, 8, torch.float32, k_scale=bad)})  # type: ignore[arg-type]
     assert worker.layers == {}
+
+
+def test_gather_sdpa_way_reads_e4m3_pages_through_dequantised_copies() -> None:
+    """The shared gather + SDPA way's e4m3 hooks (what a plugin without a fused kernel gets):
+    the pages named by block, each row cut to its keys, and a strided view, come back in the
+    query dtype as exactly ``dequantize`` of the same bytes."""
+    from diffusion_kv.platforms.torch_sdpa import TorchSdpaBackend
+
+    g = torch.Generator().manual_seed(3)
+    both = (torch.randn(6, 2, 4, 2, 8, generator=g) * 30).to(torch.float8_e4m3fn)
+    cache = both[:, 0]  # [6 blocks, page 4, 2 heads, 8]: one half of a combined cache
+    scale = torch.tensor([0.5, 3.0])
+    index = torch.tensor([5, 0, 2, 4])
+    got = TorchSdpaBackend._gather_dequantized(cache, index, 2, 7, scale, torch.float16)
+    want = torch.stack(
+        [
+            (torch.cat([cache[b] for b in index[r * 2 : r * 2 + 2]])[:7].float() * scale[:, None]).half()
+            for r in (0, 1)
+        ]
+    )
+    assert got.dtype == torch.float16 and got.shape == (2, 7, 2, 8) and torch.equal(got, want)
+    view = cache[1:4, 1:3]
+    got_view = TorchSdpaBackend._dequantized(view, scale, torch.bfloat16)
+    assert torch.equal(got_view, (view.float() * scale[:, None]).bfloat16())
