@@ -870,22 +870,13 @@ class RowRegistry:
             claimed.append(unique)
         # every check passed: the n lowest free rows, each row's run of each group's array
         rows = free[: -n - 1 : -1]
-        runs: list[list[np.ndarray]] = []
-        if one_group is not None:
-            array, start = arrays[0], 0
-            for install in installs:
-                end = start + len(install.block_ids[0])
-                runs.append([array[start:end]])
+        runs: list[list[np.ndarray]] = [[] for _ in installs]
+        for g, array in enumerate(arrays):
+            start = 0
+            for install, run in zip(installs, runs, strict=True):
+                end = start + len(install.block_ids[g])
+                run.append(array[start:end])
                 start = end
-        else:
-            for _ in installs:
-                runs.append([])
-            for g, array in enumerate(arrays):
-                start = 0
-                for install, run in zip(installs, runs, strict=True):
-                    end = start + len(install.block_ids[g])
-                    run.append(array[start:end])
-                    start = end
         if self.before_mutation is not None:
             self.before_mutation()
         bt = self.block_tables
