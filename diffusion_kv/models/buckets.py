@@ -10,7 +10,7 @@ rows is captured:
   step with more tokens than the largest bucket runs eagerly);
 * per bucket, ``layers + 1`` graphs over static buffers: RoPE tables and layer 0 up to its
   attention; each layer's tail (output projection, MLP) and the next layer up to its attention;
-  the last tail and the final projection. The graphs of one bucket share one memory pool;
+  the last tail and the final projection. Every bucket's graphs share one memory pool (below);
 * between the pieces the paged attention layer runs eagerly on the real tokens only
   (``attention(name, q[:n], k[:n], v[:n])``): padding tokens never reach the paged cache, so
   they write no page, and the attention metadata is whatever the active batch is (never a
@@ -18,8 +18,19 @@ rows is captured:
   of that buffer stays zero.
 
 Padding tokens carry zeros through the captured pieces (finite, discarded at the end). Buckets
-are captured lazily, the first time a step needs one; capture time and the graph pools' memory
+are captured lazily, the first time a step needs one; capture time and the graph pool's memory
 are counted (:attr:`BucketGraphs.capture_ms`, :attr:`BucketGraphs.graph_bytes`).
+
+Every bucket's graphs share one memory pool. That is safe because a step replays one bucket's
+graphs only, and nothing a replay leaves in pool memory is read after its step: the inputs (token
+buffer, positions) and the attention buffers are allocated outside the pool, the queries, keys
+and values a piece returns are read by the attention before the next piece runs, and the final
+projection is copied out (``index_select``) before the step returns. So the pool holds the
+largest bucket's working memory once, not every bucket's.
+
+``default_buckets`` doubles up to 2048 tokens and then grows by a quarter of each power of two
+(2048, 2560, 3072, 3584, 4096, 5120, ...): a GPU-bound step is padded by at most a quarter,
+where powers of two throughout pad it by up to 2x.
 
 A replay computes the step the eager path computes for the padded token axis: the same kernels
 on the same inputs, so the real tokens' outputs equal an eager run over the padded axis; against
@@ -41,13 +52,30 @@ from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.models.tiny_dit import AttentionFn, Block, TinyDiT, rope_tables
 
 
-def default_buckets(max_tokens: int, smallest: int = 256) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to the first that holds ``max_tokens``."""
-    if max_tokens <= 0:
-        raise ValidationError(f"max_tokens must be positive; got {max_tokens}")
+def default_buckets(
+    max_tokens: int, smallest: int = 256, per_octave: int = 4, fine_from: int = 2048
+) -> tuple[int, ...]:
+    """Token buckets from ``smallest`` up to the first that holds ``max_tokens``: doubling below
+    ``fine_from``; from there each bucket grows by ``1 / per_octave`` of the largest power of two
+    at or under it (2048, 2560, 3072, 3584, 4096, 5120, ... at the defaults), so a large step is
+    padded by at most a ``1 / per_octave`` share rather than up to 2x. ``per_octave=1``: doubling
+    throughout (powers of two from a power-of-two ``smallest``)."""
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("smallest", smallest),
+        ("per_octave", per_octave),
+        ("fine_from", fine_from),
+    ):
+        if type(value) is not int or value <= 0:
+            raise ValidationError(f"{name} must be a positive integer; got {value!r}")
     out = [smallest]
     while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
+        size = out[-1]
+        if size < fine_from or per_octave == 1:
+            out.append(2 * size)
+        else:
+            power = 1 << (size.bit_length() - 1)
+            out.append(size + max(power // per_octave, 1))
     return tuple(out)
 
 
@@ -75,6 +103,7 @@ class BucketGraphs:
         self.buckets = sizes
         self.device = device
         self._captured: dict[int, _Bucket] = {}
+        self._pool: Any = None  # one graph memory pool for every bucket (module docstring)
         self.capture_ms = 0.0
         self.graph_bytes = 0
         self.replays = 0
@@ -167,7 +196,9 @@ class BucketGraphs:
                 piece()
         torch.cuda.current_stream(device).wait_stream(side)
         bucket.qkv.clear()
-        pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         gc.collect()  # no unreachable graph may be destroyed mid-capture (see core.graphs)
         was_enabled = gc.isenabled()
         gc.disable()

@@ -1,5 +1,6 @@
 """Bucketed piecewise CUDA graphs (``diffusion_kv.models.buckets``) on a GPU: a replay equals the
-eager step over the same padded token axis bit for bit, agrees with the unpadded eager step within
+eager step over the same padded token axis bit for bit (also after another bucket was captured
+into the shared graph pool), agrees with the unpadded eager step within
 the dtype's rounding, writes no page outside the batch's own slots, and a batch with more tokens
 than the largest bucket runs eagerly. Skipped without CUDA (see conftest)."""
 
@@ -76,6 +77,12 @@ def test_bucket_replay_equals_the_padded_eager_step_and_writes_only_its_slots() 
         replayed = buckets.run(x, pos, attention, out_index).clone()
         replayed_again = buckets.run(x, pos, attention, out_index).clone()
         assert buckets.captured_buckets == (128,) and buckets.replays == 2 and buckets.capture_ms > 0
+        # another bucket captured into the same graph pool: the first bucket's replays are unchanged
+        buckets._capture(256)
+        assert sorted(buckets.captured_buckets) == [128, 256]
+        for graph in buckets._captured[256].graphs:  # its replays write their scratch in the pool
+            graph.replay()
+        assert torch.equal(buckets.run(x, pos, attention, out_index), replayed)
         # the same step eagerly over the bucket's padded token axis: the same kernels, the same bits
         pad = 128 - n
 

@@ -151,3 +151,30 @@ def test_a_run_that_leaves_the_pool_short_is_an_error(monkeypatch: pytest.Monkey
         match=r"^the warmup run left the block pool short: 10 free \+ 0 cached \(0 idle\) of 15; still reserved: \[\]; worker rows installed: \[\]$",
     ):
         run_stream(CpuPlatform(), StreamConfig(**SMALL))  # type: ignore[arg-type]
+
+
+def test_default_buckets_double_then_grow_by_a_quarter_octave() -> None:
+    from diffusion_kv.core.errors import ValidationError
+    from diffusion_kv.models.buckets import default_buckets
+
+    assert default_buckets(35840) == (
+        256, 512, 1024, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,
+        10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768, 40960,
+    )  # fmt: skip
+    assert default_buckets(35840, per_octave=1) == (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    assert default_buckets(100) == (256,)
+    assert default_buckets(4096) == (256, 512, 1024, 2048, 2560, 3072, 3584, 4096)
+    assert default_buckets(5000, smallest=3000) == (3000, 3512, 4024, 4536, 5560)
+    assert default_buckets(900, smallest=100, fine_from=400, per_octave=2) == (100, 200, 400, 528, 784, 1040)
+    # every step of the stream bench's full workload is padded by under a quarter of its bucket
+    sizes = default_buckets(35840)
+    for tokens in (1024, 3072, 4096, 5120, 6144, 7168, 7680, 8704, 10240, 10752, 11264, 12800):
+        bucket = min(s for s in sizes if s >= tokens)
+        assert bucket - tokens < bucket / 4, tokens
+    for bad in (dict(max_tokens=0), dict(max_tokens=8, smallest=0), dict(max_tokens=8, per_octave=0)):
+        with pytest.raises(ValidationError, match="must be a positive integer"):
+            default_buckets(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="fine_from"):
+        default_buckets(8, fine_from=-1)
+    with pytest.raises(ValidationError, match="per_octave"):
+        default_buckets(8, per_octave=True)
