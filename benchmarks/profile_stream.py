@@ -4,7 +4,8 @@ python benchmarks/profile_stream.py [--sizes full|small] [--graphs on|off] [--js
 
 The bench's stream workload (``diffusion_kv.bench.stream``), warmed up once both ways (buckets
 and whole-step graphs captured), then each way served again under the torch profiler: wall
-time, GPU kernel time summed, the GPU's busy time (the union of kernel intervals, so the idle
+time, host time inside the batch's prepare, the paged attention calls and the model's step
+(from a run of its own, without the profiler), GPU kernel time summed, the GPU's busy time (the union of kernel intervals, so the idle
 part of the wall is ``wall - busy``), and kernel time by kind (attention kernels, matrix
 products, copies and gathers, the rest), with the ten costliest kernels. Tells whether a way is
 GPU-bound and which kernels make the difference. Needs a CUDA device for the GPU figures.
@@ -51,9 +52,55 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class HostTimers:
+    """Host time inside a few functions while a run is served (wrapped, restored after)."""
+
+    TARGETS = (
+        ("prepare", "diffusion_kv.core.translate", "Translator", "prepare"),
+        ("paged_forward", "diffusion_kv.core.runner", "PagedWorker", "forward"),
+        ("model_step", "diffusion_kv.models.stream", "StreamModel", "__call__"),
+        ("prepare_graph_capture", "diffusion_kv.platforms.cuda.block_tables", None, "_capture"),
+    )
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[Any] = []
+
+    def __enter__(self) -> HostTimers:
+        import importlib
+
+        for label, module_name, owner_name, attr in self.TARGETS:
+            module = importlib.import_module(module_name)
+            owner = getattr(module, owner_name) if owner_name else module
+            original = getattr(owner, attr)
+
+            def timed(*a: Any, _f: Any = original, _l: str = label, **k: Any) -> Any:
+                began = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.ms[_l] += (time.perf_counter() - began) * 1e3
+                    self.calls[_l] += 1
+
+            setattr(owner, attr, timed)
+            self._undo.append((owner, attr, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+
 def profiled(run: Any) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
+    with HostTimers() as timers:  # a run of its own, without the profiler
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        timed_wall = (time.perf_counter() - began) * 1e3
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         began = time.perf_counter()
@@ -72,6 +119,9 @@ def profiled(run: Any) -> dict[str, Any]:
         intervals.append((start, start + us))
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
     return {
+        "host_timed_wall_ms": timed_wall,
+        "host_ms": dict(timers.ms),
+        "host_calls": dict(timers.calls),
         "wall_ms": wall,
         "run_wall_ms": out.wall_ms,
         "capture_ms": out.capture_ms,
