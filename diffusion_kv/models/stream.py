@@ -285,7 +285,7 @@ class StreamModel:
 
     def _layout(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Absolute positions of the packed tokens and where the target tokens sit (cached per
-        composition)."""
+        composition; one host-to-device copy, which does not block the host on CUDA)."""
         key = batch.rows
         if key != self._layout_key:
             positions: list[torch.Tensor] = []
@@ -298,8 +298,16 @@ class StreamModel:
                     first_target = offset + (req.prefix_len - row.kv_start_pos)
                     out_index.append(torch.arange(first_target, first_target + req.target_len))
                     offset += row.query_len
-            self._positions = torch.cat(positions).to(self.device)
-            self._out_index = torch.cat(out_index).to(self.device)
+            both = torch.cat([*positions, *out_index])
+            if self.device.type == "cuda":
+                # from pinned memory, without blocking: a copy from pageable memory synchronises
+                # the host with the GPU, which at a composition change per step (a stream's
+                # arrivals and finishes) leaves the GPU idle while the host prepares each step
+                both = both.pin_memory().to(self.device, non_blocking=True)
+            else:
+                both = both.to(self.device)
+            n = sum(len(p) for p in positions)
+            self._positions, self._out_index = both[:n], both[n:]
             self._layout_key = key
         return self._positions, self._out_index
 
