@@ -168,9 +168,11 @@ SDPA_MAX_ROW_SHAPES = 2
 """At most this many distinct (query, key) row shapes take the gather + SDPA way (one cuDNN call
 per shape and layer); a batch of more shapes takes the in-place kernel. A continuous batch that
 mixes requests (prefill and denoise rows of several prefix and target lengths: up to six shapes
-in the stream bench) therefore runs in place, at about half cuDNN's rate in regime A, while each
-request alone (one or two shapes) takes cuDNN. Raising the cap is measured by
-``benchmarks/stream_way_rule.py`` (not yet run on a GPU; ``docs/cuda.md``)."""
+in the stream bench) therefore runs in place, while each
+request alone (one or two shapes) takes cuDNN. Measured on an H100 (``docs/cuda.md``): on the
+stream's largest mixed step the in-place kernel takes 1.03x dense cuDNN called row by row, and
+gather + cuDNN per shape 1.26x (``benchmarks/probe_mixed_batch.py``); a cap of eight shapes made
+the stream slower (``benchmarks/stream_way_rule.py``)."""
 SDPA_MIN_LONG_SHARE = 0.0
 """The gather + SDPA way only when rows of at least :data:`SDPA_MIN_QUERY` queries hold this
 share of the batch's queries (0: any share, the rule as measured; a higher cap on row shapes
