@@ -327,7 +327,7 @@ def test_bench_small_runs_on_cuda_and_paged_agrees() -> None:
 def test_cuda_platform_capabilities_are_honest() -> None:
     platform = get_platform("cuda")
     names = [b.name for b in platform.candidate_backends()]
-    assert names[-3:] == ["paged", "triton", "sdpa"]
+    assert names[-4:] == ["paged", "triton", "sdpa", "cudnn"]
     own = {b.name: b.capabilities for b in platform.candidate_backends()}
     assert own["triton"].head_sizes == frozenset({64, 128}) and 96 in (own["sdpa"].head_sizes or ())
     assert torch.float32 not in platform.capabilities.dtypes

@@ -19,10 +19,16 @@ from diffusion_kv.core.runner import PagedLayerSpec, PagedWorker, RunnerConfig
 from diffusion_kv.integrations.vllm.backend import VllmFlashAttnBackend
 from diffusion_kv.platforms.cuda import CudaPlatform
 from diffusion_kv.platforms.cuda import backend as cuda_backend
-from diffusion_kv.platforms.cuda.backend import CudaPagedBackend, SdpaPagedBackend, TritonPagedBackend
+from diffusion_kv.platforms.cuda.backend import (
+    CudaPagedBackend,
+    CudnnPagedBackend,
+    SdpaPagedBackend,
+    TritonPagedBackend,
+)
 from diffusion_kv.platforms.interface import ENV_BACKEND
 from tests.vllm.standins import VLLM_CUDA, StandInBlockTables, StandInSession, install_tier, vllm_environment
 
+NO_FRONTEND = "the cuDNN frontend's Python package is not installed (pip install nvidia-cudnn-frontend)"
 MODES = frozenset({AttentionMode.CAUSAL, AttentionMode.PIECEWISE})
 REQ = Requirements(
     dtype=torch.float16, head_size=128, num_heads=8, num_kv_heads=8, block_size=128, attention_modes=MODES
@@ -68,6 +74,7 @@ def test_vllm_flash_attn_is_listed_above_the_cuda_backends() -> None:
         (CudaPagedBackend, 200),
         (TritonPagedBackend, 150),
         (SdpaPagedBackend, 100),
+        (CudnnPagedBackend, 90),
     ]
 
 
@@ -81,6 +88,7 @@ def test_usable_vllm_is_picked_first(vllm_usable: list[StandInSession]) -> None:
         line(CudaPagedBackend, "supported"),
         line(TritonPagedBackend, "supported"),
         line(SdpaPagedBackend, "supported"),
+        line(CudnnPagedBackend, f"unavailable: {NO_FRONTEND}"),
     ]
     # vLLM's BlockTables come through the version seam
     assert VllmFlashAttnBackend.block_tables_cls() is StandInBlockTables
@@ -155,6 +163,8 @@ def test_no_cuda_backend_serves_float32(no_vllm: None) -> None:
         dtype,
         "  `cuda:sdpa` (priority 100) is not supported because:",
         dtype,
+        "  `cuda:cudnn` (priority 90) is not supported because:",
+        f"      unavailable: {NO_FRONTEND}",
     ]
 
 

@@ -85,7 +85,7 @@ def test_importing_and_listing_the_backends_never_imports_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.splitlines() == [
-        "['vllm-cpu-attn', 'sdpa', 'reference', 'vllm-flash-attn', 'paged', 'triton', 'sdpa']",
+        "['vllm-cpu-attn', 'sdpa', 'reference', 'vllm-flash-attn', 'paged', 'triton', 'sdpa', 'cudnn']",
         "[]",
     ]
 

@@ -1,8 +1,9 @@
 """The ``cuda`` platform plugin (NVIDIA GPUs).
 
 Built-in backends, highest priority first: ``paged`` (per batch: the in-place Triton kernel or
-gather + torch SDPA), ``triton`` (always in place), ``sdpa`` (always gather + SDPA); see
-:mod:`.backend`. With vLLM installed, vLLM's FlashAttention backend (``integrations/vllm``,
+gather + torch SDPA), ``triton`` (always in place), ``sdpa`` (always gather + SDPA), ``cudnn``
+(``paged``, with cuDNN's own paged SDPA for compute-bound full attention; available only with the
+cuDNN frontend's Python package); see :mod:`.backend`. With vLLM installed, vLLM's FlashAttention backend (``integrations/vllm``,
 registered through ``diffusion_kv.backends``) joins them at a higher priority.
 ``DIFFUSION_KV_BACKEND=cuda:<name>`` forces one; ``explain()`` lists them all with reasons.
 Detection uses torch only; Triton is imported lazily by the parts that need it.
@@ -14,7 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from diffusion_kv.platforms.cuda.backend import CudaPagedBackend, SdpaPagedBackend, TritonPagedBackend
+from diffusion_kv.platforms.cuda.backend import (
+    CudaPagedBackend,
+    CudnnPagedBackend,
+    SdpaPagedBackend,
+    TritonPagedBackend,
+)
 from diffusion_kv.platforms.interface import Availability, PagedBackend, Platform
 
 
@@ -28,6 +34,7 @@ class CudaPlatform(Platform):
         CudaPagedBackend,
         TritonPagedBackend,
         SdpaPagedBackend,
+        CudnnPagedBackend,
     )
 
     @classmethod

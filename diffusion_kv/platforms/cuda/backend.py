@@ -29,6 +29,7 @@ metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Hashable
@@ -74,6 +75,7 @@ __all__ = [
     "CAPABILITIES",
     "CudaPagedBackend",
     "CudaPagedMetadata",
+    "CudnnPagedBackend",
     "KernelWay",
     "RowShapes",
     "SdpaPagedBackend",
@@ -651,3 +653,101 @@ class SdpaPagedBackend(CudaPagedBackend):
         max_sink=None,
     )
     way: ClassVar[KernelWay | None] = KernelWay.SDPA
+
+
+class CudnnPagedBackend(CudaPagedBackend):
+    """``paged``'s ways, except that compute-bound batches of full attention over 16-bit pages
+    take cuDNN's own paged SDPA, reading the pages in place (:mod:`.cudnn_paged`; needs the cuDNN
+    frontend's Python package and cuDNN 9.5 or later). Below ``paged`` in priority: chosen by
+    name (``DIFFUSION_KV_BACKEND=cuda:cudnn``) until measured end to end."""
+
+    name: ClassVar[str] = "cudnn"
+    priority: ClassVar[int] = 90
+    description: ClassVar[str] = (
+        "cuDNN's paged SDPA in place for compute-bound full attention (cuDNN frontend), else as paged"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=CAPABILITIES.dtypes,
+        head_sizes=CAPABILITIES.head_sizes,
+        kernel_block_sizes=CAPABILITIES.kernel_block_sizes,
+        slot_mapping_dtypes=CAPABILITIES.slot_mapping_dtypes,
+        attention_modes=CAPABILITIES.attention_modes,
+        supports_gqa=True,
+        supports_ulysses=True,
+        supports_dcp=True,
+        supports_graph_capture=False,
+        kv_cache_dtypes=CAPABILITIES.kv_cache_dtypes,
+        max_window=None,
+        max_sink=None,
+    )
+    """``paged``'s, without CUDA-graph capture (a cuDNN graph's execution under capture is not
+    yet tested). Batches cuDNN does not take (causal, chunked or windowed masks, e4m3 pages,
+    DCP, memory-bound shapes) are served by ``paged``'s ways."""
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        from diffusion_kv.platforms.cuda.cudnn_paged import cudnn_paged_available
+
+        found = super().is_available()
+        if not found:
+            return found
+        cudnn = cudnn_paged_available()
+        if not cudnn:
+            return cudnn
+        return Availability(True, f"{found.reason}; {cudnn.reason}")
+
+    def __init__(self, group: GroupContext) -> None:
+        super().__init__(group)
+        from diffusion_kv.platforms.cuda.cudnn_paged import CudnnGraphs
+
+        self.cudnn_graphs = CudnnGraphs()
+
+    def cudnn_serves(self, batch: PagedBatch, query_lens: tuple[int, ...]) -> bool:
+        """Whether cuDNN's paged SDPA takes this batch: full attention with no block plan, 16-bit
+        pages, no DCP, every row with queries, and compute-bound (a row of at least
+        :data:`SDPA_MIN_QUERY` queries; memory-bound batches keep the split-KV kernel)."""
+        return (
+            batch.mode is AttentionMode.FULL
+            and batch.block_plan is None
+            and batch.dcp_local_seq_lens is None
+            and self.cp_size == 1
+            and not self.quantized
+            and min(query_lens) > 0
+            and max(query_lens) >= SDPA_MIN_QUERY
+        )
+
+    def build(self, batch: PagedBatch) -> CudaPagedMetadata:
+        md = super().build(batch)
+        qsl, seq = md.host_query_start_loc, md.host_seq_lens
+        lens = tuple(qsl[i + 1] - qsl[i] for i in range(len(seq)))
+        if not self.cudnn_serves(batch, lens):
+            return md
+        from diffusion_kv.platforms.cuda.cudnn_paged import make_batch
+
+        plan = make_batch(lens, seq, md.block_table, md.page)
+        return dataclasses.replace(
+            md,
+            extra={**md.extra, "cudnn": plan},
+            reason="full attention, compute-bound: cuDNN's paged SDPA in place",
+        )
+
+    def forward(
+        self,
+        layer: LayerGeometry,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        md: CudaPagedMetadata = metadata
+        plan = md.extra.get("cudnn")
+        k_cache, v_cache = key_value_caches(kv_cache)
+        if plan is None or k_cache.shape[1] != md.page or k_cache.dtype != query.dtype:
+            return super().forward(layer, query, kv_cache, md, out)
+        q = query if query.is_contiguous() else query.contiguous()
+        result = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+        self.cudnn_graphs.attend(plan, q, k_cache, v_cache, result, layer.scale)
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
