@@ -28,17 +28,10 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.bench.stream import FULL_MIXED_STEP
 from diffusion_kv.bench.timing import time_device
 
-STREAM_STEP = (
-    [(512, 2560)] * 2
-    + [(512, 4608)]
-    + [(512, 512)] * 2
-    + [(1024, 5120)] * 2
-    + [(1024, 1024)]
-    + [(1024, 3072)] * 2
-    + [(5120, 5120)]
-)
+STREAM_STEP = list(FULL_MIXED_STEP)
 
 
 def _cudnn_graph(

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.bench.attention import _native_choice, dense_backends, dense_fn
+from diffusion_kv.bench.stream import FULL_MIXED_STEP
 from diffusion_kv.bench.timing import time_device
 from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
 from diffusion_kv.core.capabilities import AttentionMode
@@ -37,15 +38,7 @@ from diffusion_kv.platforms.selection import get_platform
 
 LAYER = "probe.attn"
 # The bench's full stream, its 12,800-token step (queries, keys per row).
-STREAM_STEP = (
-    [(512, 2560)] * 2
-    + [(512, 4608)]
-    + [(512, 512)] * 2
-    + [(1024, 5120)] * 2
-    + [(1024, 1024)]
-    + [(1024, 3072)] * 2
-    + [(5120, 5120)]
-)
+STREAM_STEP = list(FULL_MIXED_STEP)
 
 
 def _flops(rows: list[tuple[int, int]], heads: int, d: int) -> float:

@@ -25,6 +25,17 @@ FULL = dict(
 )
 SMALL = dict(requests=6, prefix_len=128, target_len=32, steps=4, hidden=64, heads=2, kv_heads=2, layers=2)
 TARGET_SPEEDUP = 2.0
+FULL_MIXED_STEP: tuple[tuple[int, int], ...] = (
+    ((512, 2560),) * 2
+    + ((512, 4608),)
+    + ((512, 512),) * 2
+    + ((1024, 5120),) * 2
+    + ((1024, 1024),)
+    + ((1024, 3072),) * 2
+    + ((5120, 5120),)
+)
+"""The ``full`` stream's largest batched step, per row (queries, keys): 11 rows of 6 shapes, 12,800
+query tokens (prefill and denoise rows of several requests; what the attention probes time)."""
 
 
 def bench_config(
