@@ -23,6 +23,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    """The smallest ``floor * 2**k`` (``k >= 0``) at or above ``n``: a power of two for a
+    power-of-two ``floor`` (bucketed sizes: tile rows, graph maxima)."""
+    size = floor
+    while size < n:
+        size *= 2
+    return size
+
+
 def _positive_int(value: object, what: str) -> int:
     if type(value) is not int or value <= 0:
         raise ValidationError(f"{what} must be a positive integer; got {value!r}")

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from diffusion_kv.core.layout import pow2_at_least
 from diffusion_kv.platforms.cuda import cudnn_paged
-from diffusion_kv.platforms.cuda.cudnn_paged import CudnnBatch, bucket, cudnn_paged_available
+from diffusion_kv.platforms.cuda.cudnn_paged import CudnnBatch, cudnn_paged_available
 from diffusion_kv.platforms.interface import Availability
 from tests.cuda_interpreted import InterpretedCudaPlatform, interpreted  # sets TRITON_INTERPRET first
 
@@ -48,8 +49,8 @@ def test_availability_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_buckets_are_powers_of_two_with_a_floor_and_a_cap() -> None:
-    assert [bucket(n, 64) for n in (1, 64, 65, 512, 513, 5120)] == [64, 64, 128, 512, 1024, 8192]
-    assert bucket(5000, 128, 4096) == 4096 and bucket(100, 128, 4096) == 128
+    assert [pow2_at_least(n, 64) for n in (1, 64, 65, 512, 513, 5120)] == [64, 64, 128, 512, 1024, 8192]
+    assert min(pow2_at_least(5000, 128), 4096) == 4096 and min(pow2_at_least(100, 128), 4096) == 128
 
 
 def _attend_from_inputs(

@@ -43,7 +43,7 @@ from diffusion_kv.core.batch import key_value_caches
 from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.kv_quant import is_unquantised
-from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.layout import cdiv, pow2_at_least
 from diffusion_kv.platforms.interface import (
     Availability,
     Capabilities,
@@ -133,13 +133,6 @@ class _BatchPlan(NamedTuple):
     """The in-place way's tile schedule and launch settings (CudaPagedMetadata fields)."""
     shapes: RowShapes
     """The gather + SDPA way's row shapes."""
-
-
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    p = floor
-    while p < n:
-        p *= 2
-    return p
 
 
 def triton_available() -> Availability:
@@ -377,9 +370,9 @@ class CudaPagedBackend(TorchSdpaBackend):
         lens = [qsl[i + 1] - qsl[i] for i in range(len(seq))]
         max_q = max(lens)
         block_m = min(
-            128 if max_q * self.group_ratio >= 128 else _pow2_at_least(max_q * self.group_ratio), 128
+            128 if max_q * self.group_ratio >= 128 else pow2_at_least(max_q * self.group_ratio, 16), 128
         )
-        block_m = max(block_m, _pow2_at_least(self.group_ratio))
+        block_m = max(block_m, pow2_at_least(self.group_ratio, 16))
         per_tile = max(block_m // self.group_ratio, 1)
         rows: list[int] = []
         q0s: list[int] = []
@@ -666,20 +659,7 @@ class CudnnPagedBackend(CudaPagedBackend):
     description: ClassVar[str] = (
         "cuDNN's paged SDPA in place for compute-bound full attention (cuDNN frontend), else as paged"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=CAPABILITIES.dtypes,
-        head_sizes=CAPABILITIES.head_sizes,
-        kernel_block_sizes=CAPABILITIES.kernel_block_sizes,
-        slot_mapping_dtypes=CAPABILITIES.slot_mapping_dtypes,
-        attention_modes=CAPABILITIES.attention_modes,
-        supports_gqa=True,
-        supports_ulysses=True,
-        supports_dcp=True,
-        supports_graph_capture=False,
-        kv_cache_dtypes=CAPABILITIES.kv_cache_dtypes,
-        max_window=None,
-        max_sink=None,
-    )
+    capabilities: ClassVar[Capabilities] = dataclasses.replace(CAPABILITIES, supports_graph_capture=False)
     """``paged``'s, without CUDA-graph capture (a cuDNN graph's execution under capture is not
     yet tested). Batches cuDNN does not take (causal, chunked or windowed masks, e4m3 pages,
     DCP, memory-bound shapes) are served by ``paged``'s ways."""
@@ -704,14 +684,17 @@ class CudnnPagedBackend(CudaPagedBackend):
 
     def cudnn_serves(self, batch: PagedBatch, query_lens: tuple[int, ...]) -> bool:
         """Whether cuDNN's paged SDPA takes this batch: full attention with no block plan, 16-bit
-        pages, no DCP, every row with queries, and compute-bound (a row of at least
-        :data:`SDPA_MIN_QUERY` queries; memory-bound batches keep the split-KV kernel)."""
+        pages of the kernel block size (cuDNN's page table indexes the cache's own pages), no
+        DCP, every row with queries, and compute-bound (a row of at least
+        :data:`SDPA_MIN_QUERY` queries; memory-bound batches keep the split-KV kernel). Decided
+        here once per batch: the layers' calls check nothing more."""
+        g = self.group
         return (
             batch.mode is AttentionMode.FULL
             and batch.block_plan is None
-            and batch.dcp_local_seq_lens is None
             and self.cp_size == 1
             and not self.quantized
+            and g.block_size == g.kernel_block_size
             and min(query_lens) > 0
             and max(query_lens) >= SDPA_MIN_QUERY
         )
@@ -741,9 +724,9 @@ class CudnnPagedBackend(CudaPagedBackend):
     ) -> torch.Tensor:
         md: CudaPagedMetadata = metadata
         plan = md.extra.get("cudnn")
-        k_cache, v_cache = key_value_caches(kv_cache)
-        if plan is None or k_cache.shape[1] != md.page or k_cache.dtype != query.dtype:
+        if plan is None:
             return super().forward(layer, query, kv_cache, md, out)
+        k_cache, v_cache = key_value_caches(kv_cache)
         q = query if query.is_contiguous() else query.contiguous()
         result = out if out is not None and out.is_contiguous() else torch.empty_like(q)
         self.cudnn_graphs.attend(plan, q, k_cache, v_cache, result, layer.scale)

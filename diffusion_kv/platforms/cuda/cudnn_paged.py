@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from diffusion_kv.core.layout import pow2_at_least
 from diffusion_kv.platforms.interface import Availability
 
 MIN_CUDNN_VERSION = 90500
@@ -55,14 +56,6 @@ def cudnn_paged_available() -> Availability:
             False, f"torch's cuDNN is {version}; paged SDPA needs {MIN_CUDNN_VERSION} or later"
         )
     return Availability(True, f"cuDNN {version}, frontend {getattr(cudnn, '__version__', '?')}")
-
-
-def bucket(n: int, floor: int, cap: int | None = None) -> int:
-    """The power of two at or above ``n`` (at least ``floor``), at most ``cap``."""
-    size = floor
-    while size < n:
-        size *= 2
-    return min(size, cap) if cap is not None else size
 
 
 @dataclass
@@ -109,8 +102,8 @@ def make_batch(
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
     return CudnnBatch(
         rows=rows,
-        max_q=bucket(max(query_lens), MIN_QUERY_BUCKET),
-        max_kv=bucket(max(seq_lens), page, width * page),
+        max_q=pow2_at_least(max(query_lens), MIN_QUERY_BUCKET),
+        max_kv=min(pow2_at_least(max(seq_lens), page), width * page),
         seq_q=lengths[:rows].view(rows, 1, 1, 1),
         seq_kv=lengths[rows : 2 * rows].view(rows, 1, 1, 1),
         cum_q=lengths[2 * rows :],
