@@ -253,7 +253,16 @@ class HostCounts:
         self.gpu = torch.zeros((num_groups, max_num_reqs), dtype=torch.int32, device=device)
 
     def copy_to_uva(self) -> None:
-        self.gpu.copy_(self.cpu, non_blocking=False)
+        """Copy ``.cpu`` to ``.gpu``. On an accelerator the values go through a pinned snapshot
+        (torch's caching host allocator keeps it until the copy is done) without blocking the
+        host, so installing and removing rows never waits for the device; ``.cpu`` may change
+        right after the call. Without pinned memory the copy blocks."""
+        if self.gpu.device.type == "cpu":
+            self.gpu.copy_(self.cpu)
+        elif pinned_memory_available():
+            self.gpu.copy_(self.cpu.pin_memory(), non_blocking=True)
+        else:
+            self.gpu.copy_(self.cpu, non_blocking=False)
 
 
 class StagedTable:
@@ -281,15 +290,21 @@ class StagedTable:
             for row, start, ids in staged:
                 table[row, start : start + len(ids)] = ids
         elif staged:
-            rows = [row for row, _, ids in staged for _ in ids]
-            cols = [start + k for _, start, ids in staged for k in range(len(ids))]
-            vals = [v for _, _, ids in staged for v in ids]
-            device = self.gpu.device
-            index = (
-                torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
-                torch.tensor(cols, dtype=torch.long).to(device, non_blocking=True),
-            )
-            self.gpu.index_put_(index, torch.tensor(vals, dtype=torch.int32).to(device, non_blocking=True))
+            # rows, columns and values in one pinned [3, n] buffer: one copy that does not
+            # block the host (the caching host allocator keeps the buffer until it is done)
+            n = sum(len(ids) for _, _, ids in staged)
+            pin = pinned_memory_available()
+            host = torch.empty((3, n), dtype=torch.long, pin_memory=pin)
+            view = host.numpy()
+            at = 0
+            for row, start, ids in staged:
+                end = at + len(ids)
+                view[0, at:end] = row
+                view[1, at:end] = np.arange(start, start + len(ids))
+                view[2, at:end] = ids
+                at = end
+            moved = host.to(self.gpu.device, non_blocking=pin)
+            self.gpu.index_put_((moved[0], moved[1]), moved[2].to(torch.int32))
         self._staged.clear()
 
 

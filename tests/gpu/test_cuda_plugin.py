@@ -360,6 +360,41 @@ def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch:
     assert out.shape == setup.query.shape and bool(torch.isfinite(out).all())
 
 
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_install_and_remove_do_not_synchronise(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installing, growing and removing rows publish tables and counts without a host sync
+    (pinned copies), and what the device then reads is exactly what was installed."""
+    from diffusion_kv.bench.attention import AttentionCase, build_setup
+    from diffusion_kv.core.allocation import RequestAllocation, SequenceAllocation
+
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
+    dev = torch.device("cuda")
+    case = AttentionCase(
+        "B", rows=2, heads=4, kv_heads=4, head_size=128, prefix=64, target=16, block_size=16, cfg=1
+    )
+    setup = build_setup(get_platform("cuda"), case, dev, torch.bfloat16)
+    runner = setup.runner
+    seqs = (SequenceAllocation(0, 32, 16, 48, ((1, 0, 2),)), SequenceAllocation(1, 16, 16, 32, ((4, 3),)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.remove("bench")
+        runner.install(RequestAllocation("other", 0, seqs))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    registry = runner.registry
+    assert registry is not None
+    bt = registry.block_tables
+    rows = [registry.resolve("other", i, None).row_index for i in (0, 1)]
+    kernel = bt.kernel_block_sizes[0] if hasattr(bt, "kernel_block_sizes") else case.block_size
+    split = case.block_size // kernel
+    tables = bt.gather_block_tables(torch.tensor(rows, device=dev), 2)[0].cpu().tolist()
+    want = [[b * split + k for b in ids for k in range(split)] for ids in ([1, 0, 2], [4, 3])]
+    assert [t[: len(w)] for t, w in zip(tables, want, strict=True)] == want
+    assert [int(bt.num_blocks.gpu[0, r]) for r in rows] == [len(w) for w in want]
+
+
 @contextlib.contextmanager
 def _denoise_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, list[Any]]]:
     """A two-row tiny-DiT batch on ``cuda:backend`` past its prefill step; yields the runner, the

@@ -187,6 +187,22 @@ def test_staged_writes_are_invisible_until_applied() -> None:
     assert bt.block_tables[0].gpu[0].tolist() == [0, 0, 0, 0]
 
 
+def test_the_accelerator_write_path_lands_every_staged_id_in_place() -> None:
+    """The indexed (device-table) write: every staged slice of every row, overwrites and
+    appends alike, in one copy; run here with the host view switched off."""
+    bt = make(block_size=4, width=6, groups=2)
+    for table in bt.block_tables:
+        table._host = None  # take the path a device table takes
+    bt.append_block_ids(0, ([3, 1], [5]), overwrite=True)
+    bt.append_block_ids(2, ([7], [2, 4, 6]), overwrite=True)
+    bt.append_block_ids(0, ([9], []), overwrite=False)
+    bt.apply_staged_writes()
+    assert bt.block_tables[0].gpu[:3].tolist() == [[3, 1, 9, 0, 0, 0], [0] * 6, [7, 0, 0, 0, 0, 0]]
+    assert bt.block_tables[1].gpu[:3].tolist() == [[5, 0, 0, 0, 0, 0], [0] * 6, [2, 4, 6, 0, 0, 0]]
+    assert bt.num_blocks.gpu[:, :3].tolist() == [[3, 0, 1], [1, 0, 3]]
+    assert not bt.block_tables[0]._staged and not bt.block_tables[1]._staged
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
