@@ -19,7 +19,7 @@ import torch
 
 from diffusion_kv.core.layout import pow2_at_least
 from diffusion_kv.platforms.cuda import cudnn_paged
-from diffusion_kv.platforms.cuda.cudnn_paged import CudnnBatch, cudnn_paged_available
+from diffusion_kv.platforms.cuda.cudnn_paged import CudnnBatch, cudnn_paged_available, make_batch
 from diffusion_kv.platforms.interface import Availability
 from tests.cuda_interpreted import InterpretedCudaPlatform, interpreted  # sets TRITON_INTERPRET first
 
@@ -53,6 +53,16 @@ def test_buckets_are_powers_of_two_with_a_floor_and_a_cap() -> None:
     assert min(pow2_at_least(5000, 128), 4096) == 4096 and min(pow2_at_least(100, 128), 4096) == 128
 
 
+def test_uniform_rows_are_not_ragged_and_keep_their_exact_query_count() -> None:
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    uniform = make_batch((48, 48), (60, 64), table, 16)
+    assert (uniform.ragged, uniform.max_q, uniform.max_kv) == (False, 48, 64)
+    assert uniform.seq_q.flatten().tolist() == [48, 48] and uniform.seq_kv.flatten().tolist() == [60, 64]
+    mixed = make_batch((48, 8), (60, 64), table, 16)
+    assert (mixed.ragged, mixed.max_q, mixed.max_kv) == (True, 64, 64)
+    assert mixed.cum_q.tolist() == [0, 48, 56]
+
+
 def _attend_from_inputs(
     batch: CudnnBatch,
     query: torch.Tensor,
@@ -62,15 +72,20 @@ def _attend_from_inputs(
     scale: float,
 ) -> None:
     """What cuDNN computes, from what it is handed only: per row, the queries at the ragged
-    offset, the keys of the row's pages up to its key length."""
+    offset (without ragged offsets: at ``i * max_q`` tokens, every row ``max_q`` long), the keys
+    of the row's pages up to its key length."""
     _, heads, d = query.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    offsets = batch.offsets_for(heads * d).flatten().tolist()
+    if batch.ragged:
+        offsets = batch.offsets_for(heads * d).flatten().tolist()
+    else:
+        offsets = [i * batch.max_q * heads * d for i in range(batch.rows)]
     seq_q, seq_kv = batch.seq_q.flatten().tolist(), batch.seq_kv.flatten().tolist()
     flat_q, flat_o = query.reshape(-1), out.view(-1)
     for i in range(batch.rows):
         nq, nk = seq_q[i], seq_kv[i]
         assert nq <= batch.max_q and nk <= batch.max_kv
+        assert batch.ragged or nq == batch.max_q
         q = flat_q[offsets[i] : offsets[i] + nq * heads * d].view(nq, heads, d)
         pages = batch.table[i, 0, : -(-nk // page), 0].long()
         k = k_cache[pages].reshape(-1, kv_heads, d)[:nk]
@@ -166,7 +181,7 @@ def test_cudnn_way_hands_cudnn_the_rows_it_attends(monkeypatch: pytest.MonkeyPat
     assert "cudnn" in md.extra and md.reason == "full attention, compute-bound: cuDNN's paged SDPA in place"
     (plan,) = handed
     assert (
-        plan.rows == 4 and plan.max_q == 64 and plan.max_kv == 80
+        plan.rows == 4 and plan.ragged and plan.max_q == 64 and plan.max_kv == 80
     )  # buckets: 32 -> 64; 70 -> 128 capped at 5 pages
     assert plan.seq_q.flatten().tolist() == [24, 8, 32, 24]
     assert plan.seq_kv.flatten().tolist() == [40, 8, 70, 40]

@@ -12,9 +12,12 @@ decides which batches take them. One graph serves every batch with the same row 
 bucketed query and key maxima and cache geometry: the per-row lengths, the page tables and
 the queries' ragged offsets are the graph's inputs, device tensors made once per batch.
 
-* Queries and outputs are ``[tokens, H, D]`` rows packed along the token axis (ragged offsets:
-  row ``i`` starts at element ``cum_q[i] * H * D``); padded query positions are neither read
-  nor written.
+* Queries and outputs are ``[tokens, H, D]`` rows packed along the token axis. Where every row
+  has the same number of queries (the image regime), the graph is built for exactly that many
+  and reads them as a dense ``[rows, H, q, D]`` tensor; otherwise the maximum is bucketed and
+  the rows are ragged (row ``i`` starts at element ``cum_q[i] * H * D``), padded query
+  positions neither read nor written. Ragged offsets where none are needed cost up to 10 % on
+  an H100 (``docs/benchmarks.md``, sixteenth session).
 * The caches are ``[blocks, page, Hkv, D]`` (any strides), described to cuDNN as
   ``[blocks, Hkv, page, D]``; the page table is the batch's ``[rows, width]`` block table.
 * Full (bidirectional) attention only; GQA by cuDNN's own head grouping.
@@ -64,7 +67,7 @@ class CudnnBatch:
 
     rows: int
     max_q: int
-    """The query maximum the graph is built for (bucketed)."""
+    """The query maximum the graph is built for (bucketed, or exact for uniform rows)."""
     max_kv: int
     """The key maximum the graph is built for (bucketed, at most the table's width in keys)."""
     seq_q: torch.Tensor
@@ -75,6 +78,8 @@ class CudnnBatch:
     """``[rows + 1]`` int32 cumulative queries."""
     table: torch.Tensor
     """``[rows, 1, width, 1]`` int32 page table (a view of the batch's block table)."""
+    ragged: bool = True
+    """Whether rows differ in queries (ragged offsets); False: every row has ``max_q``."""
     offsets: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per elements per token (``H * D``), the ragged offsets ``[rows + 1, 1, 1, 1]`` (made by
     the batch's first call with that geometry)."""
@@ -100,14 +105,16 @@ def make_batch(
     device = block_table.device
     lengths = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
+    uniform = min(query_lens) == max(query_lens)
     return CudnnBatch(
         rows=rows,
-        max_q=pow2_at_least(max(query_lens), MIN_QUERY_BUCKET),
+        max_q=query_lens[0] if uniform else pow2_at_least(max(query_lens), MIN_QUERY_BUCKET),
         max_kv=min(pow2_at_least(max(seq_lens), page), width * page),
         seq_q=lengths[:rows].view(rows, 1, 1, 1),
         seq_kv=lengths[rows : 2 * rows].view(rows, 1, 1, 1),
         cum_q=lengths[2 * rows :],
         table=table.view(rows, 1, width, 1),
+        ragged=not uniform,
     )
 
 
@@ -159,6 +166,7 @@ class CudnnGraphs:
         key = (
             batch.rows,
             batch.max_q,
+            batch.ragged,
             batch.max_kv,
             heads,
             kv_heads,
@@ -181,7 +189,6 @@ class CudnnGraphs:
                 del self._graphs[next(iter(self._graphs))]
             self._graphs[key] = entry
         t = entry.tensors
-        offsets = batch.offsets_for(heads * d)
         pack = {
             t["q"]: query,
             t["k"]: k_cache,
@@ -190,10 +197,10 @@ class CudnnGraphs:
             t["seq_kv"]: batch.seq_kv,
             t["table_k"]: batch.table,
             t["table_v"]: batch.table,
-            t["q_off"]: offsets,
-            t["o_off"]: offsets,
             t["o"]: out,
         }
+        if batch.ragged:
+            pack[t["q_off"]] = pack[t["o_off"]] = batch.offsets_for(heads * d)
         entry.graph.execute(pack, entry.workspace, handle=handle)
 
     def _build(
@@ -236,8 +243,9 @@ class CudnnGraphs:
         table_stride = [width, width, 1, 1]
         t["table_k"] = g.tensor(name="table_k", dim=[rows, 1, width, 1], stride=table_stride, data_type=i32)
         t["table_v"] = g.tensor(name="table_v", dim=[rows, 1, width, 1], stride=table_stride, data_type=i32)
-        t["q_off"] = g.tensor(name="q_off", dim=[rows + 1, 1, 1, 1], stride=one, data_type=i32)
-        t["q"].set_ragged_offset(t["q_off"])
+        if batch.ragged:
+            t["q_off"] = g.tensor(name="q_off", dim=[rows + 1, 1, 1, 1], stride=one, data_type=i32)
+            t["q"].set_ragged_offset(t["q_off"])
         kwargs: dict[str, Any] = dict(
             name="sdpa",
             q=t["q"],
@@ -256,8 +264,9 @@ class CudnnGraphs:
         except TypeError:  # frontends before 1.10 name it is_inference
             o, _ = g.sdpa(is_inference=True, **kwargs)
         o.set_output(True).set_dim([rows, heads, max_q, d]).set_stride(token_major).set_data_type(io)
-        t["o_off"] = g.tensor(name="o_off", dim=[rows + 1, 1, 1, 1], stride=one, data_type=i32)
-        o.set_ragged_offset(t["o_off"])
+        if batch.ragged:
+            t["o_off"] = g.tensor(name="o_off", dim=[rows + 1, 1, 1, 1], stride=one, data_type=i32)
+            o.set_ragged_offset(t["o_off"])
         t["o"] = o
         g.validate()
         g.build_operation_graph()
