@@ -3,9 +3,10 @@
 cuDNN 9.5 and later run scaled dot-product attention over a paged K/V cache (its SDPA node with
 page tables), reached from Python through the cuDNN frontend's package (``import cudnn``,
 ``pip install nvidia-cudnn-frontend``; a separate package from the cuDNN library torch ships).
-Measured on an H100 (``docs/benchmarks.md``, fifteenth session): 1.02-1.07x dense SDPA in the
-image regime over shuffled 128-token pages, where gathering the pages first costs 1.08-1.17x,
-and 0.78x dense-per-row on a continuous batch of mixed rows.
+Measured on an H100 (``docs/benchmarks.md``, fifteenth and sixteenth sessions): through the
+``cudnn`` backend, 1.01-1.17x dense SDPA in the image regime over shuffled 128-token pages,
+where ``paged``'s gather takes 1.09-1.19x in the same runs; the probe's graph took 0.78x
+dense-per-row on a continuous batch of mixed rows.
 
 This module builds and caches the cuDNN graphs; :class:`~diffusion_kv.platforms.cuda.backend.CudnnPagedBackend`
 decides which batches take them. One graph serves every batch with the same row count,
@@ -16,8 +17,7 @@ the queries' ragged offsets are the graph's inputs, device tensors made once per
   has the same number of queries (the image regime), the graph is built for exactly that many
   and reads them as a dense ``[rows, H, q, D]`` tensor; otherwise the maximum is bucketed and
   the rows are ragged (row ``i`` starts at element ``cum_q[i] * H * D``), padded query
-  positions neither read nor written. Ragged offsets where none are needed cost up to 10 % on
-  an H100 (``docs/benchmarks.md``, sixteenth session).
+  positions neither read nor written.
 * The caches are ``[blocks, page, Hkv, D]`` (any strides), described to cuDNN as
   ``[blocks, Hkv, page, D]``; the page table is the batch's ``[rows, width]`` block table.
 * Full (bidirectional) attention only; GQA by cuDNN's own head grouping.
