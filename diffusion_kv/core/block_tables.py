@@ -35,7 +35,9 @@ class HostBlockCounts(Protocol):
         ...
 
     def copy_to_uva(self) -> None:
-        """Publish the host values to the device-side view."""
+        """Publish the host values to the device-side view: device work queued after the call
+        (on the current stream) reads them, and ``cpu`` may change right after it returns. The
+        core calls it at every install and removal, so it should not wait for the device."""
         ...
 
 
