@@ -10,7 +10,6 @@ vllm-ascend's) fits the same seam through a thin adapter in ``integrations/vllm`
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.transfer import pinned_memory_available
 
 
 @runtime_checkable
@@ -174,16 +174,6 @@ class DeviceBatch(NamedTuple):
     """Per group ``[n, width]`` int32 (``gather_block_tables``)."""
     slot_mappings: torch.Tensor
     """``[groups, num_tokens]`` (``compute_slot_mappings``)."""
-
-
-@functools.cache
-def pinned_memory_available() -> bool:
-    """Whether this host runtime can allocate pinned (page-locked) memory."""
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError:
-        return False
-    return True
 
 
 def declared(cls: type, flag: str, methods: Sequence[str]) -> bool:

@@ -27,6 +27,7 @@ import torch
 
 from diffusion_kv.core.attention.mode import AttentionMode, dense_piecewise_mask
 from diffusion_kv.core.errors import ValidationError
+from diffusion_kv.core.transfer import to_device
 
 Spans = tuple[tuple[tuple[int, int], ...], ...]
 
@@ -201,7 +202,7 @@ def build_piecewise_plan(
             PlanSegment(
                 rows=rows,
                 row_segments=row_segments,
-                query_indices=indices.to(device) if device is not None else indices,
+                query_indices=to_device(indices, device) if device is not None else indices,
                 query_range=query_range,
                 local_range=local.pop() if len(local) == 1 else None,
                 num_batch_rows=n,

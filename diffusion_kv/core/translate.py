@@ -44,7 +44,6 @@ from diffusion_kv.core.block_tables import (
     DeviceBatch,
     HostBatch,
     declared,
-    pinned_memory_available,
     prepare_batch_torch,
 )
 from diffusion_kv.core.errors import (
@@ -59,6 +58,7 @@ from diffusion_kv.core.layout import CacheLayout
 from diffusion_kv.core.piecewise import PiecewisePlan, build_piecewise_plan, freeze_spans
 from diffusion_kv.core.registry import Identity, RowBinding, TokenSpans, WrittenSpan, missing_spans
 from diffusion_kv.core.rows import PagedRow
+from diffusion_kv.core.transfer import pinned_memory_available, to_device
 
 
 class RowSource(Protocol):
@@ -641,7 +641,7 @@ class Translator:
             lens = torch.tensor(state.batch.query_lens, dtype=torch.long)
             grid = torch.arange(len(lens))[:, None] * tokens_per_row + torch.arange(tokens_per_row)[None, :]
             keep = torch.arange(tokens_per_row)[None, :] < lens[:, None]
-            state.packing[key] = grid[keep].to(self.device)
+            state.packing[key] = to_device(grid[keep], self.device)
         return state.packing[key]
 
 

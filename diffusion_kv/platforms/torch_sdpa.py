@@ -30,6 +30,7 @@ from diffusion_kv.core.capabilities import Requirements
 from diffusion_kv.core.errors import UnsupportedFeatureError, ValidationError
 from diffusion_kv.core.kv_quant import dequantize
 from diffusion_kv.core.layout import cdiv
+from diffusion_kv.core.transfer import to_device
 from diffusion_kv.core.translate import dcp_local_seq_lens
 
 __all__ = [
@@ -167,7 +168,7 @@ def row_shapes(qsl: tuple[int, ...], seq: tuple[int, ...], device: torch.device)
         if ql == 0:  # a row without queries in this (piecewise) segment
             continue
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        index = None if consecutive else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        index = None if consecutive else to_device(torch.tensor(rows, dtype=torch.long), device)
         out.append((ql, sl, tuple(rows), index))
     return tuple(out)
 
@@ -296,7 +297,7 @@ def planned_row_groups(
             continue
         for start in sorted(starts):
             part = tuple(r for r in rows if plan.row_live_from(r) == start)
-            split.append((ql, sl, part, torch.tensor(part, dtype=torch.long).to(device, non_blocking=True)))
+            split.append((ql, sl, part, to_device(torch.tensor(part, dtype=torch.long), device)))
     groups = []
     for ql, sl, rows, index in split:
         live_from = plan.row_live_from(rows[0])
@@ -463,14 +464,6 @@ def live_runs(
         else:
             runs.append([block, 1])
     return tuple((a, n) for a, n in runs)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device``, through pinned memory on CUDA (the copy does not block
-    the host)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def dcp_causal_mask(

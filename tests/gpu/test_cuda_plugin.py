@@ -361,6 +361,41 @@ def test_prepare_and_layer_forward_do_not_synchronise(backend: str, monkeypatch:
 
 
 @pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
+def test_a_layer_with_full_attention_spans_does_not_synchronise(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's first layer with ``full_attn_spans`` builds the piecewise plan, whose query
+    indices reach the device through pinned memory: no host sync, and the output equals the
+    same batch without spans (spans covering every key change nothing on a full layer)."""
+    from diffusion_kv.bench.attention import AttentionCase, build_setup
+    from diffusion_kv.core.layer_context import AttentionMetadata
+
+    monkeypatch.setenv("DIFFUSION_KV_BACKEND", f"cuda:{backend}")
+    dev = torch.device("cuda")
+    case = AttentionCase(
+        "B", rows=4, heads=8, kv_heads=2, head_size=128, prefix=600, target=40, block_size=16, cfg=1
+    )
+    setup = build_setup(get_platform("cuda"), case, dev, torch.bfloat16)
+    translator, runner = setup.runner.translator, setup.runner
+    assert translator is not None
+    k = torch.randn(4 * 40, 2, 128, device=dev, dtype=torch.bfloat16)
+    spans = AttentionMetadata(full_attn_spans=[[(0, 640)] for _ in range(4)])
+    batch = translator.prepare(setup.denoise_rows)
+    with translator.activate(batch):
+        plain = runner.forward("bench.attn", setup.query, k, k)
+    torch.cuda.synchronize()
+    batch = translator.prepare(setup.denoise_rows)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with translator.activate(batch):
+            out = runner.forward("bench.attn", setup.query, k, k, spans)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
 def test_install_and_remove_do_not_synchronise(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Installing, growing and removing rows publish tables and counts without a host sync
     (pinned copies), and what the device then reads is exactly what was installed."""

@@ -267,3 +267,10 @@ def test_the_geometry_record_is_what_every_blocktables_is_built_from() -> None:
             block_sizes=[32], max_num_reqs=1, max_num_batched_tokens=1, max_num_blocks_per_group=[1],
             device="cpu", kernel_block_sizes=[24],
         )  # fmt: skip
+
+
+def test_to_device_on_the_host_returns_the_tensor_itself() -> None:
+    from diffusion_kv.core.transfer import to_device
+
+    host = torch.arange(5)
+    assert to_device(host, "cpu") is host and to_device(host, torch.device("cpu")) is host

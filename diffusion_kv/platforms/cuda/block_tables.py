@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from diffusion_kv.core.block_tables import DeviceBatch, HostBatch, TorchBlockTables, pinned_memory_available
+from diffusion_kv.core.block_tables import DeviceBatch, HostBatch, TorchBlockTables
+from diffusion_kv.core.transfer import pinned_memory_available
 
 
 class _RowViews(NamedTuple):

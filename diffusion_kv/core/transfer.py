@@ -1,0 +1,37 @@
+"""Host-to-device copies that do not block the host.
+
+A copy from pageable host memory makes the host wait for the device: torch synchronises the
+stream after a blocking copy, and CUDA may stage a pageable "non-blocking" one synchronously.
+Per-batch metadata built on the host (query indices, packing grids, schedules) therefore goes
+through pinned memory: the copy is queued on the current stream, the host moves on, and device
+work queued after it reads the copied values. Torch's caching host allocator keeps each pinned
+buffer until its copy has run, so the host tensor may change or be freed at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def pinned_memory_available() -> bool:
+    """Whether this host runtime can allocate pinned (page-locked) memory."""
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``. On an accelerator: a pinned snapshot copied without
+    blocking the host (a blocking copy where pinned memory is unavailable). On the CPU: ``host``
+    itself, as ``Tensor.to`` returns it."""
+    target = torch.device(device)
+    if target.type == "cpu":
+        return host.to(target)
+    if pinned_memory_available():
+        return host.pin_memory().to(target, non_blocking=True)
+    return host.to(target)
