@@ -61,6 +61,16 @@ def test_uniform_rows_are_not_ragged_and_keep_their_exact_query_count() -> None:
     mixed = make_batch((48, 8), (60, 64), table, 16)
     assert (mixed.ragged, mixed.max_q, mixed.max_kv) == (True, 64, 64)
     assert mixed.cum_q.tolist() == [0, 48, 56]
+    bucketed = make_batch((48, 48), (60, 64), table, 16, exact_uniform=False)
+    assert (bucketed.ragged, bucketed.max_q) == (True, 64)
+
+
+def test_exact_graphs_are_admitted_for_a_bounded_number_of_uniform_shapes() -> None:
+    graphs = cudnn_paged.CudnnGraphs()
+    limit = cudnn_paged.EXACT_SHAPES
+    assert all(graphs.admit_exact(1, 100 + q) for q in range(limit))
+    assert not graphs.admit_exact(1, 99) and not graphs.admit_exact(2, 100)
+    assert graphs.admit_exact(1, 100) and graphs.admit_exact(1, 100 + limit - 1)  # admitted ones stay
 
 
 def _attend_from_inputs(

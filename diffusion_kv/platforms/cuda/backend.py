@@ -707,7 +707,9 @@ class CudnnPagedBackend(CudaPagedBackend):
             return md
         from diffusion_kv.platforms.cuda.cudnn_paged import make_batch
 
-        plan = make_batch(lens, seq, md.block_table, md.page)
+        uniform = min(lens) == max(lens)
+        exact = uniform and self.cudnn_graphs.admit_exact(len(lens), lens[0])
+        plan = make_batch(lens, seq, md.block_table, md.page, exact_uniform=exact)
         return dataclasses.replace(
             md,
             extra={**md.extra, "cudnn": plan},

@@ -15,7 +15,8 @@ the queries' ragged offsets are the graph's inputs, device tensors made once per
 
 * Queries and outputs are ``[tokens, H, D]`` rows packed along the token axis. Where every row
   has the same number of queries (the image regime), the graph is built for exactly that many
-  and reads them as a dense ``[rows, H, q, D]`` tensor; otherwise the maximum is bucketed and
+  and reads them as a dense ``[rows, H, q, D]`` tensor (for the first :data:`EXACT_SHAPES`
+  such shapes a backend meets); otherwise the maximum is bucketed and
   the rows are ragged (row ``i`` starts at element ``cum_q[i] * H * D``), padded query
   positions neither read nor written.
 * The caches are ``[blocks, page, Hkv, D]`` (any strides), described to cuDNN as
@@ -39,6 +40,9 @@ MIN_CUDNN_VERSION = 90500
 """cuDNN's paged SDPA arrived in 9.5.0."""
 GRAPHS_CACHED = 32
 """Graphs a backend keeps (the oldest dropped first); a graph build takes 65 ms and up."""
+EXACT_SHAPES = 8
+"""Uniform ``(rows, queries)`` shapes a backend builds exact graphs for; later ones take the
+bucketed, ragged graphs, so a stream of ever-new lengths does not build a graph per length."""
 MIN_QUERY_BUCKET = 64
 
 
@@ -92,10 +96,16 @@ class CudnnBatch:
 
 
 def make_batch(
-    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_table: torch.Tensor, page: int
+    query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    block_table: torch.Tensor,
+    page: int,
+    *,
+    exact_uniform: bool = True,
 ) -> CudnnBatch:
     """The graph inputs of one batch: lengths and offsets in one host-to-device copy (pinned,
-    not blocking), the page table as a view."""
+    not blocking), the page table as a view. Rows of one query count take a graph for exactly
+    that count, without ragged offsets, unless ``exact_uniform`` is False."""
     rows = len(query_lens)
     width = block_table.shape[1]
     cum = [0]
@@ -105,7 +115,7 @@ def make_batch(
     device = block_table.device
     lengths = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
-    uniform = min(query_lens) == max(query_lens)
+    uniform = exact_uniform and min(query_lens) == max(query_lens)
     return CudnnBatch(
         rows=rows,
         max_q=query_lens[0] if uniform else pow2_at_least(max(query_lens), MIN_QUERY_BUCKET),
@@ -146,7 +156,18 @@ class CudnnGraphs:
 
     def __init__(self) -> None:
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._exact: set[tuple[int, int]] = set()
         self.builds = 0
+
+    def admit_exact(self, rows: int, queries: int) -> bool:
+        """Whether uniform rows of this shape take an exact graph (:data:`EXACT_SHAPES`)."""
+        shape = (rows, queries)
+        if shape in self._exact:
+            return True
+        if len(self._exact) >= EXACT_SHAPES:
+            return False
+        self._exact.add(shape)
+        return True
 
     def attend(
         self,
