@@ -6,6 +6,11 @@ Per-batch metadata built on the host (query indices, packing grids, schedules) t
 through pinned memory: the copy is queued on the current stream, the host moves on, and device
 work queued after it reads the copied values. Torch's caching host allocator keeps each pinned
 buffer until its copy has run, so the host tensor may change or be freed at once.
+
+Build such metadata before a CUDA graph is captured (the core does: in ``prepare`` and a
+backend's ``build``, and a captured step runs once before its capture). A copy captured into a
+graph would read its pinned snapshot again at every replay, after the allocator may have
+handed that memory to someone else.
 """
 
 from __future__ import annotations
