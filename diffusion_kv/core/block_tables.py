@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 from diffusion_kv.core.errors import ValidationError
-from diffusion_kv.core.transfer import pinned_memory_available
+from diffusion_kv.core.transfer import pinned_memory_available, to_device
 
 
 @runtime_checkable
@@ -208,11 +208,8 @@ def prepare_batch_torch(bt: BlockTables, host: HostBatch, device: torch.device) 
     positions = torch.arange(num_tokens, dtype=torch.long) + torch.repeat_interleave(
         (starts_h - qsl_h[:-1]).long(), lens, output_size=num_tokens
     )
-    packed = host.packed
-    if device.type != "cpu":
-        pin = pinned_memory_available()
-        packed = (packed.pin_memory() if pin else packed).to(device, non_blocking=True)
-        positions = (positions.pin_memory() if pin else positions).to(device, non_blocking=True)
+    packed = to_device(host.packed, device)
+    positions = to_device(positions, device)
     qsl, seq, rows, _ = torch.split(packed, [n + 1, n, n, n])
     tables = bt.gather_block_tables(rows, num_reqs_padded=n)
     slots = bt.compute_slot_mappings(rows, qsl, positions, num_tokens_padded=num_tokens)

@@ -53,6 +53,7 @@ from diffusion_kv.core.scheduler import (
     StepBatch,
     StepReport,
 )
+from diffusion_kv.core.transfer import to_device
 from diffusion_kv.models.buckets import BucketGraphs, default_buckets
 from diffusion_kv.models.demo import (
     FP8_COSINE_BOUND,
@@ -298,14 +299,10 @@ class StreamModel:
                     first_target = offset + (req.prefix_len - row.kv_start_pos)
                     out_index.append(torch.arange(first_target, first_target + req.target_len))
                     offset += row.query_len
-            both = torch.cat([*positions, *out_index])
-            if self.device.type == "cuda":
-                # from pinned memory, without blocking: a copy from pageable memory synchronises
-                # the host with the GPU, which at a composition change per step (a stream's
-                # arrivals and finishes) leaves the GPU idle while the host prepares each step
-                both = both.pin_memory().to(self.device, non_blocking=True)
-            else:
-                both = both.to(self.device)
+            # without blocking (core.transfer): a blocking copy at every composition change
+            # (a stream's arrivals and finishes) would leave the GPU idle while the host
+            # prepares each step
+            both = to_device(torch.cat([*positions, *out_index]), self.device)
             n = sum(len(p) for p in positions)
             self._positions, self._out_index = both[:n], both[n:]
             self._layout_key = key

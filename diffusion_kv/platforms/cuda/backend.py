@@ -44,6 +44,7 @@ from diffusion_kv.core.block_tables import BlockTables, TorchBlockTables
 from diffusion_kv.core.capabilities import BASE_MODES
 from diffusion_kv.core.kv_quant import is_unquantised
 from diffusion_kv.core.layout import cdiv, pow2_at_least
+from diffusion_kv.core.transfer import to_device
 from diffusion_kv.platforms.interface import (
     Availability,
     Capabilities,
@@ -413,10 +414,7 @@ class CudaPagedBackend(TorchSdpaBackend):
             splits = s
             if programs * s >= target or cdiv(max_keys, s) <= 4 * block_n:
                 break
-        sched = torch.tensor([rows, q0s], dtype=torch.int32)
-        if device.type == "cuda":  # pinned: the copy does not block the host
-            sched = sched.pin_memory()
-        sched = sched.to(device, non_blocking=True)
+        sched = to_device(torch.tensor([rows, q0s], dtype=torch.int32), device)
         return dict(
             tile_row=sched[0],
             tile_q0=sched[1],

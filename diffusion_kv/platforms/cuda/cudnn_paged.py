@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from diffusion_kv.core.layout import pow2_at_least
+from diffusion_kv.core.transfer import to_device
 from diffusion_kv.platforms.interface import Availability
 
 MIN_CUDNN_VERSION = 90500
@@ -113,7 +114,7 @@ def make_batch(
         cum.append(cum[-1] + q)
     host = torch.tensor([*query_lens, *seq_lens, *cum], dtype=torch.int32)
     device = block_table.device
-    lengths = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    lengths = to_device(host, device)
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
     uniform = exact_uniform and min(query_lens) == max(query_lens)
     return CudnnBatch(
@@ -134,11 +135,13 @@ _LOCK = threading.Lock()
 
 def _handle(cudnn: Any, device: torch.device) -> Any:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with _LOCK:
-        handle = _HANDLES.get(index)
-        if handle is None:
-            with torch.cuda.device(index):
-                handle = _HANDLES[index] = cudnn.create_handle()
+    handle = _HANDLES.get(index)
+    if handle is None:  # the lock only for the first call on a device
+        with _LOCK:
+            handle = _HANDLES.get(index)
+            if handle is None:
+                with torch.cuda.device(index):
+                    handle = _HANDLES[index] = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
     return handle
 
