@@ -10,7 +10,9 @@ buffer until its copy has run, so the host tensor may change or be freed at once
 Build such metadata before a CUDA graph is captured (the core does: in ``prepare`` and a
 backend's ``build``, and a captured step runs once before its capture). A copy captured into a
 graph would read its pinned snapshot again at every replay, after the allocator may have
-handed that memory to someone else.
+handed that memory to someone else, so :func:`to_device` refuses to run while the current CUDA
+stream captures (:class:`~diffusion_kv.core.errors.StateError`; the blocking copy it replaced
+failed there too, with CUDA's own error).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from diffusion_kv.core.errors import StateError
 
 
 @functools.cache
@@ -33,10 +37,17 @@ def pinned_memory_available() -> bool:
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``. On an accelerator: a pinned snapshot copied without
     blocking the host (a blocking copy where pinned memory is unavailable). On the CPU: ``host``
-    itself, as ``Tensor.to`` returns it."""
+    itself, as ``Tensor.to`` returns it. Raises :class:`StateError` while the current CUDA stream
+    captures a graph (build the metadata before the capture)."""
     target = torch.device(device)
     if target.type == "cpu":
         return host.to(target)
+    if target.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise StateError(
+            "a host-to-device metadata copy was asked for while a CUDA graph is being captured: the "
+            "graph would re-read a transient host buffer at every replay; build per-batch metadata "
+            "(prepare, the backend's build, the first layer call) before the capture"
+        )
     if pinned_memory_available():
         return host.pin_memory().to(target, non_blocking=True)
     return host.to(target)

@@ -395,6 +395,27 @@ def test_a_layer_with_full_attention_spans_does_not_synchronise(
     assert torch.equal(out, plain)
 
 
+def test_a_metadata_copy_inside_a_graph_capture_is_refused() -> None:
+    """``core.transfer.to_device`` inside a CUDA graph capture raises StateError before it
+    copies anything (a captured copy would re-read a freed pinned buffer at every replay), and
+    the same copy outside a capture still lands its values."""
+    from diffusion_kv.core.errors import StateError
+    from diffusion_kv.core.transfer import to_device
+
+    host = torch.arange(7, dtype=torch.int32)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    refused = pytest.raises(StateError, match="CUDA graph is being captured")
+    with torch.cuda.stream(stream), refused, torch.cuda.graph(graph, stream=stream):
+        to_device(host, "cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    assert not torch.cuda.is_current_stream_capturing()
+    out = to_device(host, "cuda")
+    torch.cuda.synchronize()
+    assert out.device.type == "cuda" and out.cpu().tolist() == list(range(7))
+
+
 @pytest.mark.parametrize("backend", ["paged", "triton", "sdpa"])
 def test_install_and_remove_do_not_synchronise(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Installing, growing and removing rows publish tables and counts without a host sync
