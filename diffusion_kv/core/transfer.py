@@ -11,8 +11,8 @@ Build such metadata before a CUDA graph is captured (the core does: in ``prepare
 backend's ``build``, and a captured step runs once before its capture). A copy captured into a
 graph would read its pinned snapshot again at every replay, after the allocator may have
 handed that memory to someone else, so :func:`to_device` refuses to run while the current CUDA
-stream captures (:class:`~diffusion_kv.core.errors.StateError`; the blocking copy it replaced
-failed there too, with CUDA's own error).
+stream captures (:class:`~diffusion_kv.core.errors.StateError`; a blocking copy would fail
+there as well, with CUDA's own error).
 """
 
 from __future__ import annotations
