@@ -274,3 +274,23 @@ def test_to_device_on_the_host_returns_the_tensor_itself() -> None:
 
     host = torch.arange(5)
     assert to_device(host, "cpu") is host and to_device(host, torch.device("cpu")) is host
+
+
+def test_to_device_refuses_while_a_cuda_graph_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal comes before any copy or pinned allocation (checked here with the capture
+    query patched, so it runs without a GPU); the host tensor is left as it was."""
+    from diffusion_kv.core import transfer
+    from diffusion_kv.core.errors import StateError
+
+    def no_pinning() -> bool:
+        raise AssertionError("pinned memory was asked for during a capture")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(transfer, "pinned_memory_available", no_pinning)
+    host = torch.arange(4)
+    with pytest.raises(StateError, match="while a CUDA graph is being captured"):
+        transfer.to_device(host, "cuda")
+    with pytest.raises(StateError, match="while a CUDA graph is being captured"):
+        transfer.to_device(host, torch.device("cuda", 0))
+    assert host.tolist() == [0, 1, 2, 3]
+    assert transfer.to_device(host, "cpu") is host  # the host target never asks
