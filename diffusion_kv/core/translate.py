@@ -391,7 +391,7 @@ class Translator:
         dcp = dcp_cpu = None
         if bt.cp_size > 1:
             dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
-            dcp = dcp_cpu.to(self.device, non_blocking=True)
+            dcp = to_device(dcp_cpu, self.device)
         return CommonBatchMetadata(
             num_reqs=len(seq_cpu),
             num_tokens=int(qsl_cpu[-1]),
@@ -454,7 +454,7 @@ class Translator:
         dcp = dcp_cpu = None
         if bt.cp_size > 1:
             dcp_cpu = dcp_local_seq_lens(seq_cpu, bt.cp_size, bt.cp_rank, bt.cp_interleave)
-            dcp = dcp_cpu.to(self.device, non_blocking=True)
+            dcp = to_device(dcp_cpu, self.device)
         num_groups = len(self.layout.groups)
         common = CommonBatchMetadata(
             num_reqs=n,
