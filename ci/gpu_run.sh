@@ -9,7 +9,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
-mkdir -p "$OUT"
+# at most 8 files come back from a lent machine's $OUT: the set-up log, the bench stderr and the
+# host profiles go into one $OUT/profiles.tgz at the end
+mkdir -p "$OUT/profiles"
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -23,7 +25,7 @@ within() {
   if [ "$left" -lt 15 ]; then echo "[skipped, the call's time is spent] $*" >&2; return 124; fi
   timeout "$left" "$@"
 }
-bash ci/gpu_setup.sh > "$OUT/setup.log" 2>&1; el "setup rc=$?"; tail -1 "$OUT/setup.log"
+bash ci/gpu_setup.sh > "$OUT/profiles/setup.log" 2>&1; el "setup rc=$?"; tail -1 "$OUT/profiles/setup.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # pytest-xdist (when installed) spreads the suite's Triton compilation over the host's cores; -v
 # keeps a per-test record even when the time limit stops the run before the JUnit report is written
@@ -33,14 +35,13 @@ within ${DKV_TESTS_S:-200} python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p
     --junitxml="$OUT/gpu-junit.xml" > "$OUT/gpu-tests.log" 2>&1
 el "tests rc=$?"; grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/gpu-tests.log" | tail -12
 within ${DKV_BENCH_S:-100} python3 -m diffusion_kv.cli bench --sections host,e2e,stream \
-    --kv-cache-dtype fp8_e4m3 --json --output "$OUT/bench-e2e.json" --no-progress > /dev/null 2> "$OUT/bench-e2e.err"
+    --kv-cache-dtype fp8_e4m3 --json --output "$OUT/bench-e2e.json" --no-progress > /dev/null 2> "$OUT/profiles/bench-e2e.err"
 el "bench host,e2e,stream rc=$?"
 within ${DKV_BENCH_S:-100} python3 -m diffusion_kv.cli bench --sections attention --block-sizes 128 \
-    --kv-cache-dtype fp8_e4m3 --json --output "$OUT/bench-attn.json" --no-progress > /dev/null 2> "$OUT/bench-attn.err"
+    --kv-cache-dtype fp8_e4m3 --json --output "$OUT/bench-attn.json" --no-progress > /dev/null 2> "$OUT/profiles/bench-attn.err"
 el "bench attention rc=$?"
 within 30 python3 -m diffusion_kv.cli demo --no-progress > "$OUT/demo.txt" 2>&1; el "demo rc=$?"; cat "$OUT/demo.txt"
-# host profiles, packed in one file (what the prepare, eager and replay figures are made of)
-mkdir -p "$OUT/profiles"
+# host profiles, packed in one file with the logs above (what the prepare, eager and replay figures are made of)
 for rows in 2 64; do
   within 20 env PYTHONPATH=. python3 benchmarks/profile_prepare.py "$rows" 4096 > "$OUT/profiles/prepare-$rows.txt" 2>&1
 done
