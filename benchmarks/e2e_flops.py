@@ -77,9 +77,8 @@ def main() -> int:
     cfg = TinyDiTConfig(
         hidden=shape["hidden"], heads=shape["heads"], kv_heads=shape["kv_heads"], layers=shape["layers"]
     )
-    small = SMALL
     check_linear_count(
-        TinyDiTConfig(hidden=small["hidden"], heads=small["heads"], kv_heads=small["kv_heads"], layers=1), 16
+        TinyDiTConfig(hidden=SMALL["hidden"], heads=SMALL["heads"], kv_heads=SMALL["kv_heads"], layers=1), 16
     )
     rows = 2  # the bench's e2e shape: two CFG rows
     per_layer = step_flops(cfg, shape["prefix_len"], shape["target_len"], rows)

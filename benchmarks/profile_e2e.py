@@ -69,8 +69,10 @@ def main() -> int:
     pstats.Stats(prof2).sort_stats("cumulative").print_stats(45)
     if device.type == "cuda" or args.steady_json:
         split = {
-            "dense": _steady_kernels(lambda cb: run_dense(model, cfg, device, cb), acts, cfg.steps),
-            "paged": _steady_kernels(lambda cb: run_paged(model, cfg, platform, device, cb), acts, cfg.steps),
+            "dense": _steady_kernels(lambda cb: run_dense(model, cfg, device, cb), acts, cfg.steps, device),
+            "paged": _steady_kernels(
+                lambda cb: run_paged(model, cfg, platform, device, cb), acts, cfg.steps, device
+            ),
         }
         for name, res in split.items():
             print(
@@ -109,12 +111,14 @@ def _category(name: str) -> str:
 
 
 def _steady_kernels(
-    run: Callable[[Callable[[str, int, int], None]], Any], acts: list[Any], steps: int
+    run: Callable[[Callable[[str, int, int], None]], Any], acts: list[Any], steps: int, device: torch.device
 ) -> dict[str, Any]:
     """The CUDA kernels of steps 4..steps (after the paged run's capture at step 3), per step
     (on a CPU, every profiled op, nested ones too: a check of the plumbing, not a split)."""
     first = 4
-    cuda = torch.cuda.is_available()
+    if steps < first:
+        raise SystemExit(f"the steady split needs at least {first} steps; the shape has {steps}")
+    cuda = device.type == "cuda"
     kind = "CUDA" if cuda else "CPU"
     prof = profile(activities=acts)
 
